@@ -1,0 +1,79 @@
+"""interp-engine: one API for mechanistic interpretability on eager PyTorch and inside vLLM.
+
+from interp_engine import Address, load_model, run_with_cache
+
+model = load_model("path/or/hub-id", backend="eager")
+cache = run_with_cache(model, model.to_tokens("Hello"), ["resid_post.5"])
+"""
+
+from ._address import KINDS, Address, KindInfo, LayerTypeError
+from ._api import capture_attention, capture_generation, generate_stream, run_with_cache
+from ._cache import Cache
+from ._errors import (
+    BackendError,
+    BackendNotFound,
+    ContextTooLong,
+    ForeignEventLoop,
+    InterpError,
+    InvalidActivations,
+    InvalidAddress,
+    InvalidOption,
+    InvalidSteering,
+    InvalidTokens,
+    LayerOutOfRange,
+    ModelClosed,
+    ModelLoadError,
+    RunningLoopError,
+    StaticConfigError,
+    UnknownKind,
+    UnsupportedAddress,
+    UnsupportedArchitecture,
+)
+from ._plugins import installed_backends, load_model
+from ._protocol import Completion, InterpModel, ModelInfo, StreamStep
+from ._steering import SteeringSpec, Write
+from ._sync import SyncModel, sync_model
+from .hookspecs import hookimpl
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "KINDS",
+    "Address",
+    "BackendError",
+    "BackendNotFound",
+    "Cache",
+    "Completion",
+    "ContextTooLong",
+    "ForeignEventLoop",
+    "InterpError",
+    "InterpModel",
+    "InvalidActivations",
+    "InvalidAddress",
+    "InvalidOption",
+    "InvalidSteering",
+    "InvalidTokens",
+    "KindInfo",
+    "LayerOutOfRange",
+    "LayerTypeError",
+    "ModelClosed",
+    "ModelLoadError",
+    "ModelInfo",
+    "RunningLoopError",
+    "StaticConfigError",
+    "SteeringSpec",
+    "StreamStep",
+    "SyncModel",
+    "UnknownKind",
+    "UnsupportedAddress",
+    "UnsupportedArchitecture",
+    "Write",
+    "capture_attention",
+    "capture_generation",
+    "generate_stream",
+    "hookimpl",
+    "installed_backends",
+    "load_model",
+    "run_with_cache",
+    "sync_model",
+]

@@ -1,0 +1,149 @@
+"""The sync free functions: one screen each, delegating to the model through its facade."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from ._address import Address
+from ._cache import Cache
+from ._errors import InvalidTokens
+from ._protocol import Activations, Completion, InterpModel, Points, StreamStep
+from ._steering import SteeringSpec
+from ._sync import SyncModel, sync_model
+
+Tokens = str | Sequence[str] | torch.Tensor | Sequence[int] | Sequence[Sequence[int]]
+
+
+def token_rows(model: InterpModel, tokens: Tokens) -> list[list[int]]:
+    """Normalise any token input into one list of ids per prompt.
+
+    Accepts a text, a list of texts (each tokenized alone), ids ``[n]`` or ``[batch, n]`` as a
+    tensor, a list of ids, or a list of id lists (rows may differ in length).
+    """
+    if isinstance(tokens, str):
+        return [model.to_tokens(tokens)[0].tolist()]
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dim() == 1:
+            return [tokens.tolist()]
+        if tokens.dim() == 2:
+            return [row.tolist() for row in tokens]
+        raise InvalidTokens(f"token ids are [n] or [batch, n], got a tensor of shape {list(tokens.shape)}")
+    items: list[Any] = list(tokens)
+    if not items:
+        raise InvalidTokens("no tokens given: pass a text, a list of token ids or a [batch, n] tensor")
+    if all(isinstance(t, str) for t in items):
+        return [model.to_tokens(t)[0].tolist() for t in items]
+    if all(isinstance(t, int) for t in items):
+        return [[int(t) for t in items]]
+    if all(isinstance(t, (list, tuple, torch.Tensor)) for t in items):
+        return [[int(i) for i in row] for row in items]
+    raise InvalidTokens("tokens must be a text, a list of texts, a list of ids or a list of id lists")
+
+
+def pad_rows(rows: Sequence[Activations], lengths: Sequence[int]) -> dict[Address, torch.Tensor]:
+    """Stack per-prompt activations into batched tensors, right-padding with zeros."""
+    longest = max(lengths)
+    out: dict[Address, torch.Tensor] = {}
+    for address in rows[0]:
+        padded = []
+        for row in rows:
+            value = row[address]
+            if address.kind == "attn_pattern":  # [heads, q, k]
+                pad = (0, longest - value.shape[2], 0, longest - value.shape[1])
+            else:  # [n, width]
+                pad = (0, 0, 0, longest - value.shape[0])
+            padded.append(torch.nn.functional.pad(value, pad))
+        out[address] = torch.stack(padded)
+    return out
+
+
+async def capture_rows(
+    model: InterpModel, rows: list[list[int]], points: Points, steering_spec: SteeringSpec | None
+) -> dict[Address, torch.Tensor]:
+    """Batched activations for several prompts: the model's own batch path if it has one,
+    else one ``capture`` per prompt, gathered concurrently and padded."""
+    points = list(points)
+    batch = getattr(model, "capture_batch", None)
+    if batch is not None:
+        result: dict[Address, torch.Tensor] = await batch(rows, points, steering_spec=steering_spec)
+        return result
+    per_row = await asyncio.gather(*(model.capture(r, points, steering_spec=steering_spec) for r in rows))
+    return pad_rows(per_row, [len(r) for r in rows])
+
+
+def _facade(model: InterpModel | SyncModel) -> SyncModel:
+    return sync_model(model)
+
+
+def _lengths(rows: list[list[int]]) -> torch.Tensor:
+    return torch.tensor([len(r) for r in rows])
+
+
+def run_with_cache(
+    model: InterpModel | SyncModel,
+    tokens: Tokens,
+    points: Points,
+    *,
+    steering_spec: SteeringSpec | None = None,
+) -> Cache:
+    """Activations at ``points`` for one prompt or a batch, as a :class:`Cache` ``[batch, pos, width]``."""
+    facade = _facade(model)
+    rows = token_rows(facade.model, tokens)
+    points = list(points)
+    values = facade.run(lambda: capture_rows(facade.model, rows, points, steering_spec))
+    return Cache(values, lengths=_lengths(rows))
+
+
+def capture_attention(model: InterpModel | SyncModel, tokens: Tokens, layers: Iterable[int]) -> Cache:
+    """Attention probabilities of ``layers`` as a :class:`Cache` of ``[batch, heads, q, k]``."""
+    points = [Address("attn_pattern", layer) for layer in layers]
+    return run_with_cache(model, tokens, points)
+
+
+def _one_prompt(model: InterpModel, tokens: Tokens, what: str) -> list[int]:
+    rows = token_rows(model, tokens)
+    if len(rows) != 1:
+        raise InvalidTokens(
+            f"{what} takes one prompt, got {len(rows)}; call it once per prompt "
+            f"(or asyncio.gather the model's async method)"
+        )
+    return rows[0]
+
+
+def capture_generation(
+    model: InterpModel | SyncModel,
+    tokens: Tokens,
+    points: Points,
+    *,
+    max_tokens: int,
+    steering_spec: SteeringSpec | None = None,
+    **sampling: Any,
+) -> tuple[Completion, Cache]:
+    """Generate from one prompt and return the completion with activations over prompt +
+    generated tokens as a :class:`Cache` ``[1, pos, width]``."""
+    facade = _facade(model)
+    row = _one_prompt(facade.model, tokens, "capture_generation")
+    completion, acts = facade.capture_generation(
+        row, points, max_tokens=max_tokens, steering_spec=steering_spec, **sampling
+    )
+    n = len(row) + len(completion.token_ids)
+    return completion, Cache({a: t.unsqueeze(0) for a, t in acts.items()}, lengths=torch.tensor([n]))
+
+
+def generate_stream(
+    model: InterpModel | SyncModel,
+    tokens: Tokens,
+    *,
+    max_tokens: int,
+    n_logprobs: int = 0,
+    steering_spec: SteeringSpec | None = None,
+    **sampling: Any,
+) -> Iterator[StreamStep]:
+    """Generated steps of one prompt, each with its top-``n_logprobs`` (token, logprob) pairs."""
+    facade = _facade(model)
+    row = _one_prompt(facade.model, tokens, "generate_stream")
+    return facade.stream(row, max_tokens=max_tokens, n_logprobs=n_logprobs, steering_spec=steering_spec, **sampling)

@@ -1,0 +1,110 @@
+"""The errors interp-engine raises.
+
+Every error is an :class:`InterpError` and also the builtin a Python user would catch::
+
+    InterpError
+    ├── InvalidAddress (ValueError)          bad address: .address, .valid
+    │   ├── UnknownKind                      kind not in the vocabulary
+    │   ├── LayerOutOfRange                  layer outside [-n_layers, n_layers)
+    │   └── UnsupportedAddress               valid address the backend/model cannot serve
+    ├── InvalidTokens (ValueError)           empty, out-of-vocabulary or too-long input
+    │   └── ContextTooLong                   longer than the model's context window
+    ├── InvalidSteering (ValueError)         bad SteeringSpec / Write (width, NaN, shape, op)
+    ├── InvalidActivations (ValueError)      activations of the wrong width or type to decode
+    ├── InvalidOption (TypeError)            an argument the backend does not know
+    ├── UnsupportedArchitecture (ValueError) no adapter for this model family
+    ├── ModelLoadError (OSError)             the weights, config or tokenizer could not be read
+    ├── BackendNotFound (LookupError)        no installed backend of that name
+    ├── ModelClosed (RuntimeError)           the model was shut down
+    ├── ForeignEventLoop (RuntimeError)      awaited from a loop other than the engine's
+    ├── RunningLoopError (RuntimeError)      a sync call made from inside a running event loop
+    ├── StaticConfigError (RuntimeError)     configure_static after the engine is built
+    └── BackendError (RuntimeError)          the backend failed to serve a valid request
+
+Errors carry context as attributes (``.address``, ``.valid``) so callers need not parse messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+class InterpError(Exception):
+    """Root of every error raised by interp-engine."""
+
+
+class InvalidAddress(InterpError, ValueError):
+    """An address that is not valid for this model.
+
+    ``address`` is what was asked for; ``valid`` describes what would have been accepted.
+    """
+
+    def __init__(self, message: str, *, address: Any = None, valid: Sequence[str] | str = ()) -> None:
+        super().__init__(message)
+        self.address = address
+        self.valid = valid
+
+
+class UnknownKind(InvalidAddress):
+    """The address kind is not in the vocabulary."""
+
+
+class LayerOutOfRange(InvalidAddress):
+    """The layer index is outside ``[-n_layers, n_layers)``."""
+
+
+class UnsupportedAddress(InvalidAddress):
+    """A valid address that this backend or model family cannot serve (or write to)."""
+
+
+class InvalidTokens(InterpError, ValueError):
+    """Token ids that cannot be run: empty, negative, ``>= vocab``, or the wrong shape."""
+
+
+class ContextTooLong(InvalidTokens):
+    """The sequence is longer than the model's context window."""
+
+
+class InvalidSteering(InterpError, ValueError):
+    """A steering spec or write that cannot be applied to this model or request."""
+
+
+class InvalidActivations(InterpError, ValueError):
+    """Activations that cannot be decoded: wrong width, not a tensor, not finite."""
+
+
+class InvalidOption(InterpError, TypeError):
+    """An argument the backend does not understand (never silently dropped)."""
+
+
+class UnsupportedArchitecture(InterpError, ValueError):
+    """The model's architecture has no adapter in this backend."""
+
+
+class ModelLoadError(InterpError, OSError):
+    """The model's config, weights or tokenizer could not be found or read."""
+
+
+class BackendNotFound(InterpError, LookupError):
+    """No installed backend answers to the requested name."""
+
+
+class ModelClosed(InterpError, RuntimeError):
+    """The model has been shut down; load a new one."""
+
+
+class ForeignEventLoop(InterpError, RuntimeError):
+    """The model was awaited from an event loop other than the one that built its engine."""
+
+
+class RunningLoopError(InterpError, RuntimeError):
+    """A synchronous call was made from inside a running event loop, where it would deadlock."""
+
+
+class StaticConfigError(InterpError, RuntimeError):
+    """A static tap set was changed after the engine that compiled it was built."""
+
+
+class BackendError(InterpError, RuntimeError):
+    """The backend failed while serving a request that passed validation."""

@@ -1,0 +1,82 @@
+"""Backend discovery and ``load_model``."""
+
+from __future__ import annotations
+
+import os
+import threading
+from importlib.metadata import entry_points
+from typing import Any
+
+import pluggy
+
+from . import hookspecs
+from ._errors import BackendNotFound
+from ._protocol import InterpModel
+
+ENV_BACKEND = "INTERP_ENGINE_BACKEND"
+"""Backend used by ``load_model`` when ``backend=`` is not given (default ``eager``)."""
+ENV_ALLOWED = "INTERP_ENGINE_BACKENDS"
+"""Comma-separated entry-point names: when set, only these backend plugins are loaded."""
+
+_DISTRIBUTIONS = {
+    "eager": "interp-eager",
+    "vllm": "interp-vllm (with the extra [cuda] or [cpu])",
+    "vllm-static": "interp-vllm (with the extra [cuda] or [cpu])",
+}
+
+_lock = threading.Lock()
+_manager: pluggy.PluginManager | None = None
+_broken: dict[str, str] = {}
+
+
+def plugin_manager() -> pluggy.PluginManager:
+    """The process-wide plugin manager, with every installed backend loaded (once)."""
+    global _manager
+    with _lock:
+        if _manager is None:
+            manager = pluggy.PluginManager(hookspecs.PROJECT)
+            manager.add_hookspecs(hookspecs)
+            allowed = os.environ.get(ENV_ALLOWED)
+            wanted = {n.strip() for n in allowed.split(",") if n.strip()} if allowed else None
+            for ep in entry_points(group=hookspecs.ENTRY_POINT_GROUP):
+                if wanted is not None and ep.name not in wanted:
+                    continue
+                try:
+                    manager.load_setuptools_entrypoints(hookspecs.ENTRY_POINT_GROUP, name=ep.name)
+                except Exception as exc:  # a broken plugin must not hide the others
+                    _broken[ep.name] = f"{type(exc).__name__}: {exc}"
+            _manager = manager
+        return _manager
+
+
+def installed_backends() -> list[str]:
+    """The names of every backend the installed plugins serve, sorted."""
+    names = plugin_manager().hook.interp_engine_backends()
+    return sorted({name for group in names for name in group})
+
+
+def load_model(name_or_path: str | os.PathLike[str], backend: str | None = None, **kwargs: Any) -> InterpModel:
+    """Load a model on a backend chosen by name.
+
+    ``backend`` defaults to ``$INTERP_ENGINE_BACKEND``, else ``"eager"``. Extra keyword
+    arguments go to the backend (``dtype``/``device`` for eager, engine arguments for vLLM);
+    an argument the backend does not know raises ``InvalidOption``.
+    """
+    chosen = backend or os.environ.get(ENV_BACKEND) or "eager"
+    available = installed_backends()
+    if chosen not in available:
+        install = _DISTRIBUTIONS.get(chosen, "a package that registers it in the 'interp_engine.backends' entry points")
+        message = (
+            f"no installed backend is named {chosen!r}; install {install}. "
+            f"Installed backends: {', '.join(available) or 'none'}"
+        )
+        if _broken:
+            failed = "; ".join(f"{name} ({why})" for name, why in sorted(_broken.items()))
+            message += f". These backend plugins failed to load: {failed}"
+        raise BackendNotFound(message)
+    model: InterpModel | None = plugin_manager().hook.interp_engine_load_model(
+        backend=chosen, name_or_path=os.fspath(name_or_path), options=dict(kwargs)
+    )
+    if model is None:
+        raise BackendNotFound(f"the plugins listing backend {chosen!r} did not load a model for it")
+    return model

@@ -1,0 +1,126 @@
+"""The async model protocol every backend implements, and the values it returns."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from ._address import Address, AddressLike
+from ._steering import SteeringSpec
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Shapes and names of a loaded model, read from its config."""
+
+    architecture: str
+    n_layers: int
+    d_model: int
+    d_mlp: int
+    n_heads: int
+    n_kv_heads: int
+    vocab_size: int
+    n_ctx: int
+    parallel_attn: bool = False
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A finished generation: the generated ids only (no prompt) and their text."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str = "length"
+    """``"length"`` when ``max_tokens`` was reached, ``"stop"`` at an end-of-sequence token."""
+
+
+@dataclass(frozen=True)
+class StreamStep:
+    """One generated token: its id, its text piece and the top-n ``(token_id, logprob)`` pairs."""
+
+    token_id: int
+    text: str
+    logprobs: list[tuple[int, float]] = field(default_factory=list)
+
+
+Points = Iterable[AddressLike]
+Activations = dict[Address, torch.Tensor]
+
+
+@runtime_checkable
+class InterpModel(Protocol):
+    """What every backend's model offers (SPEC §5). Everything that computes is async.
+
+    Results from :meth:`capture` are plain dicts keyed by :class:`Address`, without a batch
+    axis (``[n_tokens, width]``; attention ``[heads, q, k]``), float32 on the CPU.
+    """
+
+    backend: str
+    info: ModelInfo
+
+    def to_tokens(self, text: str | Sequence[str]) -> torch.Tensor:
+        """Token ids ``[1, n]`` (a list of texts: ``[batch, n_max]``, right-padded)."""
+        ...
+
+    def to_string(self, tokens: Any) -> str | list[str]:
+        """Text of ids (a 2-D input gives one string per row)."""
+        ...
+
+    def to_str_tokens(self, tokens: Any) -> list[str]:
+        """One string per token, of a text or of ids."""
+        ...
+
+    async def warmup(self) -> None:
+        """Build the engine now, on the running loop."""
+        ...
+
+    async def capture(
+        self, token_ids: Sequence[int], points: Points, *, steering_spec: SteeringSpec | None = None
+    ) -> Activations:
+        """Activations at ``points`` over the prompt tokens."""
+        ...
+
+    async def generate(self, token_ids: Sequence[int], *, max_tokens: int, **sampling: Any) -> Completion:
+        """Greedy completion unless sampling parameters are given."""
+        ...
+
+    async def capture_generation(
+        self,
+        token_ids: Sequence[int],
+        points: Points,
+        *,
+        max_tokens: int,
+        steering_spec: SteeringSpec | None = None,
+        **sampling: Any,
+    ) -> tuple[Completion, Activations]:
+        """A completion and activations over prompt + every generated token."""
+        ...
+
+    def stream(
+        self,
+        token_ids: Sequence[int],
+        *,
+        max_tokens: int,
+        n_logprobs: int = 0,
+        steering_spec: SteeringSpec | None = None,
+        **sampling: Any,
+    ) -> AsyncIterator[StreamStep]:
+        """Generated tokens one at a time, each with its top-n logprobs."""
+        ...
+
+    async def capture_attention(self, token_ids: Sequence[int], layers: Iterable[int]) -> Activations:
+        """Attention probabilities ``[heads, q, k]`` keyed by ``Address("attn_pattern", L)``."""
+        ...
+
+    async def decode_residuals(
+        self, acts: torch.Tensor | Mapping[Address, torch.Tensor]
+    ) -> torch.Tensor | dict[Address, torch.Tensor]:
+        """Final norm + unembedding of residual-stream vectors (the logit lens)."""
+        ...
+
+    async def shutdown(self) -> None:
+        """Release the model; idempotent, callable from any loop or thread."""
+        ...

@@ -1,0 +1,181 @@
+"""The sync facade: every async method of a model, minus the ``await``.
+
+One background event loop per model runs the model's coroutines, so a vLLM engine built
+through the facade belongs to that loop. Calls from several threads are safe; a call from
+inside a running event loop is refused instead of deadlocking.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
+
+import torch
+
+from ._address import Address
+from ._errors import ModelClosed, RunningLoopError
+from ._protocol import Activations, Completion, InterpModel, Points, StreamStep
+from ._steering import SteeringSpec
+
+T = TypeVar("T")
+
+_facades: weakref.WeakKeyDictionary[Any, SyncModel] = weakref.WeakKeyDictionary()
+_facades_lock = threading.Lock()
+
+
+def refuse_inside_running_loop(what: str) -> None:
+    """Raise ``RunningLoopError`` if the calling thread is running an event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    raise RunningLoopError(
+        f"{what} is synchronous and was called from inside a running event loop, where it would "
+        "block that loop (and deadlock if the model lives on it); await the model's async method "
+        "instead, e.g. `await model.capture(...)`"
+    )
+
+
+class SyncModel:
+    """A blocking mirror of an async model, driving it on one background event loop."""
+
+    def __init__(self, model: InterpModel) -> None:
+        self.model = model
+        self._loop = asyncio.new_event_loop()
+        self._closed = False
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name=f"interp-sync-{getattr(model, 'backend', 'model')}", daemon=True
+        )
+        self._thread.start()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<SyncModel {state} over {self.model!r}>"
+
+    # -- plumbing -------------------------------------------------------------------------
+    def run(self, make: Callable[[], Awaitable[T]]) -> T:
+        """Run the awaitable ``make()`` on this facade's loop and wait for its result."""
+        refuse_inside_running_loop("this sync model call")
+        if self._closed:
+            raise ModelClosed("this sync model was shut down; load a new model")
+
+        async def call() -> T:
+            return await make()
+
+        future = asyncio.run_coroutine_threadsafe(call(), self._loop)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        # Anything the protocol does not name (backend extras) passes through; coroutine
+        # methods are run on the loop.
+        attr = getattr(self.model, name)
+        if asyncio.iscoroutinefunction(attr):
+
+            def call(*args: Any, **kwargs: Any) -> Any:
+                return self.run(lambda: attr(*args, **kwargs))
+
+            return call
+        return attr
+
+    # -- sync pass-through ---------------------------------------------------------------
+    def to_tokens(self, text: str | Sequence[str]) -> torch.Tensor:
+        return self.model.to_tokens(text)
+
+    def to_string(self, tokens: Any) -> str | list[str]:
+        return self.model.to_string(tokens)
+
+    def to_str_tokens(self, tokens: Any) -> list[str]:
+        return self.model.to_str_tokens(tokens)
+
+    # -- the async protocol, blocking ----------------------------------------------------
+    def warmup(self) -> None:
+        self.run(self.model.warmup)
+
+    def capture(
+        self, token_ids: Sequence[int], points: Points, *, steering_spec: SteeringSpec | None = None
+    ) -> Activations:
+        return self.run(lambda: self.model.capture(token_ids, points, steering_spec=steering_spec))
+
+    def generate(self, token_ids: Sequence[int], *, max_tokens: int, **sampling: Any) -> Completion:
+        return self.run(lambda: self.model.generate(token_ids, max_tokens=max_tokens, **sampling))
+
+    def capture_generation(
+        self,
+        token_ids: Sequence[int],
+        points: Points,
+        *,
+        max_tokens: int,
+        steering_spec: SteeringSpec | None = None,
+        **sampling: Any,
+    ) -> tuple[Completion, Activations]:
+        return self.run(
+            lambda: self.model.capture_generation(
+                token_ids, points, max_tokens=max_tokens, steering_spec=steering_spec, **sampling
+            )
+        )
+
+    def capture_attention(self, token_ids: Sequence[int], layers: Sequence[int]) -> Activations:
+        return self.run(lambda: self.model.capture_attention(token_ids, layers))
+
+    def decode_residuals(
+        self, acts: torch.Tensor | Mapping[Address, torch.Tensor]
+    ) -> torch.Tensor | dict[Address, torch.Tensor]:
+        return self.run(lambda: self.model.decode_residuals(acts))
+
+    def stream(
+        self,
+        token_ids: Sequence[int],
+        *,
+        max_tokens: int,
+        n_logprobs: int = 0,
+        steering_spec: SteeringSpec | None = None,
+        **sampling: Any,
+    ) -> Iterator[StreamStep]:
+        """Generated steps as a plain iterator (each step is produced on the background loop)."""
+        refuse_inside_running_loop("this sync model call")
+        steps: AsyncIterator[StreamStep] = self.model.stream(
+            token_ids, max_tokens=max_tokens, n_logprobs=n_logprobs, steering_spec=steering_spec, **sampling
+        )
+        finished = False
+        try:
+            while True:
+                try:
+                    step = self.run(lambda: anext(steps))
+                except StopAsyncIteration:
+                    finished = True
+                    return
+                yield step
+        finally:
+            close = getattr(steps, "aclose", None)
+            if not finished and close is not None and not self._closed:
+                self.run(close)
+
+    def shutdown(self) -> None:
+        """Shut the model down, then stop the background loop. Idempotent."""
+        if self._closed:
+            return
+        self.run(self.model.shutdown)
+        self._closed = True
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=10)
+
+
+def sync_model(model: InterpModel | SyncModel) -> SyncModel:
+    """The blocking facade of ``model``; the same object every time for the same model."""
+    if isinstance(model, SyncModel):
+        return model
+    refuse_inside_running_loop("sync_model()")
+    with _facades_lock:
+        facade = _facades.get(model)
+        if facade is None:
+            facade = SyncModel(model)
+            _facades[model] = facade
+        return facade

@@ -1,0 +1,137 @@
+"""Input checks every backend shares, so each one rejects bad input the same way, before compute.
+
+Backend authors call these at the top of each request; they raise the core's typed errors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Sequence
+from typing import Any
+
+import torch
+
+from ._address import KINDS, Address, AddressLike, as_address
+from ._errors import ContextTooLong, InvalidSteering, InvalidTokens, UnsupportedAddress
+from ._protocol import ModelInfo
+from ._steering import SteeringSpec, Write
+
+
+def check_token_ids(token_ids: Any, info: ModelInfo, *, extra: int = 0) -> list[int]:
+    """A validated list of ids: non-empty, in ``[0, vocab)``, and with ``extra`` more tokens
+    (to be generated) still inside the context window."""
+    if isinstance(token_ids, torch.Tensor):
+        if token_ids.dim() == 2 and token_ids.shape[0] == 1:
+            token_ids = token_ids[0]
+        if token_ids.dim() != 1:
+            raise InvalidTokens(f"token ids are one sequence [n], got shape {list(token_ids.shape)}")
+        token_ids = token_ids.tolist()
+    if isinstance(token_ids, (str, bytes)):
+        raise InvalidTokens("expected token ids, got a string; use model.to_tokens(text)[0].tolist()")
+    try:
+        ids = list(token_ids)
+    except TypeError:
+        raise InvalidTokens(f"token ids must be a list of ints, got {type(token_ids).__name__}") from None
+    if not ids:
+        raise InvalidTokens("the token list is empty; a request needs at least one token")
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise InvalidTokens("token ids must all be ints")
+    bad = [t for t in ids if not 0 <= t < info.vocab_size]
+    if bad:
+        raise InvalidTokens(f"token id {bad[0]} is outside the vocabulary [0, {info.vocab_size}) ({len(bad)} such ids)")
+    if len(ids) + extra > info.n_ctx:
+        more = f" plus {extra} to generate" if extra else ""
+        raise ContextTooLong(f"{len(ids)} prompt tokens{more} exceed the model's context of {info.n_ctx} tokens")
+    return ids
+
+
+def check_max_tokens(max_tokens: Any) -> int:
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise InvalidTokens(f"max_tokens must be a positive int, got {max_tokens!r}")
+    return max_tokens
+
+
+def resolve_points(
+    points: Iterable[AddressLike], info: ModelInfo, supported: Collection[str] = tuple(KINDS)
+) -> list[Address]:
+    """Addresses with negative layers made absolute, checked against the model, in request
+    order and without repeats. A kind outside ``supported`` raises ``UnsupportedAddress``."""
+    if isinstance(points, (str, Address)):
+        points = [points]
+    resolved: dict[Address, None] = {}
+    for point in points:
+        address = as_address(point).resolve(info.n_layers)
+        if address.kind not in supported:
+            raise UnsupportedAddress(
+                f"{address} cannot be served here; supported kinds: {', '.join(supported)}",
+                address=address,
+                valid=tuple(supported),
+            )
+        resolved[address] = None
+    if not resolved:
+        raise UnsupportedAddress("no capture points given", address=None, valid=tuple(supported))
+    return list(resolved)
+
+
+def width_of(address: Address, info: ModelInfo) -> int:
+    """The activation width at a residual-type or neuron address."""
+    return info.d_mlp if address.info.width == "d_mlp" else info.d_model
+
+
+def check_spec(spec: SteeringSpec | None, info: ModelInfo, writable: Collection[str] | None = None) -> list[Write]:
+    """The spec's writes with resolved addresses, each width checked against the model."""
+    if spec is None:
+        return []
+    if not isinstance(spec, SteeringSpec):
+        raise InvalidSteering(f"steering_spec must be a SteeringSpec, got {type(spec).__name__}")
+    writes = []
+    for write in spec.writes:
+        address = write.address.resolve(info.n_layers)
+        if writable is not None and address.kind not in writable:
+            raise UnsupportedAddress(
+                f"cannot write at {address} here; writable kinds: {', '.join(writable)}",
+                address=address,
+                valid=tuple(writable),
+            )
+        expected = width_of(address, info)
+        if write.width != expected:
+            raise InvalidSteering(
+                f"the vector for {address} has width {write.width}, but {address.kind} is {expected} wide in this model"
+            )
+        writes.append(Write(address, write.vector, op=write.op, scale=write.scale, positions=write.positions))
+    return writes
+
+
+def write_positions(write: Write, n_prompt: int, n_total: int) -> list[int]:
+    """The sequence indices ``write`` touches in a sequence of ``n_total`` tokens whose first
+    ``n_prompt`` are the prompt (explicit negative indices count back from the prompt's end)."""
+    if write.positions == "all":
+        return list(range(n_total))
+    if write.positions == "prompt":
+        return list(range(min(n_prompt, n_total)))
+    if write.positions == "generated":
+        return list(range(n_prompt, n_total))
+    out = []
+    for index in write.positions:
+        absolute = index + n_prompt if index < 0 else index
+        if absolute < 0:
+            raise InvalidSteering(f"position {index} is before the start of a {n_prompt}-token prompt")
+        out.append(absolute)
+    return out
+
+
+def check_write_shapes(writes: Sequence[Write], n_prompt: int, n_total: int) -> None:
+    """Check explicit positions fit the sequence and per-position tensors have one row per
+    selected position, before any compute."""
+    for write in writes:
+        positions = write_positions(write, n_prompt, n_total)
+        late = [p for p in positions if p >= n_total]
+        if late:
+            raise InvalidSteering(
+                f"position {late[0]} of the write at {write.address} is beyond the {n_total}-token sequence"
+            )
+        if write.vector.dim() == 2 and write.vector.shape[0] != len(positions):
+            raise InvalidSteering(
+                f"the {write.op} tensor for {write.address} has {write.vector.shape[0]} rows but "
+                f"selects {len(positions)} positions ({write.positions!r}); give one row per "
+                "position or a single [width] vector"
+            )

@@ -1,0 +1,521 @@
+"""The eager backend's model: HF ``transformers`` + PyTorch hooks, behind the async protocol."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import os
+import threading
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import torch
+from interp_engine import (
+    Address,
+    Completion,
+    InvalidActivations,
+    InvalidOption,
+    ModelClosed,
+    ModelInfo,
+    ModelLoadError,
+    SteeringSpec,
+    StreamStep,
+    UnsupportedAddress,
+    Write,
+)
+from interp_engine.validation import (
+    check_max_tokens,
+    check_spec,
+    check_token_ids,
+    check_write_shapes,
+    resolve_points,
+)
+from torch import nn
+
+from ._families import family_for
+from ._generate import Sampling, top_logprobs
+from ._plan import Architecture, Chunk, Plan
+
+T = TypeVar("T")
+
+LOAD_OPTIONS = ("attn_implementation", "device", "dtype", "revision", "tokenizer", "trust_remote_code")
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float64": torch.float64,
+}
+_LOGITS = Address("logits")
+
+
+def _dtype(value: Any) -> torch.dtype | str:
+    if isinstance(value, torch.dtype) or value == "auto":
+        return value  # type: ignore[no-any-return]
+    if isinstance(value, str) and value in _DTYPES:
+        return _DTYPES[value]
+    raise InvalidOption(f"unknown dtype {value!r}; use a torch.dtype, 'auto' or one of {', '.join(_DTYPES)}")
+
+
+def load(name_or_path: str, options: dict[str, Any]) -> EagerModel:
+    """Load an HF causal LM and its tokenizer by hub id or local path."""
+    unknown = sorted(set(options) - set(LOAD_OPTIONS))
+    if unknown:
+        raise InvalidOption(
+            f"the eager backend does not take {', '.join(unknown)}; valid options: {', '.join(LOAD_OPTIONS)}"
+        )
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    trust = bool(options.get("trust_remote_code", False))
+    revision = options.get("revision")
+    try:
+        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust, revision=revision)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read a model config from {name_or_path!r}: {exc}") from exc
+    family_for(config)  # an unsupported architecture fails before any weights load
+    kwargs: dict[str, Any] = {"dtype": _dtype(options.get("dtype", "float32")), "revision": revision}
+    if options.get("attn_implementation"):
+        kwargs["attn_implementation"] = options["attn_implementation"]
+    try:
+        hf_model: Any = AutoModelForCausalLM.from_pretrained(name_or_path, trust_remote_code=trust, **kwargs)
+        tokenizer_source = options.get("tokenizer") or name_or_path
+        tokenizer = (
+            AutoTokenizer.from_pretrained(tokenizer_source, trust_remote_code=trust, revision=revision)
+            if isinstance(tokenizer_source, (str, os.PathLike))
+            else tokenizer_source
+        )
+    except OSError as exc:
+        raise ModelLoadError(f"cannot load the model or tokenizer from {name_or_path!r}: {exc}") from exc
+    device = options.get("device")
+    if device is not None:
+        try:
+            hf_model.to(device=torch.device(device))
+        except (RuntimeError, AssertionError) as exc:
+            raise InvalidOption(f"cannot place the model on device {device!r}: {exc}") from exc
+    return EagerModel(hf_model, tokenizer)
+
+
+def _ctx_length(config: Any, tokenizer: Any) -> int:
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    limit = getattr(tokenizer, "model_max_length", None)
+    return limit if isinstance(limit, int) and 0 < limit < 10**9 else 2**31 - 1
+
+
+def _in_width(module: nn.Module) -> int:
+    if isinstance(module, nn.Linear):
+        return module.in_features
+    weight = getattr(module, "weight", None)  # GPT-2's Conv1D stores [in, out]
+    if isinstance(weight, torch.Tensor):
+        return int(weight.shape[0])
+    raise UnsupportedAddress("cannot read the MLP width of this model", address="mlp_post")
+
+
+class EagerModel:
+    """A HuggingFace causal LM served through the interp-engine async protocol.
+
+    Forwards run on a worker thread (the event loop stays free) one at a time, each with only
+    its own request's hooks installed, so concurrent calls never see each other's captures or
+    steering. Build one with ``load_model(path, backend="eager")`` or :meth:`from_hf`.
+    """
+
+    backend = "eager"
+
+    def __init__(self, hf_model: nn.Module, tokenizer: Any) -> None:
+        self._hf: nn.Module | None = hf_model.eval()
+        self.tokenizer = tokenizer
+        config: Any = hf_model.config
+        self.family = family_for(config)
+        self.arch = Architecture(hf_model, self.family)
+        embed = hf_model.get_input_embeddings()  # type: ignore[operator]
+        n_heads = int(config.num_attention_heads)
+        self.info = ModelInfo(
+            architecture=str(config.model_type),
+            n_layers=len(self.arch.layers),
+            d_model=int(config.hidden_size),
+            d_mlp=_in_width(self.arch.layer_module(0, self.family.mlp_down)),
+            n_heads=n_heads,
+            n_kv_heads=int(getattr(config, "num_key_value_heads", None) or n_heads),
+            vocab_size=int(embed.num_embeddings),
+            n_ctx=_ctx_length(config, tokenizer),
+            parallel_attn=self.arch.parallel,
+        )
+        parameters = inspect.signature(hf_model.forward).parameters
+        self._cache_arg = "past_key_values" if "past_key_values" in parameters else "cache"
+        self._can_trim_logits = "logits_to_keep" in parameters
+        eos = getattr(getattr(hf_model, "generation_config", None), "eos_token_id", None)
+        if eos is None:
+            eos = getattr(config, "eos_token_id", None)
+        self._eos = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+        pad = getattr(tokenizer, "pad_token_id", None)
+        self._pad_id = pad if pad is not None else (getattr(tokenizer, "eos_token_id", None) or 0)
+        self._lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="interp-eager")
+        self._closed = False
+
+    @classmethod
+    def from_hf(cls, hf_model: nn.Module, tokenizer: Any) -> EagerModel:
+        """Wrap an already loaded HF model and tokenizer (no copy is made)."""
+        return cls(hf_model, tokenizer)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{self.info.n_layers} layers, d_model {self.info.d_model}"
+        return f"<EagerModel {self.info.architecture} ({state})>"
+
+    # -- state --------------------------------------------------------------------------
+    @property
+    def hf_model(self) -> nn.Module:
+        """The underlying ``transformers`` model (eval mode)."""
+        if self._hf is None:
+            raise ModelClosed("this model was shut down; load it again")
+        return self._hf
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.hf_model.parameters()).device
+
+    def _check_open(self) -> nn.Module:
+        return self.hf_model
+
+    async def _run(self, fn: Callable[[], T]) -> T:
+        self._check_open()
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, fn)
+
+    # -- tokens -------------------------------------------------------------------------
+    def to_tokens(self, text: str | Sequence[str]) -> torch.Tensor:
+        """Ids ``[1, n]`` of a text (the tokenizer's own special tokens, e.g. BOS, included);
+        a list of texts gives ``[batch, n_max]``, right-padded with the pad token."""
+        texts = [text] if isinstance(text, str) else list(text)
+        rows = [self.tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts]
+        return self._pad(rows)[0]
+
+    def to_string(self, tokens: Any) -> str | list[str]:
+        if isinstance(tokens, torch.Tensor) and tokens.dim() == 2:
+            return [str(self.tokenizer.decode(row.tolist())) for row in tokens]
+        if isinstance(tokens, int):
+            tokens = [tokens]
+        ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
+        return str(self.tokenizer.decode(ids))
+
+    def to_str_tokens(self, tokens: Any) -> list[str]:
+        if isinstance(tokens, str):
+            tokens = self.to_tokens(tokens)[0]
+        if isinstance(tokens, torch.Tensor):
+            tokens = tokens.reshape(-1).tolist()
+        return [str(self.tokenizer.decode([int(t)])) for t in tokens]
+
+    def _pad(self, rows: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        longest = max(len(r) for r in rows)
+        ids = torch.full((len(rows), longest), int(self._pad_id), dtype=torch.long)
+        mask = torch.zeros((len(rows), longest), dtype=torch.long)
+        for i, row in enumerate(rows):
+            ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+            mask[i, : len(row)] = 1
+        return ids, mask
+
+    # -- one forward --------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _attention_weights(self, needed: bool) -> Iterator[None]:
+        """Eager attention for this forward if patterns are read (SDPA never forms them)."""
+        hf = self.hf_model
+        current = getattr(hf.config, "_attn_implementation", "eager")
+        if not needed or current == "eager":
+            yield
+            return
+        try:
+            hf.set_attn_implementation("eager")  # type: ignore[operator]
+        except Exception as exc:
+            raise UnsupportedAddress(
+                f"attention patterns need eager attention and this model could not switch to it "
+                f"({exc}); load it with attn_implementation='eager'",
+                address="attn_pattern",
+            ) from exc
+        try:
+            yield
+        finally:
+            hf.set_attn_implementation(current)  # type: ignore[operator]
+
+    def _forward(
+        self,
+        plan: Plan,
+        chunk: Chunk,
+        input_ids: torch.Tensor,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        past: Any = None,
+        use_cache: bool = False,
+        last_logits_only: bool = False,
+    ) -> Any:
+        hf = self.hf_model
+        kwargs: dict[str, Any] = {"input_ids": input_ids.to(self.device), "use_cache": use_cache}
+        if attention_mask is not None:
+            kwargs["attention_mask"] = attention_mask.to(self.device)
+        if past is not None:
+            kwargs[self._cache_arg] = past
+        if last_logits_only and self._can_trim_logits:
+            kwargs["logits_to_keep"] = 1
+        needs_weights = any(a.kind == "attn_pattern" for a in plan.wanted)
+        output = None
+        with self._lock, torch.inference_mode(), self._attention_weights(needs_weights), plan.installed(chunk):
+            output = hf(**kwargs)
+        return output
+
+    # -- capture ------------------------------------------------------------------------
+    def _prepare(
+        self, rows: Sequence[Sequence[int]], points: Iterable[Any], spec: SteeringSpec | None
+    ) -> tuple[list[list[int]], list[Address], list[Write]]:
+        self._check_open()
+        checked = [check_token_ids(r, self.info) for r in rows]
+        addresses = resolve_points(points, self.info)
+        writes = check_spec(spec, self.info)
+        for row in checked:
+            check_write_shapes(writes, len(row), len(row))
+        return checked, addresses, writes
+
+    def _capture_sync(
+        self, rows: list[list[int]], addresses: list[Address], writes: list[Write]
+    ) -> dict[Address, torch.Tensor]:
+        lengths = [len(r) for r in rows]
+        ids, mask = self._pad(rows)
+        hooked = [a for a in addresses if a != _LOGITS]
+        plan = Plan(self.arch, hooked, writes, lengths, stop_early=_LOGITS not in addresses)
+        padded = not bool(mask.all())
+        output = self._forward(plan, Chunk(len(rows), ids.shape[1], 0), ids, attention_mask=mask if padded else None)
+        values = plan.result()
+        if _LOGITS in addresses:
+            values[_LOGITS] = output.logits
+        return {a: _zero_padding(a, _to_cpu(values[a]), lengths) for a in addresses}
+
+    async def capture(
+        self, token_ids: Sequence[int], points: Iterable[Any], *, steering_spec: SteeringSpec | None = None
+    ) -> dict[Address, torch.Tensor]:
+        """Activations ``[n_tokens, width]`` (attention ``[heads, q, k]``) at ``points``."""
+        values = await self.capture_batch([token_ids], points, steering_spec=steering_spec)
+        return {a: t[0] for a, t in values.items()}
+
+    async def capture_batch(
+        self,
+        rows: Sequence[Sequence[int]],
+        points: Iterable[Any],
+        *,
+        steering_spec: SteeringSpec | None = None,
+    ) -> dict[Address, torch.Tensor]:
+        """One batched forward over prompts of any lengths: ``[batch, n_max, width]``,
+        right-padded with zeros; each row equals its solo run."""
+        checked, addresses, writes = self._prepare(rows, points, steering_spec)
+        return await self._run(lambda: self._capture_sync(checked, addresses, writes))
+
+    async def capture_attention(self, token_ids: Sequence[int], layers: Iterable[int]) -> dict[Address, torch.Tensor]:
+        """Attention probabilities ``[heads, q, k]`` of ``layers`` (HF eager attention)."""
+        return await self.capture(token_ids, [Address("attn_pattern", layer) for layer in layers])
+
+    # -- generation ---------------------------------------------------------------------
+    async def _decode(
+        self,
+        token_ids: Sequence[int],
+        max_tokens: int,
+        sampling: Sampling,
+        plan_for: Callable[[int], Plan] | None,
+    ) -> AsyncIterator[tuple[int, torch.Tensor, Plan]]:
+        """Yield ``(token, logits, plan)`` per generated token; after the last, the plan has
+        also seen the last token's forward (so activations cover every generated token)."""
+        prompt = list(token_ids)
+        plan = plan_for(len(prompt)) if plan_for else Plan(self.arch, [], [], [len(prompt)])
+        generator = sampling.generator(self.device)
+        state: dict[str, Any] = {"past": None}
+
+        def step(ids: list[int], offset: int) -> torch.Tensor:
+            inputs = torch.tensor([ids], dtype=torch.long)
+            output = self._forward(
+                plan,
+                Chunk(1, len(ids), offset),
+                inputs,
+                past=state["past"],
+                use_cache=True,
+                last_logits_only=True,
+            )
+            state["past"] = output.past_key_values
+            logits: torch.Tensor = output.logits[0, -1]
+            return logits
+
+        ids, offset = prompt, 0
+        for index in range(max_tokens):
+            logits = await self._run(lambda ids=ids, offset=offset: step(ids, offset))  # type: ignore[misc]
+            token = sampling.choose(logits, generator)
+            last = index == max_tokens - 1 or (token in self._eos and not sampling.ignore_eos)
+            if last and plan.wanted:
+                after = offset + len(ids)
+                await self._run(lambda token=token, after=after: step([token], after))  # type: ignore[misc]
+            yield token, logits, plan
+            if last:
+                return
+            offset += len(ids)
+            ids = [token]
+
+    def _plan_for(self, points: list[Address], writes: list[Write], max_tokens: int) -> Callable[[int], Plan]:
+        def make(n_prompt: int) -> Plan:
+            total = n_prompt + max_tokens
+            return Plan(self.arch, points, writes, [n_prompt], n_prompt=[n_prompt], total=[total])
+
+        return make
+
+    def _prepare_generation(
+        self,
+        token_ids: Sequence[int],
+        points: Iterable[Any],
+        max_tokens: int,
+        spec: SteeringSpec | None,
+        sampling: dict[str, Any],
+    ) -> tuple[list[int], Sampling, Callable[[int], Plan]]:
+        self._check_open()
+        max_tokens = check_max_tokens(max_tokens)
+        prompt = check_token_ids(token_ids, self.info, extra=max_tokens)
+        chosen = Sampling.from_kwargs(sampling)
+        addresses = resolve_points(points, self.info) if points else []
+        if _LOGITS in addresses:
+            raise UnsupportedAddress(
+                "logits are not captured during generation; use stream(n_logprobs=...) or "
+                "decode_residuals on a captured final_norm/resid_post",
+                address=_LOGITS,
+            )
+        writes = check_spec(spec, self.info)
+        check_write_shapes(writes, len(prompt), len(prompt) + max_tokens)
+        return prompt, chosen, self._plan_for(addresses, writes, max_tokens)
+
+    def _completion(self, tokens: list[int], sampling: Sampling) -> Completion:
+        stopped = bool(tokens) and tokens[-1] in self._eos and not sampling.ignore_eos
+        return Completion(list(tokens), self._text(tokens), "stop" if stopped else "length")
+
+    def _text(self, tokens: list[int]) -> str:
+        return str(self.tokenizer.decode(tokens, skip_special_tokens=True))
+
+    async def generate(
+        self,
+        token_ids: Sequence[int],
+        *,
+        max_tokens: int,
+        steering_spec: SteeringSpec | None = None,
+        **sampling: Any,
+    ) -> Completion:
+        """A completion (greedy unless ``temperature``/``top_k``/``top_p``/``seed`` say otherwise)."""
+        completion, _ = await self.capture_generation(
+            token_ids, [], max_tokens=max_tokens, steering_spec=steering_spec, **sampling
+        )
+        return completion
+
+    async def capture_generation(
+        self,
+        token_ids: Sequence[int],
+        points: Iterable[Any],
+        *,
+        max_tokens: int,
+        steering_spec: SteeringSpec | None = None,
+        **sampling: Any,
+    ) -> tuple[Completion, dict[Address, torch.Tensor]]:
+        """A completion and activations ``[n_prompt + n_generated, width]`` over prompt and
+        every generated token."""
+        prompt, chosen, plan_for = self._prepare_generation(token_ids, points, max_tokens, steering_spec, sampling)
+        tokens: list[int] = []
+        plan: Plan | None = None
+        async for token, _, used in self._decode(prompt, max_tokens, chosen, plan_for):
+            tokens.append(token)
+            plan = used
+        values = plan.result() if plan is not None else {}
+        acts = {a: _to_cpu(t)[0] for a, t in values.items()}
+        return self._completion(tokens, chosen), acts
+
+    async def stream(
+        self,
+        token_ids: Sequence[int],
+        *,
+        max_tokens: int,
+        n_logprobs: int = 0,
+        steering_spec: SteeringSpec | None = None,
+        **sampling: Any,
+    ) -> AsyncIterator[StreamStep]:
+        """Generated tokens one by one with their top-``n_logprobs`` ``(token, logprob)`` pairs."""
+        if isinstance(n_logprobs, bool) or not isinstance(n_logprobs, int) or n_logprobs < 0:
+            raise InvalidOption(f"n_logprobs must be an int >= 0, got {n_logprobs!r}")
+        prompt, chosen, plan_for = self._prepare_generation(token_ids, [], max_tokens, steering_spec, sampling)
+        tokens: list[int] = []
+        text = ""
+        async for token, logits, _ in self._decode(prompt, max_tokens, chosen, plan_for):
+            tokens.append(token)
+            full = self._text(tokens)
+            piece = full[len(text) :] if full.startswith(text) else full
+            text = full
+            yield StreamStep(token, piece, top_logprobs(logits, n_logprobs))
+
+    # -- logit lens ---------------------------------------------------------------------
+    async def decode_residuals(
+        self, acts: torch.Tensor | Mapping[Address, torch.Tensor]
+    ) -> torch.Tensor | dict[Address, torch.Tensor]:
+        """Final norm + unembedding of residual vectors ``[..., d_model]`` (a dict is decoded
+        value by value); on the last layer's ``resid_post`` this is the model's own logits."""
+        if isinstance(acts, Mapping):
+            checked_map = {a: self._check_residuals(t) for a, t in acts.items()}
+            return await self._run(lambda: {a: self._decode_sync(t) for a, t in checked_map.items()})
+        checked = self._check_residuals(acts)
+        return await self._run(lambda: self._decode_sync(checked))
+
+    def _check_residuals(self, acts: Any) -> torch.Tensor:
+        if not isinstance(acts, torch.Tensor):
+            raise InvalidActivations(f"decode_residuals takes a tensor [..., d_model], got {type(acts).__name__}")
+        if acts.dim() == 0 or acts.shape[-1] != self.info.d_model:
+            raise InvalidActivations(
+                f"decode_residuals takes residual-stream vectors of width {self.info.d_model}, "
+                f"got shape {list(acts.shape)}"
+            )
+        return acts
+
+    def _decode_sync(self, acts: torch.Tensor) -> torch.Tensor:
+        param = next(self.hf_model.parameters())
+        with self._lock, torch.inference_mode():
+            logits = self.arch.unembed_residuals(acts.to(device=param.device, dtype=param.dtype))
+        return _to_cpu(logits)
+
+    # -- lifecycle ----------------------------------------------------------------------
+    async def warmup(self) -> None:
+        """Run one tiny forward so the first real request does not pay for kernel set-up."""
+        await self.capture([0], [Address("resid_pre", 0)])
+
+    async def shutdown(self) -> None:
+        """Release the weights; idempotent, from any loop or thread."""
+        self.close()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            self._hf = None
+        self._executor.shutdown(wait=False)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _to_cpu(value: torch.Tensor) -> torch.Tensor:
+    return value.detach().to(device="cpu", dtype=torch.float32)
+
+
+def _zero_padding(address: Address, value: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """Zero the right-padding of a batched value (positions past each row's length)."""
+    longest = max(lengths)
+    if all(n == longest for n in lengths):
+        return value
+    value = value.clone()
+    for row, n in enumerate(lengths):
+        if address.kind == "attn_pattern":
+            value[row, :, n:, :] = 0
+            value[row, :, :, n:] = 0
+        else:
+            value[row, n:] = 0
+    return value
