@@ -50,26 +50,36 @@ def check_max_tokens(max_tokens: Any) -> int:
     return max_tokens
 
 
-def resolve_points(
+def requested_points(
     points: Iterable[AddressLike], info: ModelInfo, supported: Collection[str] = tuple(KINDS)
-) -> list[Address]:
-    """Addresses with negative layers made absolute, checked against the model, in request
-    order and without repeats. A kind outside ``supported`` raises ``UnsupportedAddress``."""
+) -> dict[Address, Address]:
+    """Each requested address (as the caller spelled it, strings parsed) mapped to its resolved
+    form (negative layers made absolute), checked against the model. Results are keyed by the
+    requested addresses, so ``acts[Address("resid_post", -1)]`` finds what was asked for. A kind
+    outside ``supported`` raises ``UnsupportedAddress``."""
     if isinstance(points, (str, Address)):
         points = [points]
-    resolved: dict[Address, None] = {}
+    mapping: dict[Address, Address] = {}
     for point in points:
-        address = as_address(point).resolve(info.n_layers)
+        requested = as_address(point)
+        address = requested.resolve(info.n_layers)
         if address.kind not in supported:
             raise UnsupportedAddress(
                 f"{address} cannot be served here; supported kinds: {', '.join(supported)}",
                 address=address,
                 valid=tuple(supported),
             )
-        resolved[address] = None
-    if not resolved:
+        mapping[requested] = address
+    if not mapping:
         raise UnsupportedAddress("no capture points given", address=None, valid=tuple(supported))
-    return list(resolved)
+    return mapping
+
+
+def resolve_points(
+    points: Iterable[AddressLike], info: ModelInfo, supported: Collection[str] = tuple(KINDS)
+) -> list[Address]:
+    """The resolved addresses of :func:`requested_points`, in request order, without repeats."""
+    return list(dict.fromkeys(requested_points(points, info, supported).values()))
 
 
 def width_of(address: Address, info: ModelInfo) -> int:

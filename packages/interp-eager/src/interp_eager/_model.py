@@ -30,7 +30,7 @@ from interp_engine.validation import (
     check_spec,
     check_token_ids,
     check_write_shapes,
-    resolve_points,
+    requested_points,
 )
 from torch import nn
 
@@ -81,6 +81,9 @@ def load(name_or_path: str, options: dict[str, Any]) -> EagerModel:
     kwargs: dict[str, Any] = {"dtype": _dtype(options.get("dtype", "float32")), "revision": revision}
     if options.get("attn_implementation"):
         kwargs["attn_implementation"] = options["attn_implementation"]
+    elif getattr(config, "attn_logit_softcapping", None):
+        # SDPA kernels skip attention-logit soft-capping (Gemma 2): only eager computes the model.
+        kwargs["attn_implementation"] = "eager"
     try:
         hf_model: Any = AutoModelForCausalLM.from_pretrained(name_or_path, trust_remote_code=trust, **kwargs)
         tokenizer_source = options.get("tokenizer") or name_or_path
@@ -271,14 +274,14 @@ class EagerModel:
     # -- capture ------------------------------------------------------------------------
     def _prepare(
         self, rows: Sequence[Sequence[int]], points: Iterable[Any], spec: SteeringSpec | None
-    ) -> tuple[list[list[int]], list[Address], list[Write]]:
+    ) -> tuple[list[list[int]], dict[Address, Address], list[Write]]:
         self._check_open()
         checked = [check_token_ids(r, self.info) for r in rows]
-        addresses = resolve_points(points, self.info)
+        mapping = requested_points(points, self.info)
         writes = check_spec(spec, self.info)
         for row in checked:
             check_write_shapes(writes, len(row), len(row))
-        return checked, addresses, writes
+        return checked, mapping, writes
 
     def _capture_sync(
         self, rows: list[list[int]], addresses: list[Address], writes: list[Write]
@@ -310,8 +313,9 @@ class EagerModel:
     ) -> dict[Address, torch.Tensor]:
         """One batched forward over prompts of any lengths: ``[batch, n_max, width]``,
         right-padded with zeros; each row equals its solo run."""
-        checked, addresses, writes = self._prepare(rows, points, steering_spec)
-        return await self._run(lambda: self._capture_sync(checked, addresses, writes))
+        checked, mapping, writes = self._prepare(rows, points, steering_spec)
+        values = await self._run(lambda: self._capture_sync(checked, list(dict.fromkeys(mapping.values())), writes))
+        return {requested: values[address] for requested, address in mapping.items()}
 
     async def capture_attention(self, token_ids: Sequence[int], layers: Iterable[int]) -> dict[Address, torch.Tensor]:
         """Attention probabilities ``[heads, q, k]`` of ``layers`` (HF eager attention)."""
@@ -374,12 +378,13 @@ class EagerModel:
         max_tokens: int,
         spec: SteeringSpec | None,
         sampling: dict[str, Any],
-    ) -> tuple[list[int], Sampling, Callable[[int], Plan]]:
+    ) -> tuple[list[int], Sampling, dict[Address, Address], Callable[[int], Plan]]:
         self._check_open()
         max_tokens = check_max_tokens(max_tokens)
         prompt = check_token_ids(token_ids, self.info, extra=max_tokens)
         chosen = Sampling.from_kwargs(sampling)
-        addresses = resolve_points(points, self.info) if points else []
+        mapping = requested_points(points, self.info) if points else {}
+        addresses = list(dict.fromkeys(mapping.values()))
         if _LOGITS in addresses:
             raise UnsupportedAddress(
                 "logits are not captured during generation; use stream(n_logprobs=...) or "
@@ -388,7 +393,7 @@ class EagerModel:
             )
         writes = check_spec(spec, self.info)
         check_write_shapes(writes, len(prompt), len(prompt) + max_tokens)
-        return prompt, chosen, self._plan_for(addresses, writes, max_tokens)
+        return prompt, chosen, mapping, self._plan_for(addresses, writes, max_tokens)
 
     def _completion(self, tokens: list[int], sampling: Sampling) -> Completion:
         stopped = bool(tokens) and tokens[-1] in self._eos and not sampling.ignore_eos
@@ -422,14 +427,16 @@ class EagerModel:
     ) -> tuple[Completion, dict[Address, torch.Tensor]]:
         """A completion and activations ``[n_prompt + n_generated, width]`` over prompt and
         every generated token."""
-        prompt, chosen, plan_for = self._prepare_generation(token_ids, points, max_tokens, steering_spec, sampling)
+        prompt, chosen, mapping, plan_for = self._prepare_generation(
+            token_ids, points, max_tokens, steering_spec, sampling
+        )
         tokens: list[int] = []
         plan: Plan | None = None
         async for token, _, used in self._decode(prompt, max_tokens, chosen, plan_for):
             tokens.append(token)
             plan = used
         values = plan.result() if plan is not None else {}
-        acts = {a: _to_cpu(t)[0] for a, t in values.items()}
+        acts = {requested: _to_cpu(values[address])[0] for requested, address in mapping.items()}
         return self._completion(tokens, chosen), acts
 
     async def stream(
@@ -444,14 +451,18 @@ class EagerModel:
         """Generated tokens one by one with their top-``n_logprobs`` ``(token, logprob)`` pairs."""
         if isinstance(n_logprobs, bool) or not isinstance(n_logprobs, int) or n_logprobs < 0:
             raise InvalidOption(f"n_logprobs must be an int >= 0, got {n_logprobs!r}")
-        prompt, chosen, plan_for = self._prepare_generation(token_ids, [], max_tokens, steering_spec, sampling)
+        prompt, chosen, _, plan_for = self._prepare_generation(token_ids, [], max_tokens, steering_spec, sampling)
         tokens: list[int] = []
         text = ""
         async for token, logits, _ in self._decode(prompt, max_tokens, chosen, plan_for):
             tokens.append(token)
             full = self._text(tokens)
-            piece = full[len(text) :] if full.startswith(text) else full
-            text = full
+            last = len(tokens) == max_tokens or (token in self._eos and not chosen.ignore_eos)
+            piece = ""
+            # hold back a piece that ends inside a multi-byte character until it is complete
+            if last or not full.endswith("\ufffd"):
+                piece = full[len(text) :] if full.startswith(text) else full
+                text = full
             yield StreamStep(token, piece, top_logprobs(logits, n_logprobs))
 
     # -- logit lens ---------------------------------------------------------------------

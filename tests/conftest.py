@@ -1,0 +1,69 @@
+"""Shared fixtures: tiny local models for every supported family, built once and reused.
+
+Models are random-weight HF checkpoints with a tokenizer trained locally
+(``interp_eager.testing``), written under ``.cache/test-models`` in the repository so a second
+run reuses them. Nothing is downloaded. Each family's eager model and its HF oracle are loaded
+once per session.
+"""
+
+from __future__ import annotations
+
+import functools
+import pathlib
+from typing import Any
+
+import pytest
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+MODELS = ROOT / ".cache" / "test-models"
+
+REQUIRED_FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gpt_neox", "opt", "phi")
+EXTRA_FAMILIES = ("gemma3_text", "gptj", "olmo2", "phi3", "stablelm")
+ALL_FAMILIES = REQUIRED_FAMILIES + EXTRA_FAMILIES
+
+
+@functools.cache
+def tiny_model_path(family: str) -> pathlib.Path:
+    from interp_eager.testing import build_tiny_model
+
+    return build_tiny_model(family, MODELS / family)
+
+
+@functools.cache
+def eager_model(family: str) -> Any:
+    """The session's eager model for ``family`` (loaded through the core's ``load_model``)."""
+    from interp_engine import load_model
+
+    return load_model(tiny_model_path(family), backend="eager")
+
+
+@functools.cache
+def hf_oracle(family: str) -> Any:
+    """The same checkpoint in plain ``transformers`` with eager attention: the oracle."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path(family), attn_implementation="eager")
+    return model.eval()
+
+
+def rel_diff(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Max absolute difference relative to the expected activation scale."""
+    actual = actual.detach().float().cpu()
+    expected = expected.detach().float().cpu()
+    assert actual.shape == expected.shape, f"shape {list(actual.shape)} != {list(expected.shape)}"
+    scale = expected.abs().max().clamp_min(1e-6)
+    return float((actual - expected).abs().max() / scale)
+
+
+PROMPT = "The quick brown fox jumps over the lazy dog because"
+
+
+@pytest.fixture(scope="session")
+def gpt2_path() -> pathlib.Path:
+    return tiny_model_path("gpt2")
+
+
+@pytest.fixture(scope="session")
+def llama_path() -> pathlib.Path:
+    return tiny_model_path("llama")
