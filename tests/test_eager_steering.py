@@ -163,7 +163,12 @@ def test_writes_inside_the_block(family: str) -> None:
         spec = SteeringSpec([Write(Address(kind, 1), vector, op="add")])
         cache = run_with_cache(model, tokens, ["resid_mid.1", "logits"], steering_spec=spec)
         assert rel_diff(cache["resid_mid.1"], base["resid_mid.1"] + vector) <= TOL, kind
-        attn_path = {"gpt2": "attn", "llama": "self_attn", "gpt_neox": "attention", "gemma2": "post_attention_layernorm"}
+        attn_path = {
+            "gpt2": "attn",
+            "llama": "self_attn",
+            "gpt_neox": "attention",
+            "gemma2": "post_attention_layernorm",
+        }
         with _hook_output(_module(layer, attn_path[family]), lambda x: x + vector):
             assert rel_diff(cache["logits"], _hf_logits(family, tokens)) <= TOL, kind
 

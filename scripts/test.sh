@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Set everything up, then lint, type-check and run the whole test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+.venv/bin/ruff check packages tests bench
+.venv/bin/ruff format --check packages tests bench
+.venv/bin/python -m mypy packages/interp-core/src packages/interp-eager/src
+.venv/bin/python -m pytest -q -p no:cacheprovider "$@"
