@@ -6,9 +6,8 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
-
 from interp_engine import Address, run_with_cache
+from torch import nn
 
 from .conftest import PROMPT, eager_model
 
@@ -17,7 +16,7 @@ def _hooked_modules(root: nn.Module) -> list[str]:
     return [
         name
         for name, module in root.named_modules()
-        if module._forward_hooks or module._forward_pre_hooks  # noqa: SLF001 - the point of the test
+        if module._forward_hooks or module._forward_pre_hooks
     ]
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from interp_engine import Address, capture_attention, run_with_cache, sync_model
 
 from .conftest import ALL_FAMILIES, PROMPT, eager_model, hf_oracle, rel_diff
@@ -79,7 +78,6 @@ def test_decode_residuals_is_the_logit_lens(family: str) -> None:
     model = eager_model(family)
     sync = sync_model(model)
     tokens = _tokens(family)
-    n = model.info.n_layers
     acts = sync.capture(tokens[0].tolist(), [Address("resid_post", -1), Address("resid_post", 0)])
     logits = sync.decode_residuals(acts[Address("resid_post", -1)])
     assert rel_diff(logits, _hf_run(family, tokens).logits[0]) <= TOL

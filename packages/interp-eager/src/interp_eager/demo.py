@@ -15,7 +15,6 @@ import sys
 from typing import cast
 
 import torch
-
 from interp_engine import (
     Address,
     SteeringSpec,
@@ -30,7 +29,7 @@ PROMPT = "The quick brown fox jumps over the lazy dog because"
 
 
 def _bar(value: float, top: float, width: int = 24) -> str:
-    filled = int(round(width * value / top)) if top > 0 else 0
+    filled = round(width * value / top) if top > 0 else 0
     return "#" * filled + "." * (width - filled)
 
 
