@@ -34,7 +34,12 @@ KINDS: dict[str, KindInfo] = {
 }
 """The address vocabulary (TransformerLens meanings), in forward order."""
 
-_KIND_ORDER = {kind: i for i, kind in enumerate(KINDS)}
+_KIND_ORDER = {  # the order values are computed in, inside one layer
+    kind: i
+    for i, kind in enumerate(
+        ("resid_pre", "attn_pattern", "attn_out", "resid_mid", "mlp_post", "mlp_out", "resid_post")
+    )
+}
 _MODEL_LEVEL_ORDER = {"embed": -1, "final_norm": 1 << 30, "logits": (1 << 30) + 1}
 
 

@@ -31,7 +31,7 @@ def _as_vector(value: Any) -> torch.Tensor:
         raise InvalidSteering(f"a steering vector must be a tensor or a list of floats: {exc}") from None
     if not (tensor.is_floating_point() or tensor.dtype in (torch.int32, torch.int64)):
         raise InvalidSteering(f"a steering vector must hold real numbers, got dtype {tensor.dtype}")
-    tensor = tensor.to(device="cpu", dtype=torch.float32).contiguous()
+    tensor = tensor.to(device="cpu", dtype=torch.float32).contiguous().clone()  # never alias the caller's
     if tensor.dim() not in (1, 2) or tensor.numel() == 0:
         raise InvalidSteering(f"a steering vector is [width] or [n_positions, width], got shape {list(tensor.shape)}")
     if not bool(torch.isfinite(tensor).all()):
@@ -195,6 +195,8 @@ class SteeringSpec:
     @classmethod
     def from_dict(cls, data: dict[str, Any] | Sequence[dict[str, Any]]) -> SteeringSpec:
         """Read ``{"writes": [...]}`` or a bare list of writes."""
+        if isinstance(data, dict) and set(data) - {"writes"}:
+            raise InvalidSteering(f"unknown steering spec fields: {sorted(set(data) - {'writes'})}")
         items = data.get("writes") if isinstance(data, dict) else data
         if not isinstance(items, (list, tuple)):
             raise InvalidSteering("a steering spec is {'writes': [...]} or a list of writes")
@@ -207,6 +209,6 @@ class SteeringSpec:
     def from_json(cls, text: str | bytes) -> SteeringSpec:
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as exc:
+        except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
             raise InvalidSteering(f"steering spec is not valid JSON: {exc}") from None
         return cls.from_dict(data)
