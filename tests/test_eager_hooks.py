@@ -6,8 +6,9 @@ from typing import Any
 
 import pytest
 import torch
-from interp_engine import Address, run_with_cache
 from torch import nn
+
+from interp_engine import Address, run_with_cache
 
 from .conftest import PROMPT, eager_model
 

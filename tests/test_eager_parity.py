@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from interp_engine import Address, capture_attention, run_with_cache, sync_model
 
 from .conftest import ALL_FAMILIES, PROMPT, eager_model, hf_oracle, rel_diff

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from interp_engine import Address, SteeringSpec, Write, capture_generation, run_with_cache, sync_model
 
 from .conftest import PROMPT, eager_model, hf_oracle, rel_diff

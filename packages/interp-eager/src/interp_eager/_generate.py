@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from interp_engine import InvalidOption
 
 

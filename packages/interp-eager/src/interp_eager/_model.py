@@ -12,6 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import torch
+from torch import nn
+
 from interp_engine import (
     Address,
     Completion,
@@ -32,7 +34,6 @@ from interp_engine.validation import (
     check_write_shapes,
     requested_points,
 )
-from torch import nn
 
 from ._families import family_for
 from ._generate import Sampling, top_logprobs

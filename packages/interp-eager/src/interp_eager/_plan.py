@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
+from torch import nn
+
 from interp_engine import Address, UnsupportedAddress, Write
 from interp_engine.validation import write_positions
-from torch import nn
 
 from ._families import Family
 

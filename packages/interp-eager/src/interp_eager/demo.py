@@ -15,6 +15,7 @@ import sys
 from typing import cast
 
 import torch
+
 from interp_engine import (
     Address,
     SteeringSpec,
