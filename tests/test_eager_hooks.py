@@ -14,11 +14,7 @@ from .conftest import PROMPT, eager_model
 
 
 def _hooked_modules(root: nn.Module) -> list[str]:
-    return [
-        name
-        for name, module in root.named_modules()
-        if module._forward_hooks or module._forward_pre_hooks
-    ]
+    return [name for name, module in root.named_modules() if module._forward_hooks or module._forward_pre_hooks]
 
 
 class _Counter:

@@ -8,6 +8,8 @@ inside a running event loop is refused instead of deadlocking.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import sys
 import threading
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
@@ -26,11 +28,23 @@ _facades: weakref.WeakKeyDictionary[Any, SyncModel] = weakref.WeakKeyDictionary(
 _facades_lock = threading.Lock()
 
 
+def _in_notebook_kernel() -> bool:
+    """Whether this thread runs an IPython kernel's cells (Jupyter): its loop is the kernel's,
+    never a model's, so blocking it on a model's own background loop cannot deadlock."""
+    ipython = sys.modules.get("IPython")
+    get = getattr(ipython, "get_ipython", None)
+    shell = get() if callable(get) else None
+    return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
+
+
 def refuse_inside_running_loop(what: str) -> None:
-    """Raise ``RunningLoopError`` if the calling thread is running an event loop."""
+    """Raise ``RunningLoopError`` if the calling thread is running an event loop (except a
+    Jupyter kernel's, where the sync surface is what a notebook user wants)."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
+        return
+    if _in_notebook_kernel():
         return
     raise RunningLoopError(
         f"{what} is synchronous and was called from inside a running event loop, where it would "
@@ -47,9 +61,14 @@ class SyncModel:
         self._loop = asyncio.new_event_loop()
         self._closed = False
         self._thread = threading.Thread(
-            target=self._loop.run_forever, name=f"interp-sync-{getattr(model, 'backend', 'model')}", daemon=True
+            target=_serve_forever,
+            args=(self._loop,),
+            name=f"interp-sync-{getattr(model, 'backend', 'model')}",
+            daemon=True,
         )
         self._thread.start()
+        # when the facade is collected (with its model), its loop thread ends too
+        weakref.finalize(self, _stop, self._loop)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
@@ -163,19 +182,43 @@ class SyncModel:
             return
         self.run(self.model.shutdown)
         self._closed = True
-        self._loop.call_soon_threadsafe(self._loop.stop)
+        _stop(self._loop)
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=10)
 
 
+def _stop(loop: asyncio.AbstractEventLoop) -> None:
+    with contextlib.suppress(RuntimeError):  # already closed
+        loop.call_soon_threadsafe(loop.stop)
+
+
+def _serve_forever(loop: asyncio.AbstractEventLoop) -> None:
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_forever()
+    finally:
+        loop.close()
+
+
+_FACADE_ATTRIBUTE = "_interp_sync_facade"
+
+
 def sync_model(model: InterpModel | SyncModel) -> SyncModel:
-    """The blocking facade of ``model``; the same object every time for the same model."""
+    """The blocking facade of ``model``; the same object every time for the same model.
+
+    The facade is kept on the model itself, so the pair is freed together when the caller lets
+    go of the model (a weak-key table would keep it alive through the facade's reference).
+    """
     if isinstance(model, SyncModel):
         return model
     refuse_inside_running_loop("sync_model()")
     with _facades_lock:
-        facade = _facades.get(model)
+        namespace = getattr(model, "__dict__", None)
+        facade = namespace.get(_FACADE_ATTRIBUTE) if namespace is not None else _facades.get(model)
         if facade is None:
             facade = SyncModel(model)
-            _facades[model] = facade
+            if namespace is not None:
+                namespace[_FACADE_ATTRIBUTE] = facade
+            else:
+                _facades[model] = facade
         return facade

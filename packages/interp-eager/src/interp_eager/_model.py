@@ -191,7 +191,11 @@ class EagerModel:
     async def _run(self, fn: Callable[[], T]) -> T:
         self._check_open()
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, fn)
+        try:
+            future = loop.run_in_executor(self._executor, fn)
+        except RuntimeError:  # the executor was shut down between the check and the call
+            raise ModelClosed("this model was shut down; load it again") from None
+        return await future
 
     # -- tokens -------------------------------------------------------------------------
     def to_tokens(self, text: str | Sequence[str]) -> torch.Tensor:
@@ -500,8 +504,9 @@ class EagerModel:
         await self.capture([0], [Address("resid_pre", 0)])
 
     async def shutdown(self) -> None:
-        """Release the weights; idempotent, from any loop or thread."""
-        self.close()
+        """Release the weights; idempotent, from any loop or thread. Waits (off the event loop)
+        for a forward in progress to finish."""
+        await asyncio.to_thread(self.close)
 
     def close(self) -> None:
         if self._closed:
