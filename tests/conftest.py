@@ -67,3 +67,14 @@ def gpt2_path() -> pathlib.Path:
 @pytest.fixture(scope="session")
 def llama_path() -> pathlib.Path:
     return tiny_model_path("llama")
+
+
+VLLM_SHAPE = {"d_model": 128, "head_dim": 32, "max_positions": 256}
+"""vLLM's CPU attention kernels refuse head_dim 16: the vLLM tests use 4 heads of 32."""
+
+
+@functools.cache
+def vllm_model_path(family: str) -> pathlib.Path:
+    from interp_eager.testing import build_tiny_model
+
+    return build_tiny_model(family, MODELS / f"{family}-vllm", **VLLM_SHAPE)

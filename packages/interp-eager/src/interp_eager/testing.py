@@ -176,6 +176,7 @@ class _Dims:
     n_heads: int
     max_positions: int
     window: int
+    head_dim: int = HEAD_DIM
 
 
 def _llama_like(d: _Dims, *, gqa: bool, ff: int = 3, head_dim: bool = True) -> dict[str, Any]:
@@ -189,7 +190,7 @@ def _llama_like(d: _Dims, *, gqa: bool, ff: int = 3, head_dim: bool = True) -> d
         "max_position_embeddings": d.max_positions,
     }
     if head_dim:
-        kw["head_dim"] = HEAD_DIM
+        kw["head_dim"] = d.head_dim
     return kw
 
 
@@ -206,12 +207,12 @@ def _gpt_style(d: _Dims) -> dict[str, Any]:
 
 
 def _gemma_like(d: _Dims, **extra: Any) -> dict[str, Any]:
-    return {**_llama_like(d, gqa=True), "query_pre_attn_scalar": HEAD_DIM, "sliding_window": d.window, **extra}
+    return {**_llama_like(d, gqa=True), "query_pre_attn_scalar": d.head_dim, "sliding_window": d.window, **extra}
 
 
 _CONFIGS: Final[dict[str, Callable[[_Dims], dict[str, Any]]]] = {
     "gpt2": _gpt_style,
-    "gptj": lambda d: {**_gpt_style(d), "rotary_dim": HEAD_DIM // 2},
+    "gptj": lambda d: {**_gpt_style(d), "rotary_dim": d.head_dim // 2},
     "llama": lambda d: _llama_like(d, gqa=True),
     "mistral": lambda d: {**_llama_like(d, gqa=True), "sliding_window": d.window},
     "qwen2": lambda d: _llama_like(d, gqa=True, head_dim=False),
@@ -260,18 +261,19 @@ def make_config(
     d_model: int = 64,
     max_positions: int = 128,
     sliding_window: int | None = None,
+    head_dim: int = HEAD_DIM,
 ) -> PreTrainedConfig:
     """The tiny fp32 config for ``family``, with the vocabulary size and special ids of ``tokenizer``.
 
-    ``n_heads = d_model // HEAD_DIM``; ``sliding_window`` (mistral, gemma2, gemma3_text) defaults to ``max_positions``,
+    ``n_heads = d_model // head_dim`` (vLLM's CPU attention kernels need ``head_dim >= 32``); ``sliding_window`` (mistral, gemma2, gemma3_text) defaults to ``max_positions``,
     i.e. inert for sequences the model accepts.
     """
     if family not in _CONFIGS:
         raise ValueError(f"unknown family {family!r}; supported: {', '.join(FAMILIES)}")
-    if d_model % HEAD_DIM or d_model // HEAD_DIM < 2:
-        raise ValueError(f"d_model must be a multiple of {HEAD_DIM} with at least 2 heads, got {d_model}")
+    if d_model % head_dim or d_model // head_dim < 2:
+        raise ValueError(f"d_model must be a multiple of {head_dim} with at least 2 heads, got {d_model}")
     window = max_positions if sliding_window is None else sliding_window
-    kwargs = _CONFIGS[family](_Dims(n_layers, d_model, d_model // HEAD_DIM, max_positions, window))
+    kwargs = _CONFIGS[family](_Dims(n_layers, d_model, d_model // head_dim, max_positions, window, head_dim))
     kwargs.update(
         vocab_size=len(tokenizer),
         bos_token_id=tokenizer.bos_token_id,
@@ -345,6 +347,7 @@ def build_tiny_model(
     vocab_size: int = 512,
     max_positions: int = 128,
     sliding_window: int | None = None,
+    head_dim: int = HEAD_DIM,
 ) -> pathlib.Path:
     """Build (or reuse) a tiny random ``family`` causal LM and its tokenizer in ``out_dir``; return the directory.
 
@@ -356,6 +359,8 @@ def build_tiny_model(
     out = pathlib.Path(out_dir)
     args: dict[str, int | None] = {"n_layers": n_layers, "d_model": d_model, "seed": seed, "vocab_size": vocab_size}
     args |= {"max_positions": max_positions, "sliding_window": sliding_window}
+    if head_dim != HEAD_DIM:
+        args["head_dim"] = head_dim
     versions = {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
     versions["torch"] = torch.__version__.split("+")[0]
     init = {"embed_std": EMBED_STD, "qk_gain": QK_GAIN, "logit_std": LOGIT_STD, "param_noise": PARAM_NOISE}
@@ -370,6 +375,7 @@ def build_tiny_model(
         d_model=d_model,
         max_positions=max_positions,
         sliding_window=sliding_window,
+        head_dim=head_dim,
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]

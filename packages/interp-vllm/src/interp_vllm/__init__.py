@@ -1,0 +1,10 @@
+"""interp-vllm: interp-engine inside vLLM (backend ``vllm``).
+
+Use it through the core: ``interp_engine.load_model(path, backend="vllm", **engine_args)``.
+Importing this package does not import vLLM; the model-runner patches load in vLLM's own
+processes through the ``vllm.general_plugins`` entry point.
+"""
+
+from ._families import FAMILIES, VllmFamily, supported_architectures
+
+__all__ = ["FAMILIES", "VllmFamily", "supported_architectures"]

@@ -1,0 +1,531 @@
+"""The vllm backend's model: vLLM's V1 ``AsyncLLM`` serving requests that carry taps.
+
+The front end (this module, in the caller's process) validates each request, sends its points
+and steering spec to the workers as plain data in ``SamplingParams.extra_args``, lets vLLM
+schedule and batch it with everything else in flight, and afterwards fetches what the workers
+captured for it with ``collective_rpc``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import gc
+import os
+import threading
+import uuid
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from interp_engine import (
+    Address,
+    BackendError,
+    Completion,
+    ForeignEventLoop,
+    InvalidActivations,
+    InvalidOption,
+    ModelClosed,
+    ModelInfo,
+    ModelLoadError,
+    StreamStep,
+    SteeringSpec,
+    Write,
+)
+from interp_engine.validation import (
+    check_max_tokens,
+    check_spec,
+    check_token_ids,
+    check_write_shapes,
+    requested_points,
+)
+
+from ._families import family_for
+from ._vllm_entry import _pack, _unpack
+from ._worker import PAYLOAD_KEY
+
+SAMPLING_OPTIONS = ("ignore_eos", "seed", "temperature", "top_k", "top_p")
+FRONT_END_OPTIONS = ("tokenizer_path",)
+_SHARDED = {"mlp_post": -1, "attn_pattern": 1}  # kind -> axis split across tensor-parallel ranks
+
+CPU_ENV_DEFAULTS = {
+    # measured on a 2-core machine: 1 GiB of KV cache starts reliably; without thread binding
+    # the worker is ~1.4x faster in steady state than vLLM's default pinning
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+}
+ENV_DEFAULTS = {
+    # the taps live in the V1 model runner; pin it where vLLM would pick the V2 runner
+    "VLLM_USE_V2_MODEL_RUNNER": "0",
+}
+ENGINE_DEFAULTS: dict[str, Any] = {
+    "enforce_eager": True,
+    "dtype": "float32",
+}
+CPU_ENGINE_DEFAULTS: dict[str, Any] = {"gpu_memory_utilization": 0.3}
+
+
+def _is_cpu_platform() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+def _engine_fields() -> set[str]:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+
+
+class VllmModel:
+    """A model served by vLLM with interp-engine taps in its model runner.
+
+    The engine is built on the first ``warmup()`` or request, on the running event loop, and
+    belongs to that loop: awaiting the model from another loop raises ``ForeignEventLoop``.
+    """
+
+    backend = "vllm"
+
+    def __init__(self, name_or_path: str, options: dict[str, Any]) -> None:
+        from transformers import AutoConfig, AutoTokenizer
+
+        options = dict(options)
+        known = _engine_fields() | set(FRONT_END_OPTIONS)
+        unknown = sorted(set(options) - known - {"model"})
+        if unknown:
+            raise InvalidOption(
+                f"the vllm backend does not take {', '.join(unknown)}: options are vLLM engine "
+                f"arguments (AsyncEngineArgs fields such as max_model_len, tensor_parallel_size, "
+                f"dtype, enforce_eager)"
+            )
+        self.path = name_or_path
+        trust = bool(options.get("trust_remote_code", False))
+        try:
+            config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust)
+            tokenizer_path = options.pop("tokenizer_path", None) or options.get("tokenizer") or name_or_path
+            self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=trust)
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"cannot read a model config and tokenizer from {name_or_path!r}: {exc}") from exc
+        self.family = family_for(config)
+        self.config = config
+        defaults = dict(ENGINE_DEFAULTS)
+        self._cpu = _is_cpu_platform()
+        if self._cpu:
+            defaults.update(CPU_ENGINE_DEFAULTS)
+        self.engine_kwargs: dict[str, Any] = {**defaults, **options}
+        n_heads = int(config.num_attention_heads)
+        d_model = int(config.hidden_size)
+        d_mlp = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * d_model
+        max_len = self.engine_kwargs.get("max_model_len") or getattr(config, "max_position_embeddings", None)
+        self.info = ModelInfo(
+            architecture=str(config.model_type),
+            n_layers=int(config.num_hidden_layers),
+            d_model=d_model,
+            d_mlp=int(d_mlp),
+            n_heads=n_heads,
+            n_kv_heads=int(getattr(config, "num_key_value_heads", None) or n_heads),
+            vocab_size=int(config.vocab_size),
+            n_ctx=int(max_len or 2**31 - 1),
+        )
+        eos = getattr(config, "eos_token_id", None)
+        self._eos = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+        self._engine: Any = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._building: asyncio.Future[Any] | None = None
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self.tp_size = 1
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "running" if self._engine is not None else "not started"
+        return f"<VllmModel {self.info.architecture} {self.path!r} ({state})>"
+
+    # -- tokens ---------------------------------------------------------------------------
+    def to_tokens(self, text: str | Sequence[str]) -> torch.Tensor:
+        texts = [text] if isinstance(text, str) else list(text)
+        rows = [self.tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts]
+        pad = self.tokenizer.pad_token_id
+        pad = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
+        out = torch.full((len(rows), max(len(r) for r in rows)), int(pad), dtype=torch.long)
+        for i, row in enumerate(rows):
+            out[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+        return out
+
+    def to_string(self, tokens: Any) -> str | list[str]:
+        if isinstance(tokens, torch.Tensor) and tokens.dim() == 2:
+            return [str(self.tokenizer.decode(row.tolist())) for row in tokens]
+        if isinstance(tokens, int):
+            tokens = [tokens]
+        ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
+        return str(self.tokenizer.decode(ids))
+
+    def to_str_tokens(self, tokens: Any) -> list[str]:
+        if isinstance(tokens, str):
+            tokens = self.to_tokens(tokens)[0]
+        if isinstance(tokens, torch.Tensor):
+            tokens = tokens.reshape(-1).tolist()
+        return [str(self.tokenizer.decode([int(t)])) for t in tokens]
+
+    def _text(self, tokens: list[int]) -> str:
+        return str(self.tokenizer.decode(tokens, skip_special_tokens=True))
+
+    # -- the engine ------------------------------------------------------------------------
+    async def _ready(self) -> Any:
+        if self._closed:
+            raise ModelClosed("this model was shut down; load it again")
+        loop = asyncio.get_running_loop()
+        if self._loop is not None and loop is not self._loop:
+            raise ForeignEventLoop(
+                "this vLLM model belongs to the event loop that built its engine; awaiting it "
+                "from another loop would hang. Build it on the loop that serves requests (e.g. a "
+                "FastAPI lifespan) or use sync_model(model) everywhere."
+            )
+        if self._engine is not None:
+            return self._engine
+        if self._building is None:
+            self._loop = loop
+            self._building = loop.create_task(self._build())
+        try:
+            return await asyncio.shield(self._building)
+        except BaseException:
+            if self._building.done() and self._engine is None:
+                self._building, self._loop = None, None
+            raise
+
+    async def _build(self) -> Any:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        for name, value in {**ENV_DEFAULTS, **(CPU_ENV_DEFAULTS if self._cpu else {})}.items():
+            os.environ.setdefault(name, value)
+        try:
+            args = AsyncEngineArgs(model=self.path, **self.engine_kwargs)
+            engine = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+        except (TypeError, ValueError) as exc:
+            raise InvalidOption(f"vLLM rejected the engine arguments: {exc}") from exc
+        except Exception as exc:
+            raise BackendError(f"the vLLM engine failed to start: {type(exc).__name__}: {exc}") from exc
+        try:
+            pings = await engine.collective_rpc("interp_ping")
+        except Exception as exc:
+            engine.shutdown()
+            raise BackendError(
+                f"the interp-vllm plugin is not loaded in vLLM's workers ({exc}); is interp-vllm "
+                "installed in the environment the workers run in, and not excluded by VLLM_PLUGINS?"
+            ) from exc
+        if not all(p.get("patched") for p in pings):
+            engine.shutdown()
+            runners = sorted({str(p.get("runner")) for p in pings})
+            raise BackendError(
+                f"vLLM is serving with a model runner the taps do not support ({', '.join(runners)}); "
+                "interp-vllm needs the V1 runner (VLLM_USE_V2_MODEL_RUNNER=0)"
+            )
+        self.tp_size = int(pings[0].get("tp_size", 1))
+        self._engine = engine
+        if self._closed:  # shut down while starting
+            engine.shutdown()
+            raise ModelClosed("this model was shut down while its engine was starting")
+        return engine
+
+    async def warmup(self) -> None:
+        """Build the engine now, on this loop (20-60 s on a CPU), and run one tiny request."""
+        await self.generate([0], max_tokens=1)
+
+    # -- requests ----------------------------------------------------------------------------
+    def _sampling(self, max_tokens: int, sampling: dict[str, Any], **extra: Any) -> Any:
+        from vllm import SamplingParams
+
+        unknown = sorted(set(sampling) - set(SAMPLING_OPTIONS))
+        if unknown:
+            raise InvalidOption(
+                f"unknown generation option(s) {', '.join(unknown)}; valid: {', '.join(SAMPLING_OPTIONS)}"
+            )
+        values = {"temperature": 0.0, **sampling}
+        try:
+            return SamplingParams(max_tokens=max_tokens, **values, **extra)
+        except (TypeError, ValueError) as exc:
+            raise InvalidOption(f"invalid sampling parameters: {exc}") from exc
+
+    def _payload(self, rid: str, points: Iterable[Address], writes: list[Write], n_prompt: int, n_total: int) -> Any:
+        return {
+            PAYLOAD_KEY: {
+                "id": rid,
+                "points": [str(p) for p in points],
+                "writes": [w.to_dict() for w in writes],
+                "n_prompt": n_prompt,
+                "n_total": n_total,
+            }
+        }
+
+    async def _outputs(self, engine: Any, ids: list[int], params: Any, rid: str, salt: str | None) -> AsyncIterator[Any]:
+        """The request's outputs; aborts it in vLLM if the caller stops early or is cancelled."""
+        from vllm.inputs import TokensPrompt
+
+        prompt = TokensPrompt(prompt_token_ids=ids)
+        if salt is not None:
+            prompt["cache_salt"] = salt  # no prefix-cache sharing: every prompt token is computed
+        finished = False
+        try:
+            async for output in engine.generate(prompt, params, rid):
+                finished = output.finished
+                yield output
+        finally:
+            if not finished and not self._closed:
+                await engine.abort(rid)
+
+    async def _fetch(self, engine: Any, rid: str, points: Iterable[Address], n: int) -> dict[Address, torch.Tensor]:
+        blobs = await engine.collective_rpc("interp_fetch", args=(rid,))
+        ranks = [_unpack(blob) for blob in blobs]
+        values: dict[Address, torch.Tensor] = {}
+        for address in points:
+            key = str(address)
+            if any(key not in rank for rank in ranks):
+                raise BackendError(
+                    f"the taps for {address} did not fire for this request (is the interp-vllm "
+                    "plugin active in every worker, with the V1 model runner?)"
+                )
+            positions = ranks[0][f"{key}@positions"]
+            if positions.shape[0] < n or not torch.equal(positions[:n], torch.arange(n)):
+                raise BackendError(
+                    f"the taps for {address} saw {positions.shape[0]} of the {n} positions of this request"
+                )
+            axis = _SHARDED.get(address.kind)
+            value = torch.cat([r[key] for r in ranks], dim=axis) if axis is not None else ranks[0][key]
+            value = value[:n]
+            if address.kind == "attn_pattern":  # [q, heads, k] -> [heads, q, k]
+                value = value[:, :, :n].permute(1, 0, 2).contiguous()
+            values[address] = value
+        return values
+
+    async def _release(self, engine: Any, rid: str) -> None:
+        if not self._closed:
+            try:
+                await engine.collective_rpc("interp_release", args=(rid,))
+            except Exception:  # the engine is going away; nothing left to free
+                pass
+
+    def _prepare(
+        self, token_ids: Sequence[int], points: Iterable[Any], spec: SteeringSpec | None, extra: int
+    ) -> tuple[list[int], dict[Address, Address], list[Write]]:
+        ids = check_token_ids(token_ids, self.info, extra=extra)
+        mapping = requested_points(points, self.info) if points else {}
+        writes = check_spec(spec, self.info)
+        check_write_shapes(writes, len(ids), len(ids) + extra)
+        return ids, mapping, writes
+
+    async def capture(
+        self, token_ids: Sequence[int], points: Iterable[Any], *, steering_spec: SteeringSpec | None = None
+    ) -> dict[Address, torch.Tensor]:
+        """Activations ``[n_tokens, width]`` (attention ``[heads, q, k]``) over the prompt."""
+        ids, mapping, writes = self._prepare(token_ids, points, steering_spec, 0)
+        if not mapping:
+            raise InvalidOption("capture needs at least one point")
+        engine = await self._ready()
+        rid = f"interp-{uuid.uuid4().hex}"
+        resolved = list(dict.fromkeys(mapping.values()))
+        params = self._sampling(1, {}, extra_args=self._payload(rid, resolved, writes, len(ids), len(ids)))
+        fetched = False
+        try:
+            async for _ in self._outputs(engine, ids, params, rid, rid):
+                pass
+            values = await self._fetch(engine, rid, resolved, len(ids))
+            fetched = True
+        finally:
+            if not fetched:
+                await self._release(engine, rid)
+        return {requested: values[address] for requested, address in mapping.items()}
+
+    async def capture_batch(
+        self, rows: Sequence[Sequence[int]], points: Iterable[Any], *, steering_spec: SteeringSpec | None = None
+    ) -> dict[Address, torch.Tensor]:
+        """Several prompts at once, batched by vLLM: ``[batch, n_max, width]``, zero-padded."""
+        from interp_engine._api import pad_rows
+
+        points = list(points)
+        results = await asyncio.gather(*(self.capture(r, points, steering_spec=steering_spec) for r in rows))
+        return pad_rows(results, [len(r) for r in rows])
+
+    async def capture_attention(self, token_ids: Sequence[int], layers: Iterable[int]) -> dict[Address, torch.Tensor]:
+        """Attention probabilities ``[heads, q, k]``, computed from the post-rotary queries and
+        keys vLLM's kernels receive (the kernels never form the pattern)."""
+        return await self.capture(token_ids, [Address("attn_pattern", layer) for layer in layers])
+
+    async def capture_generation(
+        self,
+        token_ids: Sequence[int],
+        points: Iterable[Any],
+        *,
+        max_tokens: int,
+        steering_spec: SteeringSpec | None = None,
+        **sampling: Any,
+    ) -> tuple[Completion, dict[Address, torch.Tensor]]:
+        """A completion and activations ``[n_prompt + n_generated, width]``.
+
+        vLLM never runs the forward of the last token it samples, so the request asks for one
+        token more than it returns and is aborted as soon as that token exists."""
+        max_tokens = check_max_tokens(max_tokens)
+        ids, mapping, writes = self._prepare(token_ids, points, steering_spec, max_tokens)
+        stop_at_eos = not sampling.pop("ignore_eos", False)
+        engine = await self._ready()
+        rid = f"interp-{uuid.uuid4().hex}"
+        resolved = list(dict.fromkeys(mapping.values()))
+        n = len(ids)
+        limit = min(max_tokens + 1, self.info.n_ctx - n)
+        from vllm.sampling_params import RequestOutputKind
+
+        params = self._sampling(
+            limit,
+            {**sampling, "ignore_eos": True},
+            extra_args=self._payload(rid, resolved, writes, n, n + max_tokens + 1),
+            output_kind=RequestOutputKind.DELTA,
+        )
+        tokens: list[int] = []
+        keep = max_tokens
+        fetched = False
+        try:
+            async for output in self._outputs(engine, ids, params, rid, rid):
+                tokens.extend(output.outputs[0].token_ids)
+                if stop_at_eos:
+                    stops = [i for i, t in enumerate(tokens[:max_tokens]) if t in self._eos]
+                    keep = stops[0] + 1 if stops else max_tokens
+                if len(tokens) > keep or output.finished:
+                    break
+            keep = min(keep, len(tokens))
+            values = await self._fetch(engine, rid, resolved, n + keep) if resolved else {}
+            fetched = True
+        finally:
+            if not fetched or not resolved:
+                await self._release(engine, rid)
+        kept = tokens[:keep]
+        stopped = stop_at_eos and bool(kept) and kept[-1] in self._eos
+        completion = Completion(kept, self._text(kept), "stop" if stopped else "length")
+        return completion, {requested: values[address] for requested, address in mapping.items()}
+
+    async def generate(
+        self,
+        token_ids: Sequence[int],
+        *,
+        max_tokens: int,
+        steering_spec: SteeringSpec | None = None,
+        **sampling: Any,
+    ) -> Completion:
+        """A completion (greedy unless ``temperature``/``top_k``/``top_p``/``seed`` say otherwise)."""
+        kept = [step.token_id async for step in self._steps(token_ids, max_tokens, 0, steering_spec, sampling)]
+        stopped = not sampling.get("ignore_eos", False) and bool(kept) and kept[-1] in self._eos
+        return Completion(kept, self._text(kept), "stop" if stopped else "length")
+
+    async def stream(
+        self,
+        token_ids: Sequence[int],
+        *,
+        max_tokens: int,
+        n_logprobs: int = 0,
+        steering_spec: SteeringSpec | None = None,
+        **sampling: Any,
+    ) -> AsyncIterator[StreamStep]:
+        """Generated tokens one by one, with the top-``n_logprobs`` pairs from vLLM's sampler."""
+        async for step in self._steps(token_ids, max_tokens, n_logprobs, steering_spec, sampling):
+            yield step
+
+    async def _steps(
+        self,
+        token_ids: Sequence[int],
+        max_tokens: int,
+        n_logprobs: int,
+        spec: SteeringSpec | None,
+        sampling: dict[str, Any],
+    ) -> AsyncIterator[StreamStep]:
+        if isinstance(n_logprobs, bool) or not isinstance(n_logprobs, int) or n_logprobs < 0:
+            raise InvalidOption(f"n_logprobs must be an int >= 0, got {n_logprobs!r}")
+        max_tokens = check_max_tokens(max_tokens)
+        ids, _, writes = self._prepare(token_ids, [], spec, max_tokens)
+        engine = await self._ready()
+        from vllm.sampling_params import RequestOutputKind
+
+        rid = f"interp-{uuid.uuid4().hex}"
+        extra: dict[str, Any] = {"output_kind": RequestOutputKind.DELTA}
+        if n_logprobs:
+            extra["logprobs"] = n_logprobs
+        if writes:
+            extra["extra_args"] = self._payload(rid, [], writes, len(ids), len(ids) + max_tokens)
+        params = self._sampling(max_tokens, dict(sampling), **extra)
+        tokens: list[int] = []
+        text = ""
+        try:
+            async for output in self._outputs(engine, ids, params, rid, None):
+                choice = output.outputs[0]
+                for i, token in enumerate(choice.token_ids):
+                    tokens.append(token)
+                    full = self._text(tokens)
+                    last = output.finished and i == len(choice.token_ids) - 1
+                    piece = ""
+                    if last or not full.endswith("\ufffd"):
+                        piece = full[len(text) :] if full.startswith(text) else full
+                        text = full
+                    top: list[tuple[int, float]] = []
+                    if n_logprobs and choice.logprobs:
+                        entries = choice.logprobs[i]
+                        ranked = sorted(entries.items(), key=lambda kv: -kv[1].logprob)
+                        top = [(int(t), float(lp.logprob)) for t, lp in ranked[:n_logprobs]]
+                    yield StreamStep(int(token), piece, top)
+        finally:
+            if writes:
+                await self._release(engine, rid)
+
+    # -- logit lens ------------------------------------------------------------------------
+    async def decode_residuals(
+        self, acts: torch.Tensor | Mapping[Address, torch.Tensor]
+    ) -> torch.Tensor | dict[Address, torch.Tensor]:
+        """Final norm + unembedding with the served weights; on the last layer's ``resid_post``
+        this is the model's own logits."""
+        if isinstance(acts, Mapping):
+            return {a: await self._decode_one(t) for a, t in acts.items()}
+        return await self._decode_one(acts)
+
+    async def _decode_one(self, acts: Any) -> torch.Tensor:
+        if not isinstance(acts, torch.Tensor):
+            raise InvalidActivations(f"decode_residuals takes a tensor [..., d_model], got {type(acts).__name__}")
+        if acts.dim() == 0 or acts.shape[-1] != self.info.d_model:
+            raise InvalidActivations(
+                f"decode_residuals takes residual-stream vectors of width {self.info.d_model}, "
+                f"got shape {list(acts.shape)}"
+            )
+        engine = await self._ready()
+        flat = acts.detach().to("cpu", torch.float32).reshape(-1, self.info.d_model).contiguous()
+        blobs = await engine.collective_rpc("interp_decode", args=(_pack({"residuals": flat}),))
+        logits: torch.Tensor = _unpack(blobs[0])["logits"]
+        return logits.reshape(*acts.shape[:-1], logits.shape[-1])
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def shutdown(self) -> None:
+        """Stop the engine and its processes; idempotent, from any loop or thread."""
+        await asyncio.to_thread(self.close)
+
+    def close(self) -> None:
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+            engine, self._engine = self._engine, None
+        if engine is not None:
+            _stop_output_handler(engine, self._loop)
+            engine.shutdown()
+            del engine
+            gc.collect()  # let AsyncLLM.__del__ run now, not during interpreter teardown
+
+
+def _stop_output_handler(engine: Any, loop: asyncio.AbstractEventLoop | None) -> None:
+    """Cancel AsyncLLM's output handler before its engine core goes away, so it does not
+    report the engine it was reading from as dead."""
+    handler = getattr(engine, "output_handler", None)
+    if handler is None or handler.done() or loop is None or loop.is_closed():
+        return
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:
+        handler.cancel()
+    else:
+        loop.call_soon_threadsafe(handler.cancel)

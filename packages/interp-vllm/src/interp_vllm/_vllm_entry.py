@@ -1,0 +1,90 @@
+"""The ``vllm.general_plugins`` entry point: loaded in every vLLM process, workers included.
+
+It wraps the V1 model runner's ``_model_forward`` (the CPU runner inherits it) so each forward
+runs with the taps of the requests in that step, and adds the RPC methods the front end calls
+through ``collective_rpc``. Safe to call more than once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+PATCHED = "_interp_engine_patched"
+
+
+def _taps(runner: Any) -> Any:
+    taps = getattr(runner, "_interp_taps", None)
+    if taps is None:
+        from ._worker import TapManager
+
+        taps = runner._interp_taps = TapManager(runner)
+    return taps
+
+
+def _pack(tensors: dict[str, Any]) -> bytes:
+    from safetensors.torch import save
+
+    return save(tensors) if tensors else b""
+
+
+def _unpack(data: bytes) -> dict[str, Any]:
+    from safetensors.torch import load
+
+    return load(data) if data else {}
+
+
+def interp_ping(self: Any) -> dict[str, Any]:
+    """Which runner serves this worker, and whether it carries the taps."""
+    runner = self.model_runner
+    taps = _taps(runner)
+    return {
+        "runner": type(runner).__qualname__,
+        "patched": bool(getattr(type(runner), PATCHED, False)),
+        "rank": taps.rank,
+        "tp_size": taps.tp_size,
+    }
+
+
+def interp_fetch(self: Any, rid: str) -> bytes:
+    """A finished request's captured values (safetensors bytes; empty if none)."""
+    return _pack(_taps(self.model_runner).fetch(rid))
+
+
+def interp_release(self: Any, rid: str) -> None:
+    """Forget a request's values (cancelled or failed requests)."""
+    _taps(self.model_runner).release(rid)
+
+
+def interp_decode(self: Any, data: bytes) -> bytes:
+    """Final norm + unembedding of residuals sent as safetensors bytes."""
+    residuals = _unpack(data)["residuals"]
+    return _pack({"logits": _taps(self.model_runner).decode(residuals)})
+
+
+def interp_stats(self: Any) -> dict[str, int]:
+    """Per-worker bookkeeping (live per-request states), for leak checks."""
+    return dict(_taps(self.model_runner).stats())
+
+
+_RPCS = (interp_ping, interp_fetch, interp_release, interp_decode, interp_stats)
+
+
+def register() -> None:
+    """Patch vLLM's V1 model runner and worker base (idempotent)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    if getattr(GPUModelRunner, PATCHED, False):
+        return
+    original = GPUModelRunner._model_forward
+
+    def _model_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return _taps(self).run(lambda *a, **k: original(self, *a, **k), args, kwargs)
+
+    GPUModelRunner._model_forward = _model_forward  # type: ignore[method-assign]
+    setattr(GPUModelRunner, PATCHED, True)
+    for rpc in _RPCS:
+        setattr(WorkerBase, rpc.__name__, rpc)
+
+
+__all__ = ["register"]

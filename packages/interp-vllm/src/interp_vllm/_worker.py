@@ -1,0 +1,432 @@
+"""The worker side: per-step taps inside vLLM's model runner.
+
+Runs in vLLM's worker process(es). Before each forward, the runner's own batch state says which
+requests are in the step and which rows of the flattened token batch are theirs
+(``input_batch.req_ids`` and ``query_start_loc``); the positions tensor gives each token's
+absolute position. Requests that carry an interp payload in ``SamplingParams.extra_args`` get
+hooks for exactly their points for that forward: reads are copied out per request, writes
+change only that request's rows. Values wait in the worker until the front end fetches them
+(``interp_fetch``), once the request is done.
+
+vLLM's decoder layers defer the residual add: a layer returns ``(hidden, residual)`` and the
+true residual stream is their sum. Reads take the sum; a write replaces the pair by
+``(new_stream, 0)``, which the next fused add-norm turns back into exactly ``new_stream``.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from interp_engine import Address, SteeringSpec, Write
+from interp_engine.validation import write_positions
+
+from ._families import VllmFamily, family_for
+
+PAYLOAD_KEY = "interp_engine"
+
+
+def _get(root: Any, path: str) -> Any:
+    for part in path.split("."):
+        root = getattr(root, part)
+    return root
+
+
+def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str) -> Any:
+    return args[index] if len(args) > index else kwargs.get(name)
+
+
+def _set_arg(
+    args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str, value: Any
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if len(args) > index:
+        return (*args[:index], value, *args[index + 1 :]), kwargs
+    return args, {**kwargs, name: value}
+
+
+def _copy(value: torch.Tensor) -> torch.Tensor:
+    """A float32 CPU copy that never aliases the runner's reused buffers."""
+    return value.detach().to("cpu", torch.float32, copy=True)
+
+
+def _tp() -> tuple[int, int]:
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+    except Exception:  # not initialised (tests) or not distributed
+        return 0, 1
+
+
+@dataclass
+class _WriteTable:
+    """One write, resolved over the request's whole sequence."""
+
+    write: Write
+    mask: torch.Tensor  # [n_total] bool: positions the write touches
+    row: torch.Tensor  # [n_total] long: the vector row for each touched position
+    local: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = field(default_factory=dict)
+
+    def vector(self, width: int, rank: int, like: torch.Tensor) -> torch.Tensor:
+        key = (width, like.device, like.dtype)
+        if key not in self.local:
+            vec = self.write.vector
+            if vec.shape[-1] != width:  # a tensor-parallel shard (mlp_post): this rank's slice
+                vec = vec[..., rank * width : (rank + 1) * width]
+            self.local[key] = vec.to(device=like.device, dtype=like.dtype)
+        return self.local[key]
+
+
+class RequestTaps:
+    """One request's points, writes and captured values, for its whole life in the worker."""
+
+    def __init__(self, payload: dict[str, Any]) -> None:
+        self.points = [Address.parse(p) for p in payload["points"]]
+        self.n_prompt = int(payload["n_prompt"])
+        self.n_total = int(payload["n_total"])
+        spec = SteeringSpec.from_dict(payload.get("writes") or [])
+        self.writes: dict[Address, list[_WriteTable]] = defaultdict(list)
+        for write in spec.writes:
+            positions = write_positions(write, self.n_prompt, self.n_total)
+            mask = torch.zeros(self.n_total, dtype=torch.bool)
+            row = torch.zeros(self.n_total, dtype=torch.long)
+            index = torch.tensor(positions, dtype=torch.long)
+            mask[index] = True
+            row[index] = torch.arange(len(positions))
+            self.writes[write.address].append(_WriteTable(write, mask, row))
+        self.values: dict[Address, list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
+        self.keys: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.steps = 0
+
+    def addresses(self) -> set[Address]:
+        return set(self.points) | set(self.writes)
+
+
+@dataclass
+class _Slice:
+    """A request's rows in this step's flattened batch."""
+
+    taps: RequestTaps
+    start: int
+    end: int
+    positions: torch.Tensor  # [end - start] absolute positions, on the CPU
+    stash: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+def _site_of(address: Address) -> tuple[str, int]:
+    layer = address.layer if address.layer is not None else 0
+    return {
+        "embed": ("layer_pre", 0),
+        "resid_pre": ("layer_pre", layer),
+        "resid_post": ("layer_post", layer),
+        "attn_out": ("attn", layer),
+        "mlp_out": ("mlp", layer),
+        "mlp_post": ("down", layer),
+        "attn_pattern": ("kernel", layer),
+    }.get(address.kind, ("output", 0))
+
+
+class TapManager:
+    """The taps of one model runner. ``run`` wraps each ``_model_forward`` call."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+        self.model: nn.Module = runner.get_model()
+        self.family: VllmFamily = family_for(runner.model_config.hf_config)
+        self.layers = _get(self.model, self.family.layers)
+        self.rank, self.tp_size = _tp()
+        self.requests: dict[str, RequestTaps] = {}
+        # ids already fetched or released: a step scheduled before an abort landed must not
+        # bring their state back
+        self.retired: collections.OrderedDict[str, None] = collections.OrderedDict()
+
+    # -- the step's requests ------------------------------------------------------------
+    def _slices(self, positions: torch.Tensor | None) -> list[_Slice]:
+        runner = self.runner
+        batch = runner.input_batch
+        num_reqs = int(batch.num_reqs)
+        if num_reqs == 0 or positions is None:
+            return []
+        wanted: list[tuple[int, RequestTaps]] = []
+        for index, req_id in enumerate(batch.req_ids[:num_reqs]):
+            state = runner.requests.get(req_id)
+            params = getattr(state, "sampling_params", None)
+            payload = (getattr(params, "extra_args", None) or {}).get(PAYLOAD_KEY)
+            if payload is None:
+                continue
+            rid = str(payload["id"])
+            if rid in self.retired:
+                continue
+            taps = self.requests.get(rid)
+            if taps is None:
+                taps = self.requests[rid] = RequestTaps(payload)
+            wanted.append((index, taps))
+        if not wanted:
+            return []
+        starts = runner.query_start_loc.cpu[: num_reqs + 1].tolist()
+
+        # a copy: the runner reuses its positions buffer every step
+        flat_positions = (positions if positions.dim() == 1 else positions[0])[: starts[-1]].to("cpu", copy=True)
+        slices = []
+        for index, taps in wanted:
+            start, end = starts[index], starts[index + 1]
+            if end > start:
+                taps.steps += 1
+                slices.append(_Slice(taps, start, end, flat_positions[start:end]))
+        return slices
+
+    # -- one forward ----------------------------------------------------------------------
+    def run(self, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        slices = self._slices(kwargs.get("positions"))
+        if not slices:
+            return forward(*args, **kwargs)
+        sites: dict[tuple[str, int], list[_Slice]] = defaultdict(list)
+        for sl in slices:
+            for address in sl.taps.addresses():
+                if address.kind == "resid_mid":
+                    for site in (("layer_pre", address.layer or 0), ("attn", address.layer or 0)):
+                        if sl not in sites[site]:
+                            sites[site].append(sl)
+                    continue
+                site = _site_of(address)
+                if sl not in sites[site]:
+                    sites[site].append(sl)
+        handles = [self._install(site, members) for site, members in sites.items() if site[0] != "output"]
+        try:
+            output = forward(*args, **kwargs)
+        finally:
+            for handle in handles:
+                handle.remove()
+        if ("output", 0) in sites:
+            self._read_output(output, sites[("output", 0)])
+        return output
+
+    def _install(self, site: tuple[str, int], members: list[_Slice]) -> Any:
+        kind, layer = site
+        block = self.layers[layer]
+        if kind == "layer_pre":
+            return block.register_forward_pre_hook(self._layer_pre(layer, members), with_kwargs=True)
+        if kind == "layer_post":
+            return block.register_forward_hook(self._layer_post(layer, members))
+        if kind == "attn":
+            return _get(block, self.family.attn).register_forward_hook(self._block_out("attn_out", layer, members))
+        if kind == "mlp":
+            return _get(block, self.family.mlp).register_forward_hook(self._block_out("mlp_out", layer, members))
+        if kind == "down":
+            return _get(block, self.family.mlp_down).register_forward_pre_hook(self._down_in(layer, members))
+        return _get(block, self.family.attn_kernel).register_forward_pre_hook(self._kernel_in(layer, members))
+
+    # -- applying a request's writes and reads to one value -------------------------------
+    def _visit(self, value: torch.Tensor, members: list[_Slice], address: Address) -> bool:
+        """Apply each member's writes at ``address`` to ``value`` (in place), then record its
+        reads. Returns whether anything was written."""
+        changed = False
+        for sl in members:
+            for table in sl.taps.writes.get(address, ()):
+                changed |= self._apply(value, sl, table)
+            if address in sl.taps.points:
+                sl.taps.values[address].append((sl.positions, _copy(value[sl.start : sl.end])))
+        return changed
+
+    def _apply(self, value: torch.Tensor, sl: _Slice, table: _WriteTable) -> bool:
+        positions = sl.positions
+        inside = positions < sl.taps.n_total
+        picked = inside.clone()
+        picked[inside] = table.mask[positions[inside]]
+        if not bool(picked.any()):
+            return False
+        local_rows = torch.nonzero(picked).flatten()
+        rows = (local_rows + sl.start).to(value.device)
+        vec = table.vector(value.shape[-1], self.rank, value)
+        if vec.dim() == 2:
+            vec = vec[table.row[positions[local_rows]].to(value.device)]
+        current = value[rows]
+        write = table.write
+        if write.op == "add":
+            new = current + write.scale * vec
+        elif write.op == "set":
+            new = (write.scale * vec).expand_as(current)
+        else:
+            direction = vec / vec.norm()
+            new = current - write.scale * (current @ direction).unsqueeze(-1) * direction
+        value[rows] = new.to(value.dtype)
+        return True
+
+    # -- hooks ----------------------------------------------------------------------------
+    def _stream(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        return hidden + residual if residual is not None else hidden.clone()
+
+    def _layer_pre(self, layer: int, members: list[_Slice]) -> Callable[..., Any]:
+        deferred = self.family.deferred_residual
+
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            # vLLM layers are called (positions, hidden, residual), or (hidden,) without deferral
+            hidden_at = (1, "hidden_states") if deferred else (0, "hidden_states")
+            hidden = _arg(args, kwargs, *hidden_at)
+            residual = _arg(args, kwargs, 2, "residual") if deferred else None
+            stream = self._stream(hidden, residual)
+            changed = False
+            points = [Address("embed")] if layer == 0 else []
+            for address in [*points, Address("resid_pre", layer)]:
+                changed |= self._visit(stream, members, address)
+            for sl in members:
+                sl.stash[layer] = stream[sl.start : sl.end].clone()
+            if not changed:
+                return None
+            args, kwargs = _set_arg(args, kwargs, *hidden_at, stream)
+            if residual is not None:
+                args, kwargs = _set_arg(args, kwargs, 2, "residual", torch.zeros_like(residual))
+            return args, kwargs
+
+        return hook
+
+    def _layer_post(self, layer: int, members: list[_Slice]) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            if isinstance(output, tuple):
+                hidden, residual = output[0], output[1]
+                stream = self._stream(hidden, residual)
+                if self._visit(stream, members, Address("resid_post", layer)):
+                    return (stream, torch.zeros_like(residual), *output[2:])
+                return None
+            stream = output.clone()
+            return stream if self._visit(stream, members, Address("resid_post", layer)) else None
+
+        return hook
+
+    def _block_out(self, kind: str, layer: int, members: list[_Slice]) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            value = output[0] if isinstance(output, tuple) else output
+            value = value.clone()  # the next fused norm works in place on this tensor
+            changed = self._visit(value, members, Address(kind, layer))
+            if kind == "attn_out":
+                changed |= self._mid(value, members, layer)
+            if not changed:
+                return None
+            return (value, *output[1:]) if isinstance(output, tuple) else value
+
+        return hook
+
+    def _mid(self, attn_out: torch.Tensor, members: list[_Slice], layer: int) -> bool:
+        """resid_mid = resid_pre + attn_out; a write there moves attn_out by the same amount."""
+        address = Address("resid_mid", layer)
+        changed = False
+        for sl in members:
+            if address not in sl.taps.addresses():
+                continue
+            mid = torch.zeros_like(attn_out)
+            mid[sl.start : sl.end] = sl.stash[layer].to(attn_out.dtype) + attn_out[sl.start : sl.end]
+            if self._visit(mid, [sl], address):
+                attn_out[sl.start : sl.end] = mid[sl.start : sl.end] - sl.stash[layer].to(attn_out.dtype)
+                changed = True
+        return changed
+
+    def _down_in(self, layer: int, members: list[_Slice]) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: tuple[Any, ...]) -> Any:
+            value = args[0].clone()
+            return (value, *args[1:]) if self._visit(value, members, Address("mlp_post", layer)) else None
+
+        return hook
+
+    def _kernel_in(self, layer: int, members: list[_Slice]) -> Callable[..., Any]:
+        kernel = _get(self.layers[layer], self.family.attn_kernel)
+        head = int(kernel.head_size)
+        scale = float(getattr(kernel.impl, "scale", head**-0.5))
+        cap = getattr(kernel.impl, "logits_soft_cap", None)
+        window = getattr(kernel, "sliding_window", None)
+        address = Address("attn_pattern", layer)
+
+        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+            query, key = args[0], args[1]
+            for sl in members:
+                if address not in sl.taps.points:
+                    continue
+                q = query[sl.start : sl.end].float().reshape(sl.end - sl.start, -1, head)
+                k = key[sl.start : sl.end].float().reshape(sl.end - sl.start, -1, head).cpu()
+                seen = sl.taps.keys.get(layer)
+                if seen is not None and int(sl.positions[0]) > 0:
+                    key_pos = torch.cat([seen[0], sl.positions])
+                    keys = torch.cat([seen[1], k])
+                else:
+                    key_pos, keys = sl.positions.clone(), k
+                sl.taps.keys[layer] = (key_pos, keys)
+                keys = keys.to(q.device).repeat_interleave(q.shape[1] // keys.shape[1], dim=1)
+                scores = torch.einsum("qhd,khd->hqk", q, keys) * scale
+                if cap:
+                    scores = torch.tanh(scores / cap) * cap
+                q_pos = sl.positions.to(q.device)[:, None]
+                k_pos = key_pos.to(q.device)[None, :]
+                hidden_keys = k_pos > q_pos
+                if window:
+                    hidden_keys |= k_pos <= q_pos - int(window)
+                scores = scores.masked_fill(hidden_keys, float("-inf"))
+                pattern = scores.softmax(-1)  # [heads, q, keys], keys in position order
+                full = torch.zeros(pattern.shape[0], pattern.shape[1], int(key_pos.max()) + 1)
+                full[:, :, key_pos] = pattern.cpu()
+                sl.taps.values[address].append((sl.positions, full.permute(1, 0, 2)))
+            return None
+
+        return hook
+
+    def _read_output(self, output: Any, members: list[_Slice]) -> None:
+        hidden = output[0] if isinstance(output, tuple) else output
+        for sl in members:
+            if Address("final_norm") in sl.taps.points:
+                sl.taps.values[Address("final_norm")].append(
+                    (sl.positions, _copy(hidden[sl.start : sl.end]))
+                )
+        for sl in members:  # every rank computes logits (a collective under tensor parallelism)
+            if Address("logits") in sl.taps.points:
+                logits = self.model.compute_logits(hidden[sl.start : sl.end])  # type: ignore[operator]
+                sl.taps.values[Address("logits")].append((sl.positions, _copy(logits)))
+
+    # -- after the request ------------------------------------------------------------------
+    def fetch(self, rid: str) -> dict[str, torch.Tensor]:
+        """A request's values, ordered by position (a recomputed position keeps its last
+        value), as ``{"<address>": values, "<address>@positions": positions}``; then forget it."""
+        taps = self.requests.pop(rid, None)
+        self._retire(rid)
+        if taps is None:
+            return {}
+        out: dict[str, torch.Tensor] = {}
+        for address, chunks in taps.values.items():
+            positions = torch.cat([p for p, _ in chunks])
+            if address.kind == "attn_pattern":
+                width = max(v.shape[-1] for _, v in chunks)
+                values = torch.cat([torch.nn.functional.pad(v, (0, width - v.shape[-1])) for _, v in chunks])
+            else:
+                values = torch.cat([v for _, v in chunks])
+            order = torch.argsort(positions, stable=True)
+            positions, values = positions[order], values[order]
+            last = torch.ones_like(positions, dtype=torch.bool)
+            last[:-1] = positions[1:] != positions[:-1]
+            out[str(address)] = values[last].contiguous()
+            out[f"{address}@positions"] = positions[last].contiguous()
+        return out
+
+    def release(self, rid: str) -> None:
+        self.requests.pop(rid, None)
+        self._retire(rid)
+
+    def _retire(self, rid: str) -> None:
+        self.retired[rid] = None
+        while len(self.retired) > 4096:
+            self.retired.popitem(last=False)
+
+    def stats(self) -> dict[str, int]:
+        """How many requests hold state in this worker (for leak checks)."""
+        return {"live_requests": len(self.requests)}
+
+    def decode(self, residuals: torch.Tensor) -> torch.Tensor:
+        """Final norm + the served unembedding (gathered over tensor-parallel ranks)."""
+        param = next(self.model.parameters())
+        norm = _get(self.model, self.family.final_norm)
+        with torch.inference_mode():
+            x = residuals.to(device=param.device, dtype=param.dtype)
+            logits = self.model.compute_logits(norm(x))  # type: ignore[operator]
+        return logits.to("cpu", torch.float32)
