@@ -78,3 +78,42 @@ def vllm_model_path(family: str) -> pathlib.Path:
     from interp_eager.testing import build_tiny_model
 
     return build_tiny_model(family, MODELS / f"{family}-vllm", **VLLM_SHAPE)
+
+
+@functools.cache
+def hf_for(path: pathlib.Path) -> Any:
+    """The HF oracle (eager attention, fp32) for any local model directory."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+
+
+VLLM_ENGINE_ARGS: dict[str, dict[str, Any]] = {
+    # llama's engine also forces chunked prefill: prompts over 64 tokens take several steps
+    "llama": {"max_num_batched_tokens": 64},
+    # prefix caching is off by default on vLLM's CPU platform; qwen2's engine turns it on
+    "qwen2": {"enable_prefix_caching": True},
+}
+
+
+@pytest.fixture(scope="session")
+def vllm_engines() -> Any:
+    """``get(family, **engine_args)``: one started vLLM engine per (family, args) for the whole
+    session, behind its sync facade (the facade's loop owns the engine); all shut down at the end."""
+    from interp_engine import load_model, sync_model
+
+    started: dict[tuple[str, tuple[tuple[str, Any], ...]], Any] = {}
+
+    def get(family: str, **engine_args: Any) -> Any:
+        args = {**VLLM_ENGINE_ARGS.get(family, {}), **engine_args}
+        key = (family, tuple(sorted(args.items())))
+        if key not in started:
+            model = load_model(vllm_model_path(family), backend="vllm", **args)
+            facade = sync_model(model)
+            facade.warmup()
+            started[key] = facade
+        return started[key]
+
+    yield get
+    for facade in started.values():
+        facade.shutdown()

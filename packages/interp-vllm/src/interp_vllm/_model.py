@@ -29,8 +29,8 @@ from interp_engine import (
     ModelClosed,
     ModelInfo,
     ModelLoadError,
-    StreamStep,
     SteeringSpec,
+    StreamStep,
     Write,
 )
 from interp_engine.validation import (
