@@ -5,5 +5,5 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check packages tests bench
 .venv/bin/ruff format --check packages tests bench
-.venv/bin/python -m mypy packages/interp-core/src packages/interp-eager/src
+.venv/bin/python -m mypy packages/interp-core/src packages/interp-eager/src packages/interp-vllm/src
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

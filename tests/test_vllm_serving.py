@@ -4,6 +4,7 @@ cancellation, and the free functions."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any
 
@@ -70,15 +71,14 @@ def test_concurrent_generations_with_specs_equal_their_solo_runs(vllm_engines: A
 
     async def together() -> list[Any]:
         return await asyncio.gather(
-            *(
-                model.capture_generation(ids, points, max_tokens=5, steering_spec=s, ignore_eos=True)
-                for ids, s in jobs
-            )
+            *(model.capture_generation(ids, points, max_tokens=5, steering_spec=s, ignore_eos=True) for ids, s in jobs)
         )
 
     batched = facade.run(together)
     for (ids, spec), (completion, acts) in zip(jobs, batched, strict=True):
-        alone_completion, alone = facade.capture_generation(ids, points, max_tokens=5, steering_spec=spec, ignore_eos=True)
+        alone_completion, alone = facade.capture_generation(
+            ids, points, max_tokens=5, steering_spec=spec, ignore_eos=True
+        )
         assert completion.token_ids == alone_completion.token_ids
         assert rel_diff(acts[points[0]], alone[points[0]]) <= TOL
 
@@ -144,10 +144,8 @@ def test_cancelling_a_call_aborts_its_request_and_frees_its_state(vllm_engines: 
         )
         await asyncio.sleep(0.5)
         task.cancel()
-        try:
+        with contextlib.suppress(asyncio.CancelledError):
             await task
-        except asyncio.CancelledError:
-            pass
 
     facade.run(cancel_midway)
     engine = model._engine

@@ -265,7 +265,8 @@ def make_config(
 ) -> PreTrainedConfig:
     """The tiny fp32 config for ``family``, with the vocabulary size and special ids of ``tokenizer``.
 
-    ``n_heads = d_model // head_dim`` (vLLM's CPU attention kernels need ``head_dim >= 32``); ``sliding_window`` (mistral, gemma2, gemma3_text) defaults to ``max_positions``,
+    ``n_heads = d_model // head_dim`` (vLLM's CPU attention kernels need ``head_dim >= 32``);
+    ``sliding_window`` (mistral, gemma2, gemma3_text) defaults to ``max_positions``,
     i.e. inert for sequences the model accepts.
     """
     if family not in _CONFIGS:

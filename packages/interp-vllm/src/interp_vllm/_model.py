@@ -9,6 +9,7 @@ captured for it with ``collective_rpc``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import gc
 import os
@@ -258,7 +259,9 @@ class VllmModel:
             }
         }
 
-    async def _outputs(self, engine: Any, ids: list[int], params: Any, rid: str, salt: str | None) -> AsyncIterator[Any]:
+    async def _outputs(
+        self, engine: Any, ids: list[int], params: Any, rid: str, salt: str | None
+    ) -> AsyncIterator[Any]:
         """The request's outputs; aborts it in vLLM if the caller stops early or is cancelled."""
         from vllm.inputs import TokensPrompt
 
@@ -300,10 +303,8 @@ class VllmModel:
 
     async def _release(self, engine: Any, rid: str) -> None:
         if not self._closed:
-            try:
+            with contextlib.suppress(Exception):  # the engine is going away; nothing left to free
                 await engine.collective_rpc("interp_release", args=(rid,))
-            except Exception:  # the engine is going away; nothing left to free
-                pass
 
     def _prepare(
         self, token_ids: Sequence[int], points: Iterable[Any], spec: SteeringSpec | None, extra: int

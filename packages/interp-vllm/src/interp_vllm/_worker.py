@@ -377,9 +377,7 @@ class TapManager:
         hidden = output[0] if isinstance(output, tuple) else output
         for sl in members:
             if Address("final_norm") in sl.taps.points:
-                sl.taps.values[Address("final_norm")].append(
-                    (sl.positions, _copy(hidden[sl.start : sl.end]))
-                )
+                sl.taps.values[Address("final_norm")].append((sl.positions, _copy(hidden[sl.start : sl.end])))
         for sl in members:  # every rank computes logits (a collective under tensor parallelism)
             if Address("logits") in sl.taps.points:
                 logits = self.model.compute_logits(hidden[sl.start : sl.end])  # type: ignore[operator]
@@ -428,5 +426,5 @@ class TapManager:
         norm = _get(self.model, self.family.final_norm)
         with torch.inference_mode():
             x = residuals.to(device=param.device, dtype=param.dtype)
-            logits = self.model.compute_logits(norm(x))  # type: ignore[operator]
+            logits: torch.Tensor = self.model.compute_logits(norm(x))  # type: ignore[operator]
         return logits.to("cpu", torch.float32)
