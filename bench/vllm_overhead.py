@@ -1,0 +1,147 @@
+"""What the vllm backend's taps cost while vLLM batches a real workload.
+
+    python bench/vllm_overhead.py [--rounds 3] [--prompts 64] [--quick]
+
+One engine (the backend's defaults: V1 runner, eager mode) serves a GPT-2-shaped model
+(12 layers x 768, random weights, built locally). The workload is ``--prompts`` prompts of
+64-256 random tokens, each generating 32 tokens, all submitted at once. In one process, with the
+variants alternating round by round:
+
+- ``plain``: the same engine's own ``AsyncLLM.generate``, no interp payload (the plugin only
+  checks the step for tapped requests);
+- ``capture_1``: ``capture_generation`` of ``resid_post.6``;
+- ``capture_all``: ``capture_generation`` of every layer's ``resid_post``;
+- ``steer_1``: ``generate`` with an ``add`` at ``resid_post.6``.
+
+Throughput is generated tokens per second (median over rounds), reported relative to
+``plain``. Then 32 prompt captures are run concurrently and one after another. Ends with
+``RESULT <name> <ratio> (target <t>)`` lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import pathlib
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import torch
+
+from interp_engine import Address, SteeringSpec, Write, load_model
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+GEN_TOKENS = 32
+
+
+def build_model() -> pathlib.Path:
+    from interp_eager.testing import build_tiny_model
+
+    return build_tiny_model(
+        "gpt2", ROOT / ".cache" / "bench-vllm-gpt2", n_layers=12, d_model=768, head_dim=64, max_positions=512
+    )
+
+
+def make_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(64, 257, (n,), generator=gen).tolist()
+    return [torch.randint(3, vocab, (length,), generator=gen).tolist() for length in lengths]
+
+
+async def plain_run(model: Any, prompts: list[list[int]]) -> int:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = model._engine
+    params = SamplingParams(max_tokens=GEN_TOKENS, temperature=0.0, ignore_eos=True)
+
+    async def one(ids: list[int]) -> int:
+        final = None
+        async for out in engine.generate(TokensPrompt(prompt_token_ids=ids), params, f"plain-{uuid.uuid4().hex}"):
+            final = out
+        return len(final.outputs[0].token_ids) if final else 0
+
+    return sum(await asyncio.gather(*(one(p) for p in prompts)))
+
+
+async def capture_run(model: Any, prompts: list[list[int]], points: list[Address]) -> int:
+    results = await asyncio.gather(
+        *(model.capture_generation(p, points, max_tokens=GEN_TOKENS, ignore_eos=True) for p in prompts)
+    )
+    return sum(len(completion.token_ids) for completion, _ in results)
+
+
+async def steer_run(model: Any, prompts: list[list[int]], spec: SteeringSpec) -> int:
+    results = await asyncio.gather(
+        *(model.generate(p, max_tokens=GEN_TOKENS, steering_spec=spec, ignore_eos=True) for p in prompts)
+    )
+    return sum(len(c.token_ids) for c in results)
+
+
+async def timed(run: Callable[[], Awaitable[int]]) -> float:
+    start = time.perf_counter()
+    tokens = await run()
+    return tokens / (time.perf_counter() - start)
+
+
+async def main(args: argparse.Namespace) -> int:
+    path = build_model()
+    model = load_model(path, backend="vllm", max_model_len=512)
+    await model.warmup()
+    info = model.info
+    prompts = make_prompts(args.prompts, info.vocab_size)
+    middle = info.n_layers // 2
+    spec = SteeringSpec([Write(Address("resid_post", middle), torch.randn(info.d_model), op="add", scale=2.0)])
+    variants: dict[str, Callable[[], Awaitable[int]]] = {
+        "plain": lambda: plain_run(model, prompts),
+        "capture_1": lambda: capture_run(model, prompts, [Address("resid_post", middle)]),
+        "capture_all": lambda: capture_run(model, prompts, [Address("resid_post", i) for i in range(info.n_layers)]),
+        "steer_1": lambda: steer_run(model, prompts, spec),
+    }
+    await timed(variants["plain"])  # warm-up of every path
+    await timed(variants["capture_1"])
+    rates: dict[str, list[float]] = {name: [] for name in variants}
+    for round_index in range(args.rounds):
+        order = list(variants) if round_index % 2 == 0 else list(reversed(variants))
+        for name in order:
+            rates[name].append(await timed(variants[name]))
+        print(f"round {round_index + 1}: " + ", ".join(f"{n} {rates[n][-1]:.1f} tok/s" for n in variants), flush=True)
+
+    point = [Address("resid_post", middle)]
+    few = prompts[:32]
+    start = time.perf_counter()
+    await asyncio.gather(*(model.capture(p, point) for p in few))
+    concurrent = time.perf_counter() - start
+    start = time.perf_counter()
+    for p in few:
+        await model.capture(p, point)
+    sequential = time.perf_counter() - start
+    await model.shutdown()
+
+    median = {name: statistics.median(values) for name, values in rates.items()}
+    print()
+    print(f"{'variant':<12} {'tok/s (median)':>15} {'vs plain':>9}")
+    for name, rate in median.items():
+        print(f"{name:<12} {rate:>15.1f} {rate / median['plain']:>9.3f}")
+    print(f"32 captures: concurrent {concurrent:.2f} s, sequential {sequential:.2f} s")
+    print()
+    print(f"RESULT capture_1_vs_plain {median['capture_1'] / median['plain']:.3f} (target 0.95)")
+    print(f"RESULT capture_all_vs_plain {median['capture_all'] / median['plain']:.3f} (target 0.60)")
+    print(f"RESULT steer_1_vs_plain {median['steer_1'] / median['plain']:.3f} (target 0.95)")
+    print(f"RESULT concurrent_vs_sequential {sequential / concurrent:.2f} (target 8.00)")
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--quick", action="store_true", help="1 round of 16 prompts (a smoke test)")
+    ns = parser.parse_args()
+    if ns.quick:
+        ns.rounds, ns.prompts = 1, 16
+    sys.exit(asyncio.run(main(ns)))
