@@ -108,7 +108,7 @@ class RequestTaps:
         return set(self.points) | set(self.writes)
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity
 class _Slice:
     """A request's rows in this step's flattened batch."""
 
