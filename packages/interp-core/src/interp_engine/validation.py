@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ._address import KINDS, Address, AddressLike, as_address
-from ._errors import ContextTooLong, InvalidSteering, InvalidTokens, UnsupportedAddress
+from ._errors import ContextTooLong, InvalidActivations, InvalidSteering, InvalidTokens, UnsupportedAddress
 from ._protocol import ModelInfo
 from ._steering import SteeringSpec, Write
 
@@ -145,3 +145,14 @@ def check_write_shapes(writes: Sequence[Write], n_prompt: int, n_total: int) -> 
                 f"selects {len(positions)} positions ({write.positions!r}); give one row per "
                 "position or a single [width] vector"
             )
+
+
+def check_residuals(acts: Any, info: ModelInfo) -> torch.Tensor:
+    """A tensor of residual-stream vectors ``[..., d_model]`` to decode, or ``InvalidActivations``."""
+    if not isinstance(acts, torch.Tensor):
+        raise InvalidActivations(f"decode_residuals takes a tensor [..., d_model], got {type(acts).__name__}")
+    if acts.dim() == 0 or acts.shape[-1] != info.d_model:
+        raise InvalidActivations(
+            f"decode_residuals takes residual-stream vectors of width {info.d_model}, got shape {list(acts.shape)}"
+        )
+    return acts

@@ -17,7 +17,6 @@ from torch import nn
 from interp_engine import (
     Address,
     Completion,
-    InvalidActivations,
     InvalidOption,
     ModelClosed,
     ModelInfo,
@@ -27,8 +26,10 @@ from interp_engine import (
     UnsupportedAddress,
     Write,
 )
+from interp_engine.tokens import TextPieces, TokenizerMixin, pad_rows
 from interp_engine.validation import (
     check_max_tokens,
+    check_residuals,
     check_spec,
     check_token_ids,
     check_write_shapes,
@@ -122,7 +123,7 @@ def _in_width(module: nn.Module) -> int:
     raise UnsupportedAddress("cannot read the MLP width of this model", address="mlp_post")
 
 
-class EagerModel:
+class EagerModel(TokenizerMixin):
     """A HuggingFace causal LM served through the interp-engine async protocol.
 
     Forwards run on a worker thread (the event loop stays free) one at a time, each with only
@@ -158,8 +159,6 @@ class EagerModel:
         if eos is None:
             eos = getattr(config, "eos_token_id", None)
         self._eos = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
-        pad = getattr(tokenizer, "pad_token_id", None)
-        self._pad_id = pad if pad is not None else (getattr(tokenizer, "eos_token_id", None) or 0)
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="interp-eager")
         self._closed = False
@@ -196,38 +195,6 @@ class EagerModel:
         except RuntimeError:  # the executor was shut down between the check and the call
             raise ModelClosed("this model was shut down; load it again") from None
         return await future
-
-    # -- tokens -------------------------------------------------------------------------
-    def to_tokens(self, text: str | Sequence[str]) -> torch.Tensor:
-        """Ids ``[1, n]`` of a text (the tokenizer's own special tokens, e.g. BOS, included);
-        a list of texts gives ``[batch, n_max]``, right-padded with the pad token."""
-        texts = [text] if isinstance(text, str) else list(text)
-        rows = [self.tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts]
-        return self._pad(rows)[0]
-
-    def to_string(self, tokens: Any) -> str | list[str]:
-        if isinstance(tokens, torch.Tensor) and tokens.dim() == 2:
-            return [str(self.tokenizer.decode(row.tolist())) for row in tokens]
-        if isinstance(tokens, int):
-            tokens = [tokens]
-        ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
-        return str(self.tokenizer.decode(ids))
-
-    def to_str_tokens(self, tokens: Any) -> list[str]:
-        if isinstance(tokens, str):
-            tokens = self.to_tokens(tokens)[0]
-        if isinstance(tokens, torch.Tensor):
-            tokens = tokens.reshape(-1).tolist()
-        return [str(self.tokenizer.decode([int(t)])) for t in tokens]
-
-    def _pad(self, rows: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        longest = max(len(r) for r in rows)
-        ids = torch.full((len(rows), longest), int(self._pad_id), dtype=torch.long)
-        mask = torch.zeros((len(rows), longest), dtype=torch.long)
-        for i, row in enumerate(rows):
-            ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-            mask[i, : len(row)] = 1
-        return ids, mask
 
     # -- one forward --------------------------------------------------------------------
     @contextlib.contextmanager
@@ -292,7 +259,7 @@ class EagerModel:
         self, rows: list[list[int]], addresses: list[Address], writes: list[Write]
     ) -> dict[Address, torch.Tensor]:
         lengths = [len(r) for r in rows]
-        ids, mask = self._pad(rows)
+        ids, mask = pad_rows(rows, self.pad_id)
         hooked = [a for a in addresses if a != _LOGITS]
         plan = Plan(self.arch, hooked, writes, lengths, stop_early=_LOGITS not in addresses)
         padded = not bool(mask.all())
@@ -402,10 +369,7 @@ class EagerModel:
 
     def _completion(self, tokens: list[int], sampling: Sampling) -> Completion:
         stopped = bool(tokens) and tokens[-1] in self._eos and not sampling.ignore_eos
-        return Completion(list(tokens), self._text(tokens), "stop" if stopped else "length")
-
-    def _text(self, tokens: list[int]) -> str:
-        return str(self.tokenizer.decode(tokens, skip_special_tokens=True))
+        return Completion(list(tokens), self.completion_text(tokens), "stop" if stopped else "length")
 
     async def generate(
         self,
@@ -457,18 +421,12 @@ class EagerModel:
         if isinstance(n_logprobs, bool) or not isinstance(n_logprobs, int) or n_logprobs < 0:
             raise InvalidOption(f"n_logprobs must be an int >= 0, got {n_logprobs!r}")
         prompt, chosen, _, plan_for = self._prepare_generation(token_ids, [], max_tokens, steering_spec, sampling)
-        tokens: list[int] = []
-        text = ""
+        pieces = TextPieces(self.completion_text)
+        count = 0
         async for token, logits, _ in self._decode(prompt, max_tokens, chosen, plan_for):
-            tokens.append(token)
-            full = self._text(tokens)
-            last = len(tokens) == max_tokens or (token in self._eos and not chosen.ignore_eos)
-            piece = ""
-            # hold back a piece that ends inside a multi-byte character until it is complete
-            if last or not full.endswith("\ufffd"):
-                piece = full[len(text) :] if full.startswith(text) else full
-                text = full
-            yield StreamStep(token, piece, top_logprobs(logits, n_logprobs))
+            count += 1
+            last = count == max_tokens or (token in self._eos and not chosen.ignore_eos)
+            yield StreamStep(token, pieces.add(token, last=last), top_logprobs(logits, n_logprobs))
 
     # -- logit lens ---------------------------------------------------------------------
     async def decode_residuals(
@@ -477,20 +435,10 @@ class EagerModel:
         """Final norm + unembedding of residual vectors ``[..., d_model]`` (a dict is decoded
         value by value); on the last layer's ``resid_post`` this is the model's own logits."""
         if isinstance(acts, Mapping):
-            checked_map = {a: self._check_residuals(t) for a, t in acts.items()}
+            checked_map = {a: check_residuals(t, self.info) for a, t in acts.items()}
             return await self._run(lambda: {a: self._decode_sync(t) for a, t in checked_map.items()})
-        checked = self._check_residuals(acts)
+        checked = check_residuals(acts, self.info)
         return await self._run(lambda: self._decode_sync(checked))
-
-    def _check_residuals(self, acts: Any) -> torch.Tensor:
-        if not isinstance(acts, torch.Tensor):
-            raise InvalidActivations(f"decode_residuals takes a tensor [..., d_model], got {type(acts).__name__}")
-        if acts.dim() == 0 or acts.shape[-1] != self.info.d_model:
-            raise InvalidActivations(
-                f"decode_residuals takes residual-stream vectors of width {self.info.d_model}, "
-                f"got shape {list(acts.shape)}"
-            )
-        return acts
 
     def _decode_sync(self, acts: torch.Tensor) -> torch.Tensor:
         param = next(self.hf_model.parameters())

@@ -25,7 +25,6 @@ from interp_engine import (
     BackendError,
     Completion,
     ForeignEventLoop,
-    InvalidActivations,
     InvalidOption,
     ModelClosed,
     ModelInfo,
@@ -34,8 +33,10 @@ from interp_engine import (
     StreamStep,
     Write,
 )
+from interp_engine.tokens import TextPieces, TokenizerMixin
 from interp_engine.validation import (
     check_max_tokens,
+    check_residuals,
     check_spec,
     check_token_ids,
     check_write_shapes,
@@ -79,7 +80,7 @@ def _engine_fields() -> set[str]:
     return {f.name for f in dataclasses.fields(AsyncEngineArgs)}
 
 
-class VllmModel:
+class VllmModel(TokenizerMixin):
     """A model served by vLLM with interp-engine taps in its model runner.
 
     The engine is built on the first ``warmup()`` or request, on the running event loop, and
@@ -141,35 +142,6 @@ class VllmModel:
     def __repr__(self) -> str:
         state = "closed" if self._closed else "running" if self._engine is not None else "not started"
         return f"<VllmModel {self.info.architecture} {self.path!r} ({state})>"
-
-    # -- tokens ---------------------------------------------------------------------------
-    def to_tokens(self, text: str | Sequence[str]) -> torch.Tensor:
-        texts = [text] if isinstance(text, str) else list(text)
-        rows = [self.tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts]
-        pad = self.tokenizer.pad_token_id
-        pad = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
-        out = torch.full((len(rows), max(len(r) for r in rows)), int(pad), dtype=torch.long)
-        for i, row in enumerate(rows):
-            out[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-        return out
-
-    def to_string(self, tokens: Any) -> str | list[str]:
-        if isinstance(tokens, torch.Tensor) and tokens.dim() == 2:
-            return [str(self.tokenizer.decode(row.tolist())) for row in tokens]
-        if isinstance(tokens, int):
-            tokens = [tokens]
-        ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
-        return str(self.tokenizer.decode(ids))
-
-    def to_str_tokens(self, tokens: Any) -> list[str]:
-        if isinstance(tokens, str):
-            tokens = self.to_tokens(tokens)[0]
-        if isinstance(tokens, torch.Tensor):
-            tokens = tokens.reshape(-1).tolist()
-        return [str(self.tokenizer.decode([int(t)])) for t in tokens]
-
-    def _text(self, tokens: list[int]) -> str:
-        return str(self.tokenizer.decode(tokens, skip_special_tokens=True))
 
     # -- the engine ------------------------------------------------------------------------
     async def _ready(self) -> Any:
@@ -400,7 +372,7 @@ class VllmModel:
                 await self._release(engine, rid)
         kept = tokens[:keep]
         stopped = stop_at_eos and bool(kept) and kept[-1] in self._eos
-        completion = Completion(kept, self._text(kept), "stop" if stopped else "length")
+        completion = Completion(kept, self.completion_text(kept), "stop" if stopped else "length")
         return completion, {requested: values[address] for requested, address in mapping.items()}
 
     async def generate(
@@ -414,7 +386,7 @@ class VllmModel:
         """A completion (greedy unless ``temperature``/``top_k``/``top_p``/``seed`` say otherwise)."""
         kept = [step.token_id async for step in self._steps(token_ids, max_tokens, 0, steering_spec, sampling)]
         stopped = not sampling.get("ignore_eos", False) and bool(kept) and kept[-1] in self._eos
-        return Completion(kept, self._text(kept), "stop" if stopped else "length")
+        return Completion(kept, self.completion_text(kept), "stop" if stopped else "length")
 
     async def stream(
         self,
@@ -451,25 +423,17 @@ class VllmModel:
         if writes:
             extra["extra_args"] = self._payload(rid, [], writes, len(ids), len(ids) + max_tokens)
         params = self._sampling(max_tokens, dict(sampling), **extra)
-        tokens: list[int] = []
-        text = ""
+        pieces = TextPieces(self.completion_text)
         try:
             async for output in self._outputs(engine, ids, params, rid, None):
                 choice = output.outputs[0]
                 for i, token in enumerate(choice.token_ids):
-                    tokens.append(token)
-                    full = self._text(tokens)
                     last = output.finished and i == len(choice.token_ids) - 1
-                    piece = ""
-                    if last or not full.endswith("\ufffd"):
-                        piece = full[len(text) :] if full.startswith(text) else full
-                        text = full
                     top: list[tuple[int, float]] = []
                     if n_logprobs and choice.logprobs:
-                        entries = choice.logprobs[i]
-                        ranked = sorted(entries.items(), key=lambda kv: -kv[1].logprob)
+                        ranked = sorted(choice.logprobs[i].items(), key=lambda kv: -kv[1].logprob)
                         top = [(int(t), float(lp.logprob)) for t, lp in ranked[:n_logprobs]]
-                    yield StreamStep(int(token), piece, top)
+                    yield StreamStep(int(token), pieces.add(int(token), last=last), top)
         finally:
             if writes:
                 await self._release(engine, rid)
@@ -485,13 +449,7 @@ class VllmModel:
         return await self._decode_one(acts)
 
     async def _decode_one(self, acts: Any) -> torch.Tensor:
-        if not isinstance(acts, torch.Tensor):
-            raise InvalidActivations(f"decode_residuals takes a tensor [..., d_model], got {type(acts).__name__}")
-        if acts.dim() == 0 or acts.shape[-1] != self.info.d_model:
-            raise InvalidActivations(
-                f"decode_residuals takes residual-stream vectors of width {self.info.d_model}, "
-                f"got shape {list(acts.shape)}"
-            )
+        check_residuals(acts, self.info)
         engine = await self._ready()
         flat = acts.detach().to("cpu", torch.float32).reshape(-1, self.info.d_model).contiguous()
         blobs = await engine.collective_rpc("interp_decode", args=(_pack({"residuals": flat}),))

@@ -1,0 +1,84 @@
+"""Tokenizer plumbing shared by backends that serve a HuggingFace tokenizer.
+
+Duck-typed on the tokenizer (``__call__``, ``decode``, ``pad_token_id``, ``eos_token_id``), so
+the core still imports no ``transformers``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+
+def pad_rows(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad id lists into ``(ids [batch, n_max], attention mask [batch, n_max])``."""
+    longest = max(len(r) for r in rows)
+    ids = torch.full((len(rows), longest), int(pad_id), dtype=torch.long)
+    mask = torch.zeros((len(rows), longest), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = torch.tensor(list(row), dtype=torch.long)
+        mask[i, : len(row)] = 1
+    return ids, mask
+
+
+class TokenizerMixin:
+    """``to_tokens`` / ``to_string`` / ``to_str_tokens`` over ``self.tokenizer``."""
+
+    tokenizer: Any
+
+    @property
+    def pad_id(self) -> int:
+        """The pad token, else end-of-sequence, else 0 (padding is always masked or cut)."""
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        if pad is None:
+            pad = getattr(self.tokenizer, "eos_token_id", None)
+        return int(pad or 0)
+
+    def to_tokens(self, text: str | Sequence[str]) -> torch.Tensor:
+        """Ids ``[1, n]`` of a text (the tokenizer's own special tokens, e.g. BOS, included);
+        a list of texts gives ``[batch, n_max]``, right-padded with the pad token."""
+        texts = [text] if isinstance(text, str) else list(text)
+        rows = [self.tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts]
+        return pad_rows(rows, self.pad_id)[0]
+
+    def to_string(self, tokens: Any) -> str | list[str]:
+        """The text of ids (a 2-D tensor gives one string per row)."""
+        if isinstance(tokens, torch.Tensor) and tokens.dim() == 2:
+            return [str(self.tokenizer.decode(row.tolist())) for row in tokens]
+        if isinstance(tokens, int):
+            tokens = [tokens]
+        ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
+        return str(self.tokenizer.decode(ids))
+
+    def to_str_tokens(self, tokens: Any) -> list[str]:
+        """One string per token, of a text or of ids."""
+        if isinstance(tokens, str):
+            tokens = self.to_tokens(tokens)[0]
+        if isinstance(tokens, torch.Tensor):
+            tokens = tokens.reshape(-1).tolist()
+        return [str(self.tokenizer.decode([int(t)])) for t in tokens]
+
+    def completion_text(self, tokens: Sequence[int]) -> str:
+        """The text of generated ids, special tokens skipped (as vLLM reports it)."""
+        return str(self.tokenizer.decode(list(tokens), skip_special_tokens=True))
+
+
+class TextPieces:
+    """Incremental detokenization for streams: each new token's piece of the text, holding back
+    a piece that ends inside a multi-byte character until the character is complete."""
+
+    def __init__(self, decode: Any) -> None:
+        self._decode = decode
+        self._tokens: list[int] = []
+        self._text = ""
+
+    def add(self, token: int, *, last: bool) -> str:
+        self._tokens.append(token)
+        full = str(self._decode(self._tokens))
+        if not last and full.endswith("\ufffd"):
+            return ""
+        piece = full[len(self._text) :] if full.startswith(self._text) else full
+        self._text = full
+        return piece
