@@ -31,6 +31,7 @@ from interp_engine import (
     ModelLoadError,
     SteeringSpec,
     StreamStep,
+    UnsupportedArchitecture,
     Write,
 )
 from interp_engine.tokens import TextPieces, TokenizerMixin
@@ -74,6 +75,19 @@ def _is_cpu_platform() -> bool:
     return bool(current_platform.is_cpu())
 
 
+def _check_cpu_head_size(config: Any) -> None:
+    """vLLM's CPU attention kernels take a fixed set of head sizes; say so before starting."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    sizes = CPUAttentionBackend.get_supported_head_sizes()
+    if head not in sizes:
+        raise UnsupportedArchitecture(
+            f"vLLM's CPU attention kernels support head sizes {sizes}; this model's is {head}. "
+            "Use the eager backend for it on this machine."
+        )
+
+
 def _engine_fields() -> set[str]:
     from vllm.engine.arg_utils import AsyncEngineArgs
 
@@ -111,8 +125,10 @@ class VllmModel(TokenizerMixin):
             raise ModelLoadError(f"cannot read a model config and tokenizer from {name_or_path!r}: {exc}") from exc
         self.family = family_for(config)
         self.config = config
-        defaults = dict(ENGINE_DEFAULTS)
         self._cpu = _is_cpu_platform()
+        if self._cpu:
+            _check_cpu_head_size(config)
+        defaults = dict(ENGINE_DEFAULTS)
         if self._cpu:
             defaults.update(CPU_ENGINE_DEFAULTS)
         self.engine_kwargs: dict[str, Any] = {**defaults, **options}
