@@ -26,6 +26,7 @@ from interp_engine import (
     Completion,
     ForeignEventLoop,
     InvalidOption,
+    InvalidTokens,
     ModelClosed,
     ModelInfo,
     ModelLoadError,
@@ -135,7 +136,13 @@ class VllmModel(TokenizerMixin):
         n_heads = int(config.num_attention_heads)
         d_model = int(config.hidden_size)
         d_mlp = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * d_model
-        max_len = self.engine_kwargs.get("max_model_len") or getattr(config, "max_position_embeddings", None)
+        model_max = getattr(config, "max_position_embeddings", None)
+        max_len = self.engine_kwargs.get("max_model_len") or model_max
+        if max_len is not None and (not isinstance(max_len, int) or max_len < 1 or (model_max and max_len > model_max)):
+            raise InvalidOption(
+                f"max_model_len must be a positive int no larger than the model's {model_max} positions, "
+                f"got {max_len!r}"
+            )
         self.info = ModelInfo(
             architecture=str(config.model_type),
             n_layers=int(config.num_hidden_layers),
@@ -188,8 +195,13 @@ class VllmModel(TokenizerMixin):
 
         for name, value in {**ENV_DEFAULTS, **(CPU_ENV_DEFAULTS if self._cpu else {})}.items():
             os.environ.setdefault(name, value)
+        # vLLM must be able to sample one token after the prompt, so a prompt of exactly n_ctx
+        # tokens needs max_model_len = n_ctx + 1. No position >= n_ctx is ever computed: the
+        # front end checks every request against n_ctx.
+        os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+        kwargs = {**self.engine_kwargs, "max_model_len": self.info.n_ctx + 1}
         try:
-            args = AsyncEngineArgs(model=self.path, **self.engine_kwargs)
+            args = AsyncEngineArgs(model=self.path, **kwargs)
             engine = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         except (TypeError, ValueError) as exc:
             raise InvalidOption(f"vLLM rejected the engine arguments: {exc}") from exc
@@ -231,9 +243,11 @@ class VllmModel(TokenizerMixin):
                 f"unknown generation option(s) {', '.join(unknown)}; valid: {', '.join(SAMPLING_OPTIONS)}"
             )
         values = {"temperature": 0.0, **sampling}
+        from vllm.exceptions import VLLMClientError
+
         try:
             return SamplingParams(max_tokens=max_tokens, **values, **extra)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, VLLMClientError) as exc:
             raise InvalidOption(f"invalid sampling parameters: {exc}") from exc
 
     def _payload(self, rid: str, points: Iterable[Address], writes: list[Write], n_prompt: int, n_total: int) -> Any:
@@ -256,11 +270,19 @@ class VllmModel(TokenizerMixin):
         prompt = TokensPrompt(prompt_token_ids=ids)
         if salt is not None:
             prompt["cache_salt"] = salt  # no prefix-cache sharing: every prompt token is computed
+        from vllm.exceptions import VLLMClientError
+
         finished = False
         try:
             async for output in engine.generate(prompt, params, rid):
                 finished = output.finished
                 yield output
+        except VLLMClientError as exc:
+            raise InvalidTokens(f"vLLM rejected the request: {exc}") from exc
+        except Exception as exc:
+            if self._closed:
+                raise ModelClosed("the model was shut down while this call was in flight") from exc
+            raise
         finally:
             if not finished and not self._closed:
                 await engine.abort(rid)
@@ -360,7 +382,7 @@ class VllmModel(TokenizerMixin):
         rid = f"interp-{uuid.uuid4().hex}"
         resolved = list(dict.fromkeys(mapping.values()))
         n = len(ids)
-        limit = min(max_tokens + 1, self.info.n_ctx - n)
+        limit = min(max_tokens + 1, self.info.n_ctx + 1 - n)
         from vllm.sampling_params import RequestOutputKind
 
         params = self._sampling(
@@ -484,10 +506,39 @@ class VllmModel(TokenizerMixin):
             self._closed = True
             engine, self._engine = self._engine, None
         if engine is not None:
+            _fail_in_flight(engine, self._loop)
             _stop_output_handler(engine, self._loop)
+            processes = _engine_processes(engine)
             engine.shutdown()
+            for process in processes:  # vLLM kills a slow engine core but does not reap it
+                process.join(timeout=10)
             del engine
             gc.collect()  # let AsyncLLM.__del__ run now, not during interpreter teardown
+
+
+def _engine_processes(engine: Any) -> list[Any]:
+    resources = getattr(getattr(engine, "engine_core", None), "resources", None)
+    manager = getattr(resources, "engine_manager", None)
+    return list(getattr(manager, "processes", None) or [])
+
+
+def _fail_in_flight(engine: Any, loop: asyncio.AbstractEventLoop | None) -> None:
+    """Wake every request still waiting for output with an error, so calls in flight during
+    shutdown raise ModelClosed instead of waiting for output that will never come."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    processor = getattr(engine, "output_processor", None)
+    if processor is None or loop is None or loop.is_closed():
+        return
+    error = EngineDeadError("the model was shut down")
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:
+        processor.propagate_error(error)
+    else:
+        loop.call_soon_threadsafe(processor.propagate_error, error)
 
 
 def _stop_output_handler(engine: Any, loop: asyncio.AbstractEventLoop | None) -> None:
