@@ -52,18 +52,35 @@ def make_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(3, vocab, (length,), generator=gen).tolist() for length in lengths]
 
 
-async def plain_run(model: Any, prompts: list[list[int]]) -> int:
+async def concurrency(call: Callable[[list[int]], Awaitable[Any]], prompts: list[list[int]]) -> tuple[float, float]:
+    """Seconds for all prompts at once, and one after another."""
+    start = time.perf_counter()
+    await asyncio.gather(*(call(p) for p in prompts))
+    concurrent = time.perf_counter() - start
+    start = time.perf_counter()
+    for p in prompts:
+        await call(p)
+    return concurrent, time.perf_counter() - start
+
+
+async def plain_run(model: Any, prompts: list[list[int]], tokens: int = GEN_TOKENS, salted: bool = False) -> int:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
 
     engine = model._engine
-    params = SamplingParams(max_tokens=GEN_TOKENS, temperature=0.0, ignore_eos=True)
+    # the same request settings the backend uses (delta outputs), minus the interp payload
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
 
     async def one(ids: list[int]) -> int:
-        final = None
-        async for out in engine.generate(TokensPrompt(prompt_token_ids=ids), params, f"plain-{uuid.uuid4().hex}"):
-            final = out
-        return len(final.outputs[0].token_ids) if final else 0
+        count = 0
+        rid = f"plain-{uuid.uuid4().hex}"
+        prompt = TokensPrompt(prompt_token_ids=ids)
+        if salted:  # like a capture: no prefix-cache reuse, every prompt token computed
+            prompt["cache_salt"] = rid
+        async for out in engine.generate(prompt, params, rid):
+            count += len(out.outputs[0].token_ids)
+        return count
 
     return sum(await asyncio.gather(*(one(p) for p in prompts)))
 
@@ -102,8 +119,9 @@ async def main(args: argparse.Namespace) -> int:
         "capture_all": lambda: capture_run(model, prompts, [Address("resid_post", i) for i in range(info.n_layers)]),
         "steer_1": lambda: steer_run(model, prompts, spec),
     }
-    await timed(variants["plain"])  # warm-up of every path
-    await timed(variants["capture_1"])
+    if args.rounds:
+        await timed(variants["plain"])  # warm-up of every path
+        await timed(variants["capture_1"])
     rates: dict[str, list[float]] = {name: [] for name in variants}
     for round_index in range(args.rounds):
         order = list(variants) if round_index % 2 == 0 else list(reversed(variants))
@@ -113,32 +131,31 @@ async def main(args: argparse.Namespace) -> int:
 
     point = [Address("resid_post", middle)]
     few = prompts[:32]
-    start = time.perf_counter()
-    await asyncio.gather(*(model.capture(p, point) for p in few))
-    concurrent = time.perf_counter() - start
-    start = time.perf_counter()
-    for p in few:
-        await model.capture(p, point)
-    sequential = time.perf_counter() - start
+    concurrent, sequential = await concurrency(lambda p: model.capture(p, point), few)
+    # the same 32 prompts through plain vLLM (prefill + one token, no prefix-cache reuse, as a
+    # capture): how much batching buys on this machine at all
+    plain_concurrent, plain_sequential = await concurrency(lambda p: plain_run(model, [p], 1, salted=True), few)
     await model.shutdown()
 
-    median = {name: statistics.median(values) for name, values in rates.items()}
+    median = {name: statistics.median(values) if values else float("nan") for name, values in rates.items()}
     print()
     print(f"{'variant':<12} {'tok/s (median)':>15} {'vs plain':>9}")
     for name, rate in median.items():
         print(f"{name:<12} {rate:>15.1f} {rate / median['plain']:>9.3f}")
     print(f"32 captures: concurrent {concurrent:.2f} s, sequential {sequential:.2f} s")
+    print(f"32 plain vLLM prefills: concurrent {plain_concurrent:.2f} s, sequential {plain_sequential:.2f} s")
     print()
     print(f"RESULT capture_1_vs_plain {median['capture_1'] / median['plain']:.3f} (target 0.95)")
     print(f"RESULT capture_all_vs_plain {median['capture_all'] / median['plain']:.3f} (target 0.60)")
     print(f"RESULT steer_1_vs_plain {median['steer_1'] / median['plain']:.3f} (target 0.95)")
     print(f"RESULT concurrent_vs_sequential {sequential / concurrent:.2f} (target 8.00)")
+    print(f"RESULT plain_vllm_concurrent_vs_sequential {plain_sequential / plain_concurrent:.2f} (target -)")
     return 0
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--quick", action="store_true", help="1 round of 16 prompts (a smoke test)")
     ns = parser.parse_args()
