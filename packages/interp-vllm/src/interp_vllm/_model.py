@@ -347,16 +347,6 @@ class VllmModel(TokenizerMixin):
                 await self._release(engine, rid)
         return {requested: values[address] for requested, address in mapping.items()}
 
-    async def capture_batch(
-        self, rows: Sequence[Sequence[int]], points: Iterable[Any], *, steering_spec: SteeringSpec | None = None
-    ) -> dict[Address, torch.Tensor]:
-        """Several prompts at once, batched by vLLM: ``[batch, n_max, width]``, zero-padded."""
-        from interp_engine._api import pad_rows
-
-        points = list(points)
-        results = await asyncio.gather(*(self.capture(r, points, steering_spec=steering_spec) for r in rows))
-        return pad_rows(results, [len(r) for r in rows])
-
     async def capture_attention(self, token_ids: Sequence[int], layers: Iterable[int]) -> dict[Address, torch.Tensor]:
         """Attention probabilities ``[heads, q, k]``, computed from the post-rotary queries and
         keys vLLM's kernels receive (the kernels never form the pattern)."""
