@@ -1,5 +1,5 @@
-"""The vllm backend against HF ``transformers`` and against the eager backend, on GPT-2, Llama
-and Qwen2: every address, attention patterns, the logit lens, generation and steering."""
+"""The vllm backend against HF ``transformers`` and against the eager backend, on GPT-2, Llama,
+Qwen2 and Qwen3: every address, attention patterns, the logit lens, generation and steering."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from interp_engine import Address, SteeringSpec, Write, load_model, sync_model
 from .conftest import PROMPT, hf_for, rel_diff, vllm_model_path
 
 TOL = 1e-4
-FAMILIES = ("gpt2", "llama", "qwen2")
+FAMILIES = ("gpt2", "llama", "qwen2", "qwen3")
 
 pytestmark = pytest.mark.parametrize("family", FAMILIES)
 
