@@ -327,6 +327,7 @@ ERRORS: dict[str, type[BaseException]] = {
     "UnknownKind": ValueError,
     "LayerOutOfRange": ValueError,
     "UnsupportedAddress": ValueError,
+    "UndeclaredAddress": ValueError,
     "LayerTypeError": TypeError,
     "InvalidTokens": ValueError,
     "ContextTooLong": ValueError,

@@ -7,6 +7,7 @@ Every error is an :class:`InterpError` and also the builtin a Python user would 
     │   ├── UnknownKind                      kind not in the vocabulary
     │   ├── LayerOutOfRange                  layer outside [-n_layers, n_layers)
     │   └── UnsupportedAddress               valid address the backend/model cannot serve
+    │       └── UndeclaredAddress            outside a vllm-static engine's declared taps
     ├── InvalidTokens (ValueError)           empty, out-of-vocabulary or too-long input
     │   └── ContextTooLong                   longer than the model's context window
     ├── InvalidSteering (ValueError)         bad SteeringSpec / Write (width, NaN, shape, op)
@@ -56,6 +57,11 @@ class LayerOutOfRange(InvalidAddress):
 
 class UnsupportedAddress(InvalidAddress):
     """A valid address that this backend or model family cannot serve (or write to)."""
+
+
+class UndeclaredAddress(UnsupportedAddress):
+    """An address outside the taps a ``vllm-static`` engine declared before it was built
+    (``valid`` lists the declared ones)."""
 
 
 class InvalidTokens(InterpError, ValueError):

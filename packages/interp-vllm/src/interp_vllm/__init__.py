@@ -1,6 +1,8 @@
-"""interp-vllm: interp-engine inside vLLM (backend ``vllm``).
+"""interp-vllm: interp-engine inside vLLM (backends ``vllm`` and ``vllm-static``).
 
-Use it through the core: ``interp_engine.load_model(path, backend="vllm", **engine_args)``.
+Use it through the core: ``interp_engine.load_model(path, backend="vllm", **engine_args)``, or
+``backend="vllm-static", static_points=[...], static_writes=[...]`` for taps compiled into
+vLLM's graphs.
 Importing this package does not import vLLM; the model-runner patches load in vLLM's own
 processes through the ``vllm.general_plugins`` entry point.
 """

@@ -16,7 +16,7 @@ import os
 import threading
 import uuid
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -47,7 +47,7 @@ from interp_engine.validation import (
 
 from ._families import family_for
 from ._vllm_entry import _pack, _unpack
-from ._worker import PAYLOAD_KEY
+from ._worker import ERROR_KEY, PAYLOAD_KEY
 
 SAMPLING_OPTIONS = ("ignore_eos", "seed", "temperature", "top_k", "top_p")
 FRONT_END_OPTIONS = ("tokenizer_path",)
@@ -103,6 +103,7 @@ class VllmModel(TokenizerMixin):
     """
 
     backend = "vllm"
+    engine_defaults: ClassVar[dict[str, Any]] = ENGINE_DEFAULTS
 
     def __init__(self, name_or_path: str, options: dict[str, Any]) -> None:
         from transformers import AutoConfig, AutoTokenizer
@@ -129,7 +130,7 @@ class VllmModel(TokenizerMixin):
         self._cpu = _is_cpu_platform()
         if self._cpu:
             _check_cpu_head_size(config)
-        defaults = dict(ENGINE_DEFAULTS)
+        defaults = dict(self.engine_defaults)
         if self._cpu:
             defaults.update(CPU_ENGINE_DEFAULTS)
         self.engine_kwargs: dict[str, Any] = {**defaults, **options}
@@ -199,7 +200,7 @@ class VllmModel(TokenizerMixin):
         # tokens needs max_model_len = n_ctx + 1. No position >= n_ctx is ever computed: the
         # front end checks every request against n_ctx.
         os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
-        kwargs = {**self.engine_kwargs, "max_model_len": self.info.n_ctx + 1}
+        kwargs = {**self._engine_args(), "max_model_len": self.info.n_ctx + 1}
         try:
             args = AsyncEngineArgs(model=self.path, **kwargs)
             engine = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
@@ -215,19 +216,30 @@ class VllmModel(TokenizerMixin):
                 f"the interp-vllm plugin is not loaded in vLLM's workers ({exc}); is interp-vllm "
                 "installed in the environment the workers run in, and not excluded by VLLM_PLUGINS?"
             ) from exc
-        if not all(p.get("patched") for p in pings):
+        problem = self._check_workers(pings)
+        if problem is not None:
             engine.shutdown()
-            runners = sorted({str(p.get("runner")) for p in pings})
-            raise BackendError(
-                f"vLLM is serving with a model runner the taps do not support ({', '.join(runners)}); "
-                "interp-vllm needs the V1 runner (VLLM_USE_V2_MODEL_RUNNER=0)"
-            )
+            raise BackendError(problem)
         self.tp_size = int(pings[0].get("tp_size", 1))
         self._engine = engine
         if self._closed:  # shut down while starting
             engine.shutdown()
             raise ModelClosed("this model was shut down while its engine was starting")
         return engine
+
+    def _engine_args(self) -> dict[str, Any]:
+        """The ``AsyncEngineArgs`` fields this model's engine is built with."""
+        return dict(self.engine_kwargs)
+
+    def _check_workers(self, pings: list[dict[str, Any]]) -> str | None:
+        """Why the started workers cannot serve this model (``None``: they can)."""
+        if not all(p.get("patched") for p in pings):
+            runners = sorted({str(p.get("runner")) for p in pings})
+            return (
+                f"vLLM is serving with a model runner the taps do not support ({', '.join(runners)}); "
+                "interp-vllm needs the V1 runner (VLLM_USE_V2_MODEL_RUNNER=0)"
+            )
+        return None
 
     async def warmup(self) -> None:
         """Build the engine now, on this loop (20-60 s on a CPU), and run one tiny request."""
@@ -288,8 +300,16 @@ class VllmModel(TokenizerMixin):
                 await engine.abort(rid)
 
     async def _fetch(self, engine: Any, rid: str, points: Iterable[Address], n: int) -> dict[Address, torch.Tensor]:
-        blobs = await engine.collective_rpc("interp_fetch", args=(rid,))
+        try:
+            blobs = await engine.collective_rpc("interp_fetch", args=(rid,))
+        except Exception as exc:
+            if self._closed:
+                raise ModelClosed("the model was shut down while this call was in flight") from exc
+            raise BackendError(f"the workers could not return this request's values: {exc}") from exc
         ranks = [_unpack(blob) for blob in blobs]
+        for rank in ranks:
+            if ERROR_KEY in rank:
+                raise BackendError(bytes(rank[ERROR_KEY].tolist()).decode())
         values: dict[Address, torch.Tensor] = {}
         for address in points:
             key = str(address)
@@ -465,6 +485,13 @@ class VllmModel(TokenizerMixin):
         finally:
             if writes:
                 await self._release(engine, rid)
+
+    async def worker_stats(self) -> list[dict[str, int]]:
+        """Per-worker counters: live requests (for leak checks) and vLLM's and Dynamo's
+        compilation counters (constant after warm-up when requests never recompile)."""
+        engine = await self._ready()
+        stats: list[dict[str, int]] = await engine.collective_rpc("interp_stats")
+        return stats
 
     # -- logit lens ------------------------------------------------------------------------
     async def decode_residuals(

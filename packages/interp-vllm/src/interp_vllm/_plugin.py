@@ -1,4 +1,4 @@
-"""Registers the ``vllm`` backend in the ``interp_engine.backends`` entry points."""
+"""Registers the ``vllm`` and ``vllm-static`` backends in the ``interp_engine.backends`` entry points."""
 
 from __future__ import annotations
 
@@ -7,17 +7,22 @@ from typing import Any
 from interp_engine import hookimpl
 
 NAME = "vllm"
+STATIC = "vllm-static"
 
 
 @hookimpl
 def interp_engine_backends() -> list[str]:
-    return [NAME]
+    return [NAME, STATIC]
 
 
 @hookimpl
 def interp_engine_load_model(backend: str, name_or_path: str, options: dict[str, Any]) -> Any:
-    if backend != NAME:
-        return None
-    from ._model import VllmModel
+    if backend == NAME:
+        from ._model import VllmModel
 
-    return VllmModel(name_or_path, options)
+        return VllmModel(name_or_path, options)
+    if backend == STATIC:
+        from ._static_model import StaticVllmModel
+
+        return StaticVllmModel(name_or_path, options)
+    return None

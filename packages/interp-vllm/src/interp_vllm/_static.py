@@ -7,39 +7,129 @@ so everything that changes per request must live in tensors the host fills befor
   allocated before compilation; after the step the host reads each request's real rows.
 - :class:`StaticWrites` applies per-token writes from slot tables: token ``t`` uses slot
   ``index[t]``, and ``x' = x * keep[s] - ablate[s] * (x . u[s]) u[s] + shift[s]``. Slot 0 is the
-  identity (``keep=1``, everything else 0), so an unsteered token is returned bit for bit;
-  ``add`` is a shift, ``set`` is ``keep=0`` plus a shift, ``ablate`` a unit direction and scale.
+  identity and a token at slot 0 gets ``x`` itself back (a ``where``), bit for bit.
+
+Several writes at one address and token compose into one slot (:func:`compose`): ``add`` moves the
+shift, ``set`` makes the slot constant, ``ablate`` sets the direction (two ablations along
+different directions at one token cannot share a slot and are refused).
 
 Both are ``nn.Module`` s whose ``forward`` is pure tensor work: the same objects serve vLLM's
 compiled runner and ``bench/gpu_static_taps.py`` (an HF model under ``torch.cuda.CUDAGraph``).
-The host side (:meth:`StaticWrites.assign`, :meth:`StaticWrites.clear`) runs between steps.
+The host side (slot allocation, :meth:`StaticWrites.fill`, :meth:`StaticWrites.set_index`)
+runs between steps.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-from interp_engine import InvalidSteering, Write
+from interp_engine import Address, InvalidSteering, Write
+from interp_engine.validation import write_positions
 
 
 class StaticTap(nn.Module):
-    """A fixed capture buffer: ``forward(x)`` copies ``x``'s rows in and returns ``x`` untouched."""
+    """A fixed capture buffer: ``forward(x)`` copies ``x``'s rows in and returns ``x`` untouched.
+
+    ``x`` is ``[..., tokens, *row]`` with ``width`` values per token (e.g. ``[n, heads, head]``)."""
 
     buffer: torch.Tensor
 
     def __init__(self, max_tokens: int, width: int, *, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
+        self.width = width
         self.register_buffer("buffer", torch.zeros(max_tokens, width, dtype=dtype, device=device), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
+        rows = x.reshape(-1, self.width)
         self.buffer[: rows.shape[0]].copy_(rows)
         return x
 
     def read(self, start: int, end: int) -> torch.Tensor:
         """Rows ``[start, end)`` of the last step, as a float32 CPU copy."""
         return self.buffer[start:end].to("cpu", torch.float32, copy=True)
+
+
+@dataclass
+class SlotOp:
+    """One slot's affine map ``x -> keep * x - ablate * (x . direction) direction + shift``."""
+
+    keep: float
+    ablate: float
+    direction: torch.Tensor  # unit, or zeros
+    shift: torch.Tensor
+
+    @classmethod
+    def identity(cls, width: int) -> SlotOp:
+        return cls(1.0, 0.0, torch.zeros(width), torch.zeros(width))
+
+
+def compose(steps: Sequence[tuple[Write, torch.Tensor]], width: int) -> SlotOp:
+    """The single slot equal to applying ``(write, vector)`` steps in order (float32, CPU)."""
+    op = SlotOp.identity(width)
+    for write, vector in steps:
+        v = vector.detach().to("cpu", torch.float32).reshape(width) * 1.0
+        if write.op == "add":
+            op.shift = op.shift + write.scale * v
+        elif write.op == "set":
+            op = SlotOp(0.0, 0.0, torch.zeros(width), write.scale * v)
+        else:
+            unit = v / v.norm()
+            c = float(write.scale)
+            if op.ablate == 0.0:
+                op = SlotOp(op.keep, c * op.keep, unit, op.shift - c * (op.shift @ unit) * unit)
+            elif abs(float(op.direction @ unit)) > 1 - 1e-6:  # the same line: ablations stack
+                u = op.direction
+                op = SlotOp(op.keep, op.ablate + c * (op.keep - op.ablate), u, op.shift - c * (op.shift @ u) * u)
+            else:
+                raise InvalidSteering(
+                    f"two ablations along different directions at {write.address} on the same token "
+                    "cannot be combined by vllm-static; apply them at different addresses or use the vllm backend"
+                )
+    return op
+
+
+@dataclass
+class SitePlan:
+    """A request's writes at one address: ``combo[p]`` is the slot op (1-based into ``ops``)
+    position ``p`` uses, 0 where no write touches it."""
+
+    combo: torch.Tensor  # [n_total] long
+    ops: list[SlotOp]
+
+
+def plan_writes(writes: Sequence[Write], n_prompt: int, n_total: int) -> dict[Address, SitePlan]:
+    """Group a request's writes by address and fold each position's writes into one slot op;
+    positions touched by the same writes with the same vector rows share a slot."""
+    plans: dict[Address, SitePlan] = {}
+    for address in dict.fromkeys(w.address for w in writes):
+        here = [w for w in writes if w.address == address]
+        rows = torch.full((len(here), n_total), -1, dtype=torch.long)
+        for i, write in enumerate(here):
+            positions = [p for p in write_positions(write, n_prompt, n_total) if p < n_total]
+            index = torch.tensor(positions, dtype=torch.long)
+            rows[i, index] = torch.arange(len(positions)) if write.vector.dim() == 2 else 0
+        keys, combo = torch.unique(rows, dim=1, return_inverse=True)
+        untouched = (keys == -1).all(0)
+        # renumber: untouched -> 0, the others 1..k in order of first use
+        order = torch.cumsum((~untouched).long(), 0) * (~untouched).long()
+        ops = []
+        width = here[0].vector.shape[-1]
+        for column in range(keys.shape[1]):
+            if untouched[column]:
+                continue
+            steps = [
+                (write, write.vector[int(r)] if write.vector.dim() == 2 else write.vector)
+                for write, r in zip(here, keys[:, column].tolist(), strict=True)
+                if r >= 0
+            ]
+            ops.append(compose(steps, width))
+        if ops:  # writes that touch no position of this sequence (e.g. "generated" in a capture) need nothing
+            plans[address] = SitePlan(order[combo], ops)
+    return plans
 
 
 class StaticWrites(nn.Module):
@@ -63,28 +153,63 @@ class StaticWrites(nn.Module):
         self.register_buffer("direction", torch.zeros(slots, width, dtype=dtype, device=device), persistent=False)
         self.register_buffer("ablate", torch.zeros(slots, dtype=dtype, device=device), persistent=False)
         self.register_buffer("index", torch.zeros(max_tokens, dtype=torch.long, device=device), persistent=False)
-        self._next = 1
+        self._free = list(range(slots - 1, 0, -1))
+        self._dirty = 0  # index rows [0, _dirty) may be non-zero
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
+        rows = x.reshape(-1, self.width)
         slot = self.index[: rows.shape[0]]
         unit = self.direction[slot]
         projection = (rows * unit).sum(-1, keepdim=True)
         out = rows * self.keep[slot].unsqueeze(-1) - (self.ablate[slot].unsqueeze(-1) * projection) * unit
-        return (out + self.shift[slot]).reshape(x.shape)
+        out = out + self.shift[slot]
+        return torch.where((slot != 0).unsqueeze(-1), out, rows).reshape(x.shape)
+
+    def steered(self, n: int) -> torch.Tensor:
+        """``[n, 1]`` bool: which of this step's first ``n`` tokens use a write (in-graph)."""
+        return (self.index[:n] != 0).unsqueeze(-1)
 
     # -- host side, between steps -----------------------------------------------------------
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def allocate(self, count: int) -> list[int]:
+        if count > len(self._free):
+            raise InvalidSteering(f"the write table has {len(self._free)} free slots, {count} are needed")
+        return [self._free.pop() for _ in range(count)]
+
+    def release(self, slots: Sequence[int]) -> None:
+        for slot in slots:
+            self.fill(slot, SlotOp.identity(self.width))
+            self._free.append(slot)
+
+    def fill(self, slot: int, op: SlotOp, part: slice | None = None) -> None:
+        """Write ``op`` into ``slot``; ``part`` picks this shard's columns of its vectors."""
+        part = part or slice(None)
+        self.keep[slot] = op.keep
+        self.ablate[slot] = op.ablate
+        self.direction[slot] = op.direction[part].to(self.direction)
+        self.shift[slot] = op.shift[part].to(self.shift)
+
+    def set_index(self, index: torch.Tensor | None) -> None:
+        """This step's slot per token (``None``: no token is steered)."""
+        n = 0 if index is None else int(index.shape[0])
+        if index is not None and n:
+            self.index[:n].copy_(index, non_blocking=True)
+        if self._dirty > n:
+            self.index[n : self._dirty].zero_()
+        self._dirty = n
+
+    # -- conveniences for a single host-driven table (benchmarks, tests) ---------------------
     def clear(self) -> None:
-        """Every token back to slot 0 and every slot free (call before filling a step)."""
+        """Every token back to slot 0 and every slot free."""
         self.index.zero_()
-        self.keep[1:] = 1
-        self.shift[1:] = 0
-        self.direction[1:] = 0
-        self.ablate[1:] = 0
-        self._next = 1
+        self._dirty = 0
+        self.release([s for s in range(1, self.slots) if s not in self._free])
 
     def assign(self, write: Write, rows: torch.Tensor, vector_rows: torch.Tensor | None = None) -> None:
-        """Point token ``rows`` of this step at ``write``; ``vector_rows[i]`` picks the row of a
+        """Point token ``rows`` at ``write``; ``vector_rows[i]`` picks the row of a
         ``[n, width]`` vector for ``rows[i]`` (one slot per distinct row)."""
         vector = write.vector
         if vector.shape[-1] != self.width:
@@ -93,33 +218,13 @@ class StaticWrites(nn.Module):
             if vector_rows is None:
                 raise InvalidSteering("a [n, width] write needs the vector row of each token")
             distinct, inverse = torch.unique(vector_rows, return_inverse=True)
-            slots = self._take(len(distinct))
+            slots = self.allocate(len(distinct))
             for slot, row in zip(slots, distinct.tolist(), strict=True):
-                self._fill(slot, write, vector[row])
-            self.index[rows.to(self.index.device)] = torch.tensor(slots, device=self.index.device)[
-                inverse.to(self.index.device)
-            ]
-            return
-        (slot,) = self._take(1)
-        self._fill(slot, write, vector)
-        self.index[rows.to(self.index.device)] = slot
-
-    def _take(self, count: int) -> list[int]:
-        if self._next + count > self.slots:
-            raise InvalidSteering(
-                f"this step needs more than the {self.slots - 1} steering slots declared for the site"
-            )
-        taken = list(range(self._next, self._next + count))
-        self._next += count
-        return taken
-
-    def _fill(self, slot: int, write: Write, vector: torch.Tensor) -> None:
-        vector = vector.to(device=self.shift.device, dtype=self.shift.dtype)
-        if write.op == "add":
-            self.shift[slot] = write.scale * vector
-        elif write.op == "set":
-            self.keep[slot] = 0
-            self.shift[slot] = write.scale * vector
+                self.fill(slot, compose([(write, vector[row])], self.width))
+            chosen = torch.tensor(slots)[inverse]
         else:
-            self.direction[slot] = vector / vector.norm()
-            self.ablate[slot] = write.scale
+            (slot,) = self.allocate(1)
+            self.fill(slot, compose([(write, vector)], self.width))
+            chosen = torch.full((len(rows),), slot)
+        self.index[rows.to(self.index.device)] = chosen.to(self.index.device)
+        self._dirty = self.index.shape[0]

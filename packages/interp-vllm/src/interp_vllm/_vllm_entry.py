@@ -1,8 +1,10 @@
 """The ``vllm.general_plugins`` entry point: loaded in every vLLM process, workers included.
 
 It wraps the V1 model runner's ``_model_forward`` (the CPU runner inherits it) so each forward
-runs with the taps of the requests in that step, and adds the RPC methods the front end calls
-through ``collective_rpc``. Safe to call more than once.
+runs with the taps of the requests in that step, wraps ``load_model`` (the GPU runner's and the
+CPU runner's own) so a vllm-static engine gets its fixed taps before vLLM compiles the model,
+and adds the RPC methods the front end calls through ``collective_rpc``. Safe to call more than
+once.
 """
 
 from __future__ import annotations
@@ -19,6 +21,15 @@ def _taps(runner: Any) -> Any:
 
         taps = runner._interp_taps = TapManager(runner)
     return taps
+
+
+def _after_load(runner: Any) -> None:
+    """Install a vllm-static engine's taps right after the model is loaded (before compiling)."""
+    from ._static_worker import StaticTapManager, static_config
+
+    config = static_config(runner)
+    if config is not None:
+        runner._interp_taps = StaticTapManager(runner, config)
 
 
 def _pack(tensors: dict[str, Any]) -> bytes:
@@ -40,6 +51,7 @@ def interp_ping(self: Any) -> dict[str, Any]:
     return {
         "runner": type(runner).__qualname__,
         "patched": bool(getattr(type(runner), PATCHED, False)),
+        "static": type(taps).__name__ == "StaticTapManager",
         "rank": taps.rank,
         "tp_size": taps.tp_size,
     }
@@ -66,6 +78,29 @@ def interp_stats(self: Any) -> dict[str, int]:
     return dict(_taps(self.model_runner).stats())
 
 
+def _runner_classes(base: Any) -> list[Any]:
+    """The GPU runner and the CPU runner, which overrides ``load_model`` without calling it."""
+    classes = [base]
+    try:
+        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    except Exception:  # a CUDA build without the CPU runner
+        return classes
+    return [*classes, CPUModelRunner]
+
+
+def _wrap_load_model(runner_class: Any) -> None:
+    original = runner_class.__dict__.get("load_model")
+    if original is None:
+        return
+
+    def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        _after_load(self)
+        return result
+
+    runner_class.load_model = load_model
+
+
 _RPCS = (interp_ping, interp_fetch, interp_release, interp_decode, interp_stats)
 
 
@@ -82,6 +117,8 @@ def register() -> None:
         return _taps(self).run(lambda *a, **k: original(self, *a, **k), args, kwargs)
 
     GPUModelRunner._model_forward = _model_forward  # type: ignore[method-assign]
+    for runner_class in _runner_classes(GPUModelRunner):
+        _wrap_load_model(runner_class)
     setattr(GPUModelRunner, PATCHED, True)
     for rpc in _RPCS:
         setattr(WorkerBase, rpc.__name__, rpc)

@@ -30,6 +30,8 @@ from interp_engine.validation import write_positions
 from ._families import VllmFamily, family_for
 
 PAYLOAD_KEY = "interp_engine"
+ERROR_KEY = "__error__"
+"""In a fetched request's values: why the worker could not serve it (UTF-8 bytes)."""
 
 
 def _get(root: Any, path: str) -> Any:
@@ -87,6 +89,7 @@ class RequestTaps:
     """One request's points, writes and captured values, for its whole life in the worker."""
 
     def __init__(self, payload: dict[str, Any]) -> None:
+        self.rid = str(payload["id"])
         self.points = [Address.parse(p) for p in payload["points"]]
         self.n_prompt = int(payload["n_prompt"])
         self.n_total = int(payload["n_total"])
@@ -142,6 +145,7 @@ class TapManager:
         self.layers = _get(self.model, self.family.layers)
         self.rank, self.tp_size = _tp()
         self.requests: dict[str, RequestTaps] = {}
+        self.step_tokens = 0  # rows of the flattened batch in the current step
         # ids already fetched or released: a step scheduled before an abort landed must not
         # bring their state back
         self.retired: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -165,11 +169,12 @@ class TapManager:
                 continue
             taps = self.requests.get(rid)
             if taps is None:
-                taps = self.requests[rid] = RequestTaps(payload)
+                taps = self.requests[rid] = self._admit(rid, payload)
             wanted.append((index, taps))
         if not wanted:
             return []
         starts = runner.query_start_loc.cpu[: num_reqs + 1].tolist()
+        self.step_tokens = starts[-1]
 
         # a copy: the runner reuses its positions buffer every step
         flat_positions = (positions if positions.dim() == 1 else positions[0])[: starts[-1]].to("cpu", copy=True)
@@ -180,6 +185,10 @@ class TapManager:
                 taps.steps += 1
                 slices.append(_Slice(taps, start, end, flat_positions[start:end]))
         return slices
+
+    def _admit(self, rid: str, payload: dict[str, Any]) -> RequestTaps:
+        """The state of a request seen for the first time."""
+        return RequestTaps(payload)
 
     # -- one forward ----------------------------------------------------------------------
     def run(self, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -333,45 +342,54 @@ class TapManager:
 
         return hook
 
-    def _kernel_in(self, layer: int, members: list[_Slice]) -> Callable[..., Any]:
+    def _kernel_geometry(self, layer: int) -> tuple[int, float, float | None, int | None]:
         kernel = _get(self.layers[layer], self.family.attn_kernel)
         head = int(kernel.head_size)
         scale = float(getattr(kernel.impl, "scale", head**-0.5))
         cap = getattr(kernel.impl, "logits_soft_cap", None)
         window = getattr(kernel, "sliding_window", None)
+        return head, scale, cap, window
+
+    def _kernel_in(self, layer: int, members: list[_Slice]) -> Callable[..., Any]:
         address = Address("attn_pattern", layer)
 
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
             query, key = args[0], args[1]
             for sl in members:
-                if address not in sl.taps.points:
-                    continue
-                q = query[sl.start : sl.end].float().reshape(sl.end - sl.start, -1, head)
-                k = key[sl.start : sl.end].float().reshape(sl.end - sl.start, -1, head).cpu()
-                seen = sl.taps.keys.get(layer)
-                if seen is not None and int(sl.positions[0]) > 0:
-                    key_pos = torch.cat([seen[0], sl.positions])
-                    keys = torch.cat([seen[1], k])
-                else:
-                    key_pos, keys = sl.positions.clone(), k
-                sl.taps.keys[layer] = (key_pos, keys)
-                keys = keys.to(q.device).repeat_interleave(q.shape[1] // keys.shape[1], dim=1)
-                scores = torch.einsum("qhd,khd->hqk", q, keys) * scale
-                if cap:
-                    scores = torch.tanh(scores / cap) * cap
-                q_pos = sl.positions.to(q.device)[:, None]
-                k_pos = key_pos.to(q.device)[None, :]
-                hidden_keys = k_pos > q_pos
-                if window:
-                    hidden_keys |= k_pos <= q_pos - int(window)
-                scores = scores.masked_fill(hidden_keys, float("-inf"))
-                pattern = scores.softmax(-1)  # [heads, q, keys], keys in position order
-                full = torch.zeros(pattern.shape[0], pattern.shape[1], int(key_pos.max()) + 1)
-                full[:, :, key_pos] = pattern.cpu()
-                sl.taps.values[address].append((sl.positions, full.permute(1, 0, 2)))
+                if address in sl.taps.points:
+                    self._pattern(sl, layer, query[sl.start : sl.end], key[sl.start : sl.end])
             return None
 
         return hook
+
+    def _pattern(self, sl: _Slice, layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
+        """Record the attention probabilities of ``sl``'s queries (post-rotary ``query`` and
+        ``key`` rows of this step); earlier steps' keys are kept per request."""
+        head, scale, cap, window = self._kernel_geometry(layer)
+        n = sl.end - sl.start
+        q = query.float().reshape(n, -1, head)
+        k = key.to("cpu", torch.float32, copy=True).reshape(n, -1, head)  # kept across steps: never a view
+        seen = sl.taps.keys.get(layer)
+        if seen is not None and int(sl.positions[0]) > 0:
+            key_pos = torch.cat([seen[0], sl.positions])
+            keys = torch.cat([seen[1], k])
+        else:
+            key_pos, keys = sl.positions.clone(), k
+        sl.taps.keys[layer] = (key_pos, keys)
+        keys = keys.to(q.device).repeat_interleave(q.shape[1] // keys.shape[1], dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, keys) * scale
+        if cap:
+            scores = torch.tanh(scores / cap) * cap
+        q_pos = sl.positions.to(q.device)[:, None]
+        k_pos = key_pos.to(q.device)[None, :]
+        hidden_keys = k_pos > q_pos
+        if window:
+            hidden_keys |= k_pos <= q_pos - int(window)
+        scores = scores.masked_fill(hidden_keys, float("-inf"))
+        pattern = scores.softmax(-1)  # [heads, q, keys], keys in position order
+        full = torch.zeros(pattern.shape[0], pattern.shape[1], int(key_pos.max()) + 1)
+        full[:, :, key_pos] = pattern.cpu()
+        sl.taps.values[Address("attn_pattern", layer)].append((sl.positions, full.permute(1, 0, 2)))
 
     def _read_output(self, output: Any, members: list[_Slice]) -> None:
         hidden = output[0] if isinstance(output, tuple) else output
@@ -417,8 +435,20 @@ class TapManager:
             self.retired.popitem(last=False)
 
     def stats(self) -> dict[str, int]:
-        """How many requests hold state in this worker (for leak checks)."""
-        return {"live_requests": len(self.requests)}
+        """How many requests hold state in this worker (for leak checks), and vLLM's and
+        Dynamo's compilation counters (for recompilation checks)."""
+        out = {"live_requests": len(self.requests)}
+        try:
+            from vllm.compilation.counter import compilation_counter
+
+            out.update({f"vllm_{k}": int(v) for k, v in vars(compilation_counter).items() if isinstance(v, int)})
+        except ImportError:  # pragma: no cover - vLLM without the compilation package
+            pass
+        from torch._dynamo.utils import counters
+
+        out["dynamo_unique_graphs"] = int(counters["stats"]["unique_graphs"])
+        out["dynamo_calls_captured"] = int(counters["stats"]["calls_captured"])
+        return out
 
     def decode(self, residuals: torch.Tensor) -> torch.Tensor:
         """Final norm + the served unembedding (gathered over tensor-parallel ranks)."""

@@ -1,0 +1,235 @@
+"""The vllm-static backend's model: a fixed tap set, compiled into vLLM's graphs.
+
+Everything a request can read or write is declared before the engine exists (``static_points``,
+``static_writes``, or later ``configure_static``); the declaration travels to the workers in
+vLLM's ``additional_config`` (so it is part of vLLM's compile-cache key) and the workers install
+tensor-only taps before vLLM compiles the model. Requests then go through the same front end as
+the ``vllm`` backend, checked against the declared set.
+
+Steering uses slot tables in the workers; a request holds its slots from submission until its
+values are fetched or released, and waits here (not in vLLM) while the tables are full.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from interp_engine import (
+    Address,
+    InvalidOption,
+    InvalidSteering,
+    StaticConfigError,
+    SteeringSpec,
+    UndeclaredAddress,
+    UnsupportedAddress,
+    Write,
+)
+from interp_engine.validation import requested_points
+
+from ._model import ENGINE_DEFAULTS, VllmModel
+from ._static import plan_writes
+from ._static_worker import CONFIG_KEY, STATIC_POINT_KINDS, STATIC_WRITE_KINDS
+
+DEFAULT_SLOTS = 256
+STATIC_OPTIONS = ("static_points", "static_writes", "static_write_slots")
+
+
+class StaticVllmModel(VllmModel):
+    """A vLLM model whose capture and write points are fixed before its engine is built.
+
+    ``static_points="auto"`` (the default) leaves the points to :meth:`configure_static`; an
+    engine built without it declares every layer's ``resid_post`` and no writes.
+    """
+
+    backend = "vllm-static"
+    # the point of this backend: vLLM's compiled path
+    engine_defaults: ClassVar[dict[str, Any]] = {**ENGINE_DEFAULTS, "enforce_eager": False}
+
+    def __init__(self, name_or_path: str, options: dict[str, Any]) -> None:
+        options = dict(options)
+        points = options.pop("static_points", "auto")
+        writes = options.pop("static_writes", None)
+        slots = options.pop("static_write_slots", DEFAULT_SLOTS)
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+            raise InvalidOption(f"static_write_slots must be an int >= 1, got {slots!r}")
+        super().__init__(name_or_path, options)
+        self.static_write_slots = slots
+        self._points: list[Address] | None = None
+        self._writes: list[Address] = []
+        self._frozen = False
+        self._slots_used: dict[Address, int] = {}
+        self._slots_free: asyncio.Condition | None = None
+        self._needs: dict[str, dict[Address, int]] = {}
+        self._held: dict[str, dict[Address, int]] = {}
+        if writes is not None:
+            self._writes = self._declare_writes(writes)
+        if points != "auto":
+            self.configure_static(points, static_writes=writes)
+
+    def __repr__(self) -> str:
+        return super().__repr__().replace("<VllmModel", "<StaticVllmModel", 1)
+
+    # -- the declaration -----------------------------------------------------------------------
+    def configure_static(self, points: Iterable[Any] | str, static_writes: Iterable[Any] | None = None) -> None:
+        """Declare the capture points (and, if given, the write points) of the engine to build.
+
+        Call it before ``warmup()`` or the first request; afterwards the compiled graph holds the
+        old set and this raises ``StaticConfigError``."""
+        if self._frozen or self._building is not None or self._engine is not None:
+            raise StaticConfigError(
+                "configure_static must run before the engine is built (before warmup() or the first "
+                f"request); this engine was compiled with points {self._names(self.static_points)} and "
+                f"writes {self._names(self.static_writes)}. Load the model again to change them."
+            )
+        if isinstance(points, str) and points == "auto":
+            raise InvalidOption("configure_static takes the points themselves, not 'auto'")
+        declared = list(dict.fromkeys(requested_points(points, self.info, STATIC_POINT_KINDS).values()))
+        writes = self._declare_writes(static_writes) if static_writes is not None else self._writes
+        self._points, self._writes = declared, writes
+
+    def _declare_writes(self, writes: Iterable[Any]) -> list[Address]:
+        if isinstance(writes, (str, Address)):
+            writes = [writes]
+        declared = []
+        for write in writes:
+            address = Address.parse(write) if isinstance(write, str) else write
+            if not isinstance(address, Address):
+                raise InvalidOption(f"static_writes takes addresses, got {write!r}")
+            address = address.resolve(self.info.n_layers)
+            if address.kind not in STATIC_WRITE_KINDS:
+                raise UnsupportedAddress(
+                    f"vllm-static cannot write at {address}; writable kinds: {', '.join(STATIC_WRITE_KINDS)}",
+                    address=address,
+                    valid=STATIC_WRITE_KINDS,
+                )
+            declared.append(address)
+        return list(dict.fromkeys(declared))
+
+    @property
+    def static_points(self) -> list[Address]:
+        """The declared capture points (every ``resid_post`` if none were declared)."""
+        if self._points is None:
+            return [Address("resid_post", layer) for layer in range(self.info.n_layers)]
+        return list(self._points)
+
+    @property
+    def static_writes(self) -> list[Address]:
+        """The declared write points."""
+        return list(self._writes)
+
+    @staticmethod
+    def _names(addresses: Sequence[Address]) -> str:
+        return "[" + ", ".join(str(a) for a in addresses) + "]" if addresses else "[] (none)"
+
+    def _engine_args(self) -> dict[str, Any]:
+        self._frozen = True
+        args = super()._engine_args()
+        extra = args.get("additional_config") or {}
+        if not isinstance(extra, dict):
+            raise InvalidOption("vllm-static needs additional_config to be a dict (it adds its tap set there)")
+        declared = {
+            "points": [str(a) for a in self.static_points],
+            "writes": [str(a) for a in self.static_writes],
+            "slots": self.static_write_slots + 1,  # slot 0 is the identity
+        }
+        return {**args, "additional_config": {**extra, CONFIG_KEY: declared}}
+
+    def _check_workers(self, pings: list[dict[str, Any]]) -> str | None:
+        problem = super()._check_workers(pings)
+        if problem is None and not all(p.get("static") for p in pings):
+            problem = (
+                "the vllm-static taps were not installed before vLLM compiled the model (the "
+                "interp-vllm plugin wraps the model runner's load_model; is a different runner in use?)"
+            )
+        return problem
+
+    # -- requests: checked against the declaration ------------------------------------------------
+    def _prepare(
+        self, token_ids: Sequence[int], points: Iterable[Any], spec: SteeringSpec | None, extra: int
+    ) -> tuple[list[int], dict[Address, Address], list[Write]]:
+        ids, mapping, writes = super()._prepare(token_ids, points, spec, extra)
+        declared = set(self.static_points)
+        for requested, address in mapping.items():
+            if address not in declared:
+                raise UndeclaredAddress(
+                    f"{requested} is not a capture point of this vllm-static engine; declared: "
+                    f"{self._names(self.static_points)} (declare points with static_points= or "
+                    "configure_static before the engine is built)",
+                    address=requested,
+                    valid=tuple(str(a) for a in self.static_points),
+                )
+        for write in writes:
+            if write.address not in self._writes:
+                raise UndeclaredAddress(
+                    f"cannot write at {write.address}: not a write point of this vllm-static engine; "
+                    f"declared: {self._names(self.static_writes)} (declare them with static_writes=)",
+                    address=write.address,
+                    valid=tuple(str(a) for a in self.static_writes),
+                )
+        return ids, mapping, writes
+
+    def _payload(self, rid: str, points: Iterable[Address], writes: list[Write], n_prompt: int, n_total: int) -> Any:
+        if writes:
+            if self.tp_size > 1 and any(w.op == "ablate" and w.address.kind == "mlp_post" for w in writes):
+                raise InvalidSteering(
+                    "ablate at mlp_post is not available under tensor parallelism on vllm-static "
+                    "(the neurons are split across ranks); use add or set there"
+                )
+            needs = {a: len(plan.ops) for a, plan in plan_writes(writes, n_prompt, n_total).items()}
+            for address, need in needs.items():
+                if need > self.static_write_slots:
+                    raise InvalidSteering(
+                        f"this spec needs {need} steering slots at {address} (one per distinct "
+                        f"vector row), but the engine has {self.static_write_slots}; load it with "
+                        "a larger static_write_slots"
+                    )
+            self._needs[rid] = needs
+        return super()._payload(rid, points, writes, n_prompt, n_total)
+
+    async def _outputs(
+        self, engine: Any, ids: list[int], params: Any, rid: str, salt: str | None
+    ) -> AsyncIterator[Any]:
+        needs = self._needs.pop(rid, None)
+        if needs:
+            await self._reserve(rid, needs)
+        async for output in super()._outputs(engine, ids, params, rid, salt):
+            yield output
+
+    async def _reserve(self, rid: str, needs: dict[Address, int]) -> None:
+        if self._slots_free is None:
+            self._slots_free = asyncio.Condition()
+        cap = self.static_write_slots
+
+        def fits() -> bool:
+            return all(self._slots_used.get(a, 0) + n <= cap for a, n in needs.items())
+
+        async with self._slots_free:
+            await self._slots_free.wait_for(fits)
+            for address, need in needs.items():
+                self._slots_used[address] = self._slots_used.get(address, 0) + need
+            self._held[rid] = needs
+
+    async def _unreserve(self, rid: str) -> None:
+        needs = self._held.pop(rid, None)
+        if not needs or self._slots_free is None:
+            return
+        async with self._slots_free:
+            for address, need in needs.items():
+                self._slots_used[address] -= need
+            self._slots_free.notify_all()
+
+    async def _fetch(self, engine: Any, rid: str, points: Iterable[Address], n: int) -> dict[Address, torch.Tensor]:
+        try:
+            return await super()._fetch(engine, rid, points, n)
+        finally:
+            await self._unreserve(rid)
+
+    async def _release(self, engine: Any, rid: str) -> None:
+        try:
+            await super()._release(engine, rid)
+        finally:
+            await self._unreserve(rid)
