@@ -6,7 +6,8 @@ of the same snippets are tested with the vLLM backend elsewhere). The snippets n
 so they run on 12-layer tiny models (``seed_model_path``) built beside the shared 3-layer ones; the
 numbers are checked against the same checkpoint in plain ``transformers``.
 
-The ``vllm-static`` example ("Declaring taps after load") is vLLM-only and is not run here.
+The ``vllm-static`` example ("Declaring taps after load") is vLLM-only: it runs in
+``test_vllm_static.py``.
 """
 
 import asyncio

@@ -10,6 +10,7 @@ Results are checked against HF and the dynamic ``vllm`` backend.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -186,6 +187,28 @@ def test_concurrent_steered_and_unsteered_requests_equal_their_solo_runs(static_
     assert [s["live_requests"] for s in stats] == [0]
 
 
+def test_cancelled_and_finished_steered_requests_free_their_slots(static_engines: Any) -> None:
+    facade = static_engines["llama"]
+    model = facade.model
+    ids = _ids(facade)
+    spec = _specs(model.info)[3]  # three slots of the four
+
+    async def stop_early() -> list[int]:
+        seen = []
+        async with contextlib.aclosing(model.stream(ids, max_tokens=100, steering_spec=spec, ignore_eos=True)) as steps:
+            async for step in steps:
+                seen.append(step.token_id)
+                if len(seen) == 2:
+                    break
+        # a second request needing three slots gets them: the first one's were given back
+        return (await model.generate(ids, max_tokens=3, steering_spec=spec, ignore_eos=True)).token_ids
+
+    assert len(facade.run(stop_early)) == 3
+    (stats,) = facade.run(model.worker_stats)
+    assert stats["held_slots"] == 0 and stats["live_requests"] == 0
+    assert all(used == 0 for used in model._slots_used.values())
+
+
 def test_unsteered_rows_of_a_steered_request_are_bit_identical(static_engines: Any) -> None:
     facade = static_engines["qwen2"]
     ids = _ids(facade)
@@ -307,3 +330,33 @@ def test_the_tap_set_is_part_of_the_compile_cache_key() -> None:
     assert config_hash(["resid_post.1"], []) == first
     assert config_hash(["resid_post.2"], []) != first
     assert config_hash(["resid_post.1"], ["resid_post.1"]) != first
+
+
+# the seed's "Declaring taps after load" example, as written but for the local model path
+SEED_MODEL = str(vllm_model_path("qwen3"))
+
+
+async def serve(points, writes):
+    model = load_model(SEED_MODEL, backend="vllm-static", static_points="auto")
+    model.configure_static(points, static_writes=writes)
+    await model.warmup()
+    return model
+
+
+async def test_the_seed_configure_static_example_runs_as_written() -> None:
+    vector = torch.randn(128, generator=torch.Generator().manual_seed(2))
+    model = await serve([Address("resid_post", 1), "logits"], [Address("resid_post", 1)])
+    try:
+        with pytest.raises(StaticConfigError):
+            model.configure_static([Address("resid_post", 0)])
+        ids = model.to_tokens(PROMPT)[0].tolist()
+        acts = await model.capture(ids, [Address("resid_post", 1), "logits"])
+        with torch.no_grad():
+            hf = hf_for(vllm_model_path("qwen3"))(torch.tensor([ids]), output_hidden_states=True)
+        assert rel_diff(acts[Address("resid_post", 1)], hf.hidden_states[2][0]) <= TOL
+        assert rel_diff(acts[Address("logits")], hf.logits[0]) <= TOL
+        spec = SteeringSpec([Write(Address("resid_post", 1), vector, op="add", scale=4.0)])
+        steered = await model.capture(ids, ["logits"], steering_spec=spec)
+        assert not torch.allclose(steered[Address("logits")], acts[Address("logits")])
+    finally:
+        await model.shutdown()
