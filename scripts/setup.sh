@@ -15,4 +15,4 @@ if [ "${INTERP_SKIP_VLLM:-0}" != 1 ]; then
   # next to the CPU torch wheel they break `import transformers`. The text models need none.
   .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
-"${PIP[@]}" -e packages/interp-core -e packages/interp-eager -e packages/interp-vllm -e ".[dev]" -e tests/toy_backend
+"${PIP[@]}" -e "packages/interp-core[serve]" -e packages/interp-eager -e packages/interp-vllm -e ".[dev]" -e tests/toy_backend

@@ -1,0 +1,661 @@
+"""The HTTP server: a FastAPI app over any backend's async model (the seed's lifespan pattern).
+
+The app only awaits the model's protocol methods, so it serves ``eager``, ``vllm`` and
+``vllm-static`` models alike; on vLLM, concurrent requests are batched by the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import asdict
+from typing import Any
+
+import anyio
+import torch
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .._address import KINDS, Address
+from .._errors import (
+    InterpError,
+    InvalidActivations,
+    InvalidAddress,
+    InvalidOption,
+    InvalidSteering,
+    InvalidTokens,
+    UnsupportedAddress,
+)
+from .._plugins import load_model
+from .._protocol import Completion, InterpModel, StreamStep
+from .._steering import SteeringSpec, Write
+from ..validation import check_spec
+from ._errors import ApiError, blame, field_path, from_interp, limit_exceeded
+from ._limits import ServerLimits
+from ._schemas import (
+    AttentionRequest,
+    AttentionResponse,
+    CaptureGenerationRequest,
+    CaptureGenerationResponse,
+    CaptureRequest,
+    CaptureResponse,
+    DecodeRequest,
+    DecodeResponse,
+    EncodedTensor,
+    ErrorOut,
+    GenerateRequest,
+    GenerateResponse,
+    SteeringBody,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from ._tensors import SAFETENSORS, decode, encode, safetensors_response
+
+logger = logging.getLogger("interp_engine.server")
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorOut, "description": text}
+    for code, text in (
+        (400, "the model rejected the input (InvalidAddress, InvalidTokens, InvalidSteering, ...)"),
+        (413, "a ServerLimits bound was exceeded"),
+        (422, "the body does not fit the schema"),
+        (503, "the model is not loaded or was shut down"),
+    )
+}
+_TENSOR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    **_ERRORS,
+    200: {"content": {SAFETENSORS: {}}, "description": "JSON, or a safetensors Cache file when asked"},
+}
+
+
+class _BodyLimit:
+    """ASGI middleware: refuse bodies over ``max_bytes`` with 413, by Content-Length up front, or
+    while reading a body sent without one."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _too_large(self, size: str) -> ApiError:
+        return ApiError(
+            413,
+            "LimitExceeded",
+            f"the request body is {size} bytes; the server's limit is {self.max_bytes}",
+            field="body",
+            valid=self.max_bytes,
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None:
+            try:
+                length = int(declared)
+            except ValueError:
+                await ApiError(400, "BadRequest", "invalid Content-Length header").response()(scope, receive, send)
+                return
+            if length > self.max_bytes:
+                await self._too_large(str(length)).response()(scope, receive, send)
+                return
+        received = 0
+
+        async def limited() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise self._too_large(f"over {received}")
+            return message
+
+        await self.app(scope, limited, send)
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events whose model stream is closed however the response ends: finished,
+    failed, or cancelled because the client went away (closing it makes the backend abort)."""
+
+    def __init__(self, events: AsyncIterator[str], close: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(
+            events,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self._events = events
+        self._close = close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                aclose = getattr(self._events, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+                await self._close()
+
+
+def _event(name: str, data: Any) -> str:
+    return f"event: {name}\ndata: {json.dumps(data)}\n\n"
+
+
+def _step_out(step: StreamStep) -> dict[str, Any]:
+    return {"token_id": step.token_id, "text": step.text, "logprobs": [list(pair) for pair in step.logprobs]}
+
+
+def _completion_out(completion: Completion) -> dict[str, Any]:
+    return {"token_ids": list(completion.token_ids), "text": completion.text, "finish_reason": completion.finish_reason}
+
+
+def _finish_reason(n_steps: int, max_tokens: int) -> str:
+    # a stream says nothing about why it ended: short of max_tokens means an end-of-sequence token
+    return "length" if n_steps >= max_tokens else "stop"
+
+
+def _nest(flat: list[Any], shape: Sequence[int]) -> list[Any]:
+    """A flat list reshaped into nested lists of ``shape``."""
+    if len(shape) <= 1:
+        return flat
+    step = math.prod(shape[1:])
+    return [_nest(flat[i * step : (i + 1) * step], shape[1:]) for i in range(shape[0])]
+
+
+class _Served:
+    """The app's state: the model once the lifespan has loaded it, the limits, the request slots."""
+
+    def __init__(self, limits: ServerLimits) -> None:
+        self.limits = limits
+        self.model: InterpModel | None = None
+        self.name = ""
+        self.slots = asyncio.Semaphore(limits.max_concurrent_requests)
+
+    def ready(self) -> InterpModel:
+        if self.model is None:
+            raise ApiError(503, "ModelNotReady", "the model is not loaded (the server is starting or stopping)")
+        return self.model
+
+    # -- request parts ------------------------------------------------------------------------
+    def prompt(self, body: Any) -> tuple[list[int], str]:
+        """The prompt's ids and the field they came from (``token_ids`` or ``text``)."""
+        model = self.ready()
+        if (body.token_ids is None) == (body.text is None):
+            raise ApiError(422, "ValidationError", "give exactly one of token_ids and text", field="token_ids")
+        if body.token_ids is not None:
+            ids, field = list(body.token_ids), "token_ids"
+        else:
+            ids, field = model.to_tokens(body.text)[0].tolist(), "text"
+        if len(ids) > self.limits.max_prompt_tokens:
+            raise limit_exceeded(field, f"the prompt has {len(ids)} tokens", self.limits.max_prompt_tokens)
+        return ids, field
+
+    def points(self, names: Sequence[str], field: str = "points") -> list[Address]:
+        model = self.ready()
+        if len(names) > self.limits.max_points:
+            raise limit_exceeded(field, f"{len(names)} addresses requested", self.limits.max_points)
+        out = []
+        for i, name in enumerate(names):
+            try:
+                address = Address.parse(name)
+                address.resolve(model.info.n_layers)
+            except InvalidAddress as exc:
+                raise from_interp(exc, f"{field}[{i}]") from exc
+            out.append(address)
+        return out
+
+    def values_per_position(self, address: Address, n_keys: int) -> int:
+        info = self.ready().info
+        width = KINDS[address.kind].width
+        if width == "heads x keys":
+            return info.n_heads * n_keys
+        return {"d_model": info.d_model, "d_mlp": info.d_mlp, "vocab": info.vocab_size}[width]
+
+    def check_size(self, points: Sequence[Address], n_positions: int, field: str) -> None:
+        """Refuse, before any compute, a result over ``max_activation_values``."""
+        total = sum(n_positions * self.values_per_position(a, n_positions) for a in dict.fromkeys(points))
+        if total > self.limits.max_activation_values:
+            raise limit_exceeded(
+                field,
+                f"the result would hold {total} values ({n_positions} positions)",
+                self.limits.max_activation_values,
+            )
+
+    def check_generation(self, max_tokens: int, n_logprobs: int = 0) -> None:
+        if max_tokens > self.limits.max_new_tokens:
+            raise limit_exceeded("max_tokens", f"max_tokens is {max_tokens}", self.limits.max_new_tokens)
+        if n_logprobs > self.limits.max_n_logprobs:
+            raise limit_exceeded("n_logprobs", f"n_logprobs is {n_logprobs}", self.limits.max_n_logprobs)
+
+    def steering(self, body: SteeringBody | None) -> SteeringSpec | None:
+        """The spec of a request, each write checked against the model (field named per write)."""
+        if body is None or not body.writes:
+            return None
+        info = self.ready().info
+        if len(body.writes) > self.limits.max_writes:
+            raise limit_exceeded("steering.writes", f"{len(body.writes)} writes", self.limits.max_writes)
+        writes = []
+        for i, item in enumerate(body.writes):
+            field = f"steering.writes[{i}]"
+            try:
+                address = Address.parse(item.address)
+                address.resolve(info.n_layers)
+                if not address.info.writable:
+                    raise InvalidSteering(f"cannot write at {address}: {address.kind} is read-only")
+            except InterpError as exc:
+                raise from_interp(exc, f"{field}.address") from exc
+            vector: Any = item.vector
+            if isinstance(vector, EncodedTensor):
+                vector = decode(vector, f"{field}.vector", self.limits.max_activation_values)
+            try:
+                write = Write(address, vector, op=item.op, scale=item.scale, positions=item.positions)
+            except InterpError as exc:
+                raise from_interp(exc, field) from exc
+            try:
+                check_spec(SteeringSpec([write]), info)
+            except InterpError as exc:
+                raise from_interp(exc, f"{field}.vector") from exc
+            writes.append(write)
+        return SteeringSpec(writes)
+
+    def fields(self, prompt_field: str, spec: SteeringSpec | None, points_field: str = "points") -> Any:
+        """``blame`` for a model call: which request field each of the core's errors points at."""
+        return _Blame(prompt_field, spec, points_field)
+
+    def wants_safetensors(self, request: Request, format: str) -> bool:
+        return format == "safetensors" or SAFETENSORS in request.headers.get("accept", "")
+
+
+class _Blame:
+    """Context manager mapping the core's errors raised by a model call to the request field."""
+
+    def __init__(self, prompt_field: str, spec: SteeringSpec | None, points_field: str) -> None:
+        self.prompt_field = prompt_field
+        self.written = {w.address for w in spec} if spec else set()
+        self.points_field = points_field
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
+        if not isinstance(exc, InterpError):
+            return
+        field: str | None = None
+        if isinstance(exc, InvalidAddress):  # one the backend cannot serve: a write's, or a point
+            written = isinstance(exc, UnsupportedAddress) and exc.address in self.written
+            field = "steering" if written else self.points_field
+        elif isinstance(exc, InvalidTokens):
+            field = self.prompt_field
+        elif isinstance(exc, InvalidSteering):
+            field = "steering"
+        elif isinstance(exc, InvalidActivations):
+            field = "activations"
+        raise from_interp(exc, field) from exc
+
+
+def create_app(
+    model_or_path: InterpModel | str | os.PathLike[str],
+    *,
+    backend: str | None = None,
+    limits: ServerLimits | None = None,
+    **load_options: Any,
+) -> FastAPI:
+    """The HTTP API over one model, as a FastAPI app.
+
+    Given a path (or hub id), the app's lifespan loads the model with
+    ``load_model(path, backend=backend, **load_options)`` on the serving loop, warms it up there
+    and shuts it down when the server stops: the server owns it. Given a model object, the app
+    warms it up on the serving loop and serves it, but does not shut it down: its owner does
+    (``shutdown()`` is callable from any loop or thread).
+    """
+    served = _Served(limits or ServerLimits())
+    given: InterpModel | None = None
+    path: str | None = None
+    if isinstance(model_or_path, (str, os.PathLike)):
+        path = os.fspath(model_or_path)
+        served.name = path
+    else:
+        if load_options or backend is not None:
+            raise InvalidOption(
+                "backend= and load options apply when the server loads the model from a path; "
+                f"got a model object and {sorted(load_options) + (['backend'] if backend else [])}"
+            )
+        given = model_or_path
+        served.name = f"{type(given).__name__} ({getattr(given, 'backend', '?')})"
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        model = given if given is not None else load_model(path or "", backend=backend, **load_options)
+        try:
+            await model.warmup()  # on the serving loop, not a throwaway one
+            served.model = model
+            logger.info("serving %s on the %s backend", served.name, model.backend)
+            yield
+        finally:
+            served.model = None
+            if given is None:
+                await model.shutdown()
+                logger.info("model shut down")
+
+    app = FastAPI(
+        title="interp-engine",
+        description="Capture activations, logit lens, attention and steering over HTTP.",
+        version=_version(),
+        lifespan=lifespan,
+    )
+    app.state.served = served
+    app.add_middleware(_BodyLimit, max_bytes=served.limits.max_body_bytes)
+    _add_error_handlers(app)
+    _add_routes(app, served)
+    return app
+
+
+def _version() -> str:
+    from .. import __version__
+
+    return __version__
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = [
+            {"field": field_path(e.get("loc", ())), "message": str(e.get("msg", "")), "type": str(e.get("type", ""))}
+            for e in exc.errors()
+        ]
+        first = errors[0] if errors else {"field": "body", "message": "invalid request"}
+        body = {
+            "error": "ValidationError",
+            "message": f"{first['field']}: {first['message']}",
+            "field": first["field"],
+            "errors": errors,
+        }
+        return JSONResponse(body, status_code=422)
+
+    @app.exception_handler(InterpError)
+    async def interp_error(request: Request, exc: InterpError) -> JSONResponse:
+        return from_interp(exc).response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("request failed", exc_info=exc)
+        body = {"error": "InternalError", "message": f"the server failed: {type(exc).__name__}"}
+        return JSONResponse(body, status_code=500)
+
+
+def _tensor_body(
+    request: Request,
+    served: _Served,
+    format: str,
+    key: str,
+    tensors: Mapping[str, torch.Tensor],
+    head: dict[str, Any],
+    n_tokens: int,
+) -> Any:
+    if served.wants_safetensors(request, format):
+        return safetensors_response(tensors, n_tokens, head)
+    return {**head, key: {name: encode(t) for name, t in tensors.items()}}
+
+
+def _add_routes(app: FastAPI, served: _Served) -> None:
+    @app.get("/v1/health", responses=_ERRORS)
+    async def health() -> dict[str, Any]:
+        """``{"status": "ok"}`` once the model is loaded and warmed up (503 before)."""
+        model = served.ready()
+        return {"status": "ok", "backend": model.backend}
+
+    @app.get("/v1/model", responses=_ERRORS)
+    async def model_info() -> dict[str, Any]:
+        """The model's shapes, the address vocabulary over its layers, and the server's limits."""
+        model = served.ready()
+        info = model.info
+        kinds = []
+        for kind, meta in KINDS.items():
+            size: Any = (
+                "n_heads x n_keys"
+                if meta.width == "heads x keys"
+                else {"d_model": info.d_model, "d_mlp": info.d_mlp, "vocab": info.vocab_size}[meta.width]
+            )
+            kinds.append(
+                {
+                    "kind": kind,
+                    "per_layer": meta.per_layer,
+                    "width": meta.width,
+                    "size": size,
+                    "writable": meta.writable,
+                    "meaning": meta.meaning,
+                }
+            )
+        addresses = [
+            f"{kind}.{layer}" if meta.per_layer else kind
+            for kind, meta in KINDS.items()
+            for layer in (range(info.n_layers) if meta.per_layer else [None])
+        ]
+        out: dict[str, Any] = {
+            "model": served.name,
+            "backend": model.backend,
+            "info": asdict(info),
+            "layers": list(range(info.n_layers)),
+            "kinds": kinds,
+            "addresses": addresses,
+            "limits": asdict(served.limits),
+        }
+        for name in ("static_points", "static_writes"):  # vllm-static: the declared taps
+            declared = getattr(model, name, None)
+            if declared is not None:
+                out[name] = [str(a) for a in declared]
+        return out
+
+    @app.post("/v1/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        """Token ids of a text (``model.to_tokens``) and one string per token."""
+        model = served.ready()
+        ids = model.to_tokens(body.text)[0].tolist()
+        return {"token_ids": ids, "str_tokens": model.to_str_tokens(ids)}
+
+    @app.post("/v1/capture", response_model=CaptureResponse, responses=_TENSOR_RESPONSES)
+    async def capture(body: CaptureRequest, request: Request) -> Any:
+        """Activations ``[n_tokens, width]`` at ``points`` over the prompt (``model.capture``)."""
+        model = served.ready()
+        ids, prompt_field = served.prompt(body)
+        points = served.points(body.points)
+        served.check_size(points, len(ids), "points")
+        spec = served.steering(body.steering)
+        async with served.slots:
+            with served.fields(prompt_field, spec):
+                acts = await model.capture(ids, points, steering_spec=spec)
+        tensors = {str(p): acts[p] for p in points}
+        return _tensor_body(request, served, body.format, "activations", tensors, {"token_ids": ids}, len(ids))
+
+    @app.post("/v1/attention", response_model=AttentionResponse, responses=_TENSOR_RESPONSES)
+    async def attention(body: AttentionRequest, request: Request) -> Any:
+        """Attention patterns ``[heads, q, k]`` of ``layers`` (``model.capture_attention``)."""
+        model = served.ready()
+        ids, prompt_field = served.prompt(body)
+        points = served.points([f"attn_pattern.{layer}" for layer in body.layers], "layers")
+        served.check_size(points, len(ids), "layers")
+        async with served.slots:
+            with served.fields(prompt_field, None, "layers"):
+                acts = await model.capture_attention(ids, list(body.layers))
+        tensors = {str(p): acts[p] for p in points}
+        return _tensor_body(request, served, body.format, "patterns", tensors, {"token_ids": ids}, len(ids))
+
+    @app.post("/v1/capture_generation", response_model=CaptureGenerationResponse, responses=_TENSOR_RESPONSES)
+    async def capture_generation(body: CaptureGenerationRequest, request: Request) -> Any:
+        """A completion and activations over prompt + generated tokens (``model.capture_generation``)."""
+        model = served.ready()
+        ids, prompt_field = served.prompt(body)
+        served.check_generation(body.max_tokens)
+        points = served.points(body.points)
+        served.check_size(points, len(ids) + body.max_tokens, "points")
+        spec = served.steering(body.steering)
+        async with served.slots:
+            with served.fields(prompt_field, spec):
+                completion, acts = await model.capture_generation(
+                    ids, points, max_tokens=body.max_tokens, steering_spec=spec, **body.sampling()
+                )
+        tensors = {str(p): acts[p] for p in points}
+        head = {"token_ids": ids, "completion": _completion_out(completion)}
+        n_positions = len(ids) + len(completion.token_ids)
+        return _tensor_body(request, served, body.format, "activations", tensors, head, n_positions)
+
+    @app.post(
+        "/v1/generate",
+        response_model=GenerateResponse,
+        responses={**_ERRORS, 200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream"}},
+    )
+    async def generate(body: GenerateRequest) -> Any:
+        """A completion; with ``stream: true``, server-sent events: one ``token`` event per
+        generated token (``{"token_id", "text", "logprobs"}``), then ``done`` (the completion) or
+        ``error``. Closing the connection aborts the generation."""
+        model = served.ready()
+        ids, prompt_field = served.prompt(body)
+        served.check_generation(body.max_tokens, body.n_logprobs)
+        spec = served.steering(body.steering)
+        options = body.sampling()
+        if spec is not None:
+            options["steering_spec"] = spec
+        if body.stream:
+            return await _stream(served, model, ids, body, options, served.fields(prompt_field, spec))
+        async with served.slots:
+            with served.fields(prompt_field, spec):
+                if body.n_logprobs == 0:
+                    return _completion_out(await model.generate(ids, max_tokens=body.max_tokens, **options))
+                steps = model.stream(ids, max_tokens=body.max_tokens, n_logprobs=body.n_logprobs, **options)
+                try:
+                    collected = [step async for step in steps]
+                finally:
+                    aclose = getattr(steps, "aclose", None)
+                    if aclose is not None:
+                        await aclose()
+        return {
+            "token_ids": [s.token_id for s in collected],
+            "text": "".join(s.text for s in collected),
+            "finish_reason": _finish_reason(len(collected), body.max_tokens),
+            "steps": [_step_out(s) for s in collected],
+        }
+
+    @app.post("/v1/decode_residuals", response_model=DecodeResponse, responses=_ERRORS)
+    async def decode_residuals(body: DecodeRequest) -> Any:
+        """The logit lens: final norm + unembedding of residual vectors ``[..., d_model]``, with
+        the top-k tokens of each (and the full logits when ``return_logits``)."""
+        model = served.ready()
+        info = model.info
+        limit = served.limits.max_activation_values
+        acts = decode(body.activations, "activations", limit)
+        n_vectors = acts.numel() // max(acts.shape[-1], 1) if acts.dim() else 1
+        k = min(body.top_k, info.vocab_size)
+        out_values = n_vectors * (k + (info.vocab_size if body.return_logits else 0))
+        if out_values > limit:
+            raise limit_exceeded("activations", f"the result would hold {out_values} values", limit)
+        async with served.slots:
+            with blame({InvalidActivations: "activations"}):
+                logits = await model.decode_residuals(acts)
+        if not isinstance(logits, torch.Tensor):  # a tensor in gives a tensor out
+            raise ApiError(500, "BackendError", "decode_residuals returned no tensor")
+        logits = logits.float()
+        top = torch.topk(logits, k, dim=-1)
+        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, top.indices)
+        shape = list(top.indices.shape)
+        flat_ids = top.indices.reshape(-1).tolist()
+        return {
+            "shape": list(logits.shape),
+            "top": {
+                "token_ids": top.indices.tolist(),
+                "tokens": _nest(model.to_str_tokens(flat_ids) if flat_ids else [], shape),
+                "logits": top.values.tolist(),
+                "logprobs": logprobs.tolist(),
+            },
+            "logits": encode(logits) if body.return_logits else None,
+        }
+
+
+async def _stream(
+    served: _Served,
+    model: InterpModel,
+    ids: list[int],
+    body: GenerateRequest,
+    options: dict[str, Any],
+    fields: Any,
+) -> Response:
+    """Start the model's stream and pull its first step before answering, so that bad input is
+    still a 4xx; then send the steps as server-sent events."""
+    await served.slots.acquire()
+    steps = model.stream(ids, max_tokens=body.max_tokens, n_logprobs=body.n_logprobs, **options)
+    closed = False
+
+    async def close() -> None:
+        nonlocal closed
+        if closed:
+            return
+        closed = True
+        try:
+            aclose = getattr(steps, "aclose", None)
+            if aclose is not None:
+                await aclose()  # the backend aborts its request
+        finally:
+            served.slots.release()
+
+    try:
+        with fields:
+            first: StreamStep | None = await anext(steps)
+    except StopAsyncIteration:
+        first = None
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await close()
+        raise
+
+    async def events() -> AsyncIterator[str]:
+        step, kept = first, []
+        try:
+            while step is not None:
+                kept.append(step)
+                yield _event("token", _step_out(step))
+                try:
+                    step = await anext(steps)
+                except StopAsyncIteration:
+                    step = None
+            done = {
+                "token_ids": [s.token_id for s in kept],
+                "text": "".join(s.text for s in kept),
+                "finish_reason": _finish_reason(len(kept), body.max_tokens),
+            }
+            yield _event("done", done)
+        except InterpError as exc:  # the status line is sent: report it in the stream
+            yield _event("error", from_interp(exc).body())
+
+    return _EventStream(events(), close)
+
+
+def run(
+    model_or_path: InterpModel | str | os.PathLike[str],
+    *,
+    backend: str | None = None,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    limits: ServerLimits | None = None,
+    **load_options: Any,
+) -> None:
+    """Serve the model with uvicorn until interrupted (SIGINT/SIGTERM: in-flight requests get a
+    few seconds to finish, then the lifespan shuts the model down). Binds to loopback unless
+    ``host`` says otherwise: the API has no authentication."""
+    import uvicorn
+
+    app = create_app(model_or_path, backend=backend, limits=limits, **load_options)
+    uvicorn.run(app, host=host, port=port, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+
+
+GRACEFUL_SHUTDOWN_S = 10
+"""Seconds ``run`` lets open requests (streams) finish on shutdown before cancelling them."""
