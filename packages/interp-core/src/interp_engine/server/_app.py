@@ -11,6 +11,8 @@ import json
 import logging
 import math
 import os
+import signal
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict
@@ -169,6 +171,28 @@ def _nest(flat: list[Any], shape: Sequence[int]) -> list[Any]:
     return [_nest(flat[i * step : (i + 1) * step], shape[1:]) for i in range(shape[0])]
 
 
+class _Slots:
+    """At most ``n`` requests on the model at once; the others wait. ``in_flight`` counts holders."""
+
+    def __init__(self, n: int) -> None:
+        self._semaphore = asyncio.Semaphore(n)
+        self.in_flight = 0
+
+    async def acquire(self) -> None:
+        await self._semaphore.acquire()
+        self.in_flight += 1
+
+    def release(self) -> None:
+        self.in_flight -= 1
+        self._semaphore.release()
+
+    async def __aenter__(self) -> None:
+        await self.acquire()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.release()
+
+
 class _Served:
     """The app's state: the model once the lifespan has loaded it, the limits, the request slots."""
 
@@ -176,7 +200,7 @@ class _Served:
         self.limits = limits
         self.model: InterpModel | None = None
         self.name = ""
-        self.slots = asyncio.Semaphore(limits.max_concurrent_requests)
+        self.slots = _Slots(limits.max_concurrent_requests)
 
     def ready(self) -> InterpModel:
         if self.model is None:
@@ -411,9 +435,10 @@ def _tensor_body(
 def _add_routes(app: FastAPI, served: _Served) -> None:
     @app.get("/v1/health", responses=_ERRORS)
     async def health() -> dict[str, Any]:
-        """``{"status": "ok"}`` once the model is loaded and warmed up (503 before)."""
+        """``{"status": "ok"}`` once the model is loaded and warmed up (503 before), with the
+        number of requests running on the model."""
         model = served.ready()
-        return {"status": "ok", "backend": model.backend}
+        return {"status": "ok", "backend": model.backend, "in_flight": served.slots.in_flight}
 
     @app.get("/v1/model", responses=_ERRORS)
     async def model_info() -> dict[str, Any]:
@@ -513,6 +538,7 @@ def _add_routes(app: FastAPI, served: _Served) -> None:
     @app.post(
         "/v1/generate",
         response_model=GenerateResponse,
+        response_model_exclude_none=True,
         responses={**_ERRORS, 200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream"}},
     )
     async def generate(body: GenerateRequest) -> Any:
@@ -648,13 +674,34 @@ def run(
     limits: ServerLimits | None = None,
     **load_options: Any,
 ) -> None:
-    """Serve the model with uvicorn until interrupted (SIGINT/SIGTERM: in-flight requests get a
-    few seconds to finish, then the lifespan shuts the model down). Binds to loopback unless
-    ``host`` says otherwise: the API has no authentication."""
+    """Serve the model with uvicorn until SIGINT or SIGTERM, then return: in-flight requests get
+    ``GRACEFUL_SHUTDOWN_S`` seconds to finish, streams still open are cancelled (their engine
+    requests aborted) and the lifespan shuts the model down. Binds to loopback unless ``host``
+    says otherwise: the API has no authentication."""
     import uvicorn
 
     app = create_app(model_or_path, backend=backend, limits=limits, **load_options)
-    uvicorn.run(app, host=host, port=port, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    if threading.current_thread() is not threading.main_thread():
+        uvicorn.run(app, host=host, port=port, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+        return
+    # uvicorn shuts down gracefully on SIGTERM, then raises the signal again for the handler it
+    # found; with the default one the process would die by the signal after a clean shutdown.
+    # Ours ends run() instead, so the caller exits normally (as on SIGINT).
+    previous = signal.signal(signal.SIGTERM, _stop)
+    try:
+        uvicorn.run(app, host=host, port=port, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    except _Stopped:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class _Stopped(Exception):
+    """SIGTERM was received: ``run`` returns."""
+
+
+def _stop(signum: int, frame: Any) -> None:
+    raise _Stopped
 
 
 GRACEFUL_SHUTDOWN_S = 10
