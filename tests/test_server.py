@@ -611,3 +611,12 @@ def test_run_stops_cleanly_on_a_signal(sig: signal.Signals) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_import_interp_engine_does_not_import_the_server_stack() -> None:
+    code = (
+        "import json, sys, interp_engine\n"
+        "print(json.dumps([m for m in ('fastapi', 'starlette', 'pydantic', 'uvicorn') if m in sys.modules]))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert json.loads(out) == []

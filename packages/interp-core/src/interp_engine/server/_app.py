@@ -418,7 +418,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(body, status_code=500)
 
 
-def _tensor_body(
+async def _tensor_body(
     request: Request,
     served: _Served,
     format: str,
@@ -427,9 +427,11 @@ def _tensor_body(
     head: dict[str, Any],
     n_tokens: int,
 ) -> Any:
+    # serialising megabytes of values runs on a worker thread, not on the serving loop
     if served.wants_safetensors(request, format):
-        return safetensors_response(tensors, n_tokens, head)
-    return {**head, key: {name: encode(t) for name, t in tensors.items()}}
+        return await asyncio.to_thread(safetensors_response, tensors, n_tokens, head)
+    encoded = await asyncio.to_thread(lambda: {name: encode(t) for name, t in tensors.items()})
+    return {**head, key: encoded}
 
 
 def _add_routes(app: FastAPI, served: _Served) -> None:
@@ -501,7 +503,7 @@ def _add_routes(app: FastAPI, served: _Served) -> None:
             with served.fields(prompt_field, spec):
                 acts = await model.capture(ids, points, steering_spec=spec)
         tensors = {str(p): acts[p] for p in points}
-        return _tensor_body(request, served, body.format, "activations", tensors, {"token_ids": ids}, len(ids))
+        return await _tensor_body(request, served, body.format, "activations", tensors, {"token_ids": ids}, len(ids))
 
     @app.post("/v1/attention", response_model=AttentionResponse, responses=_TENSOR_RESPONSES)
     async def attention(body: AttentionRequest, request: Request) -> Any:
@@ -514,7 +516,7 @@ def _add_routes(app: FastAPI, served: _Served) -> None:
             with served.fields(prompt_field, None, "layers"):
                 acts = await model.capture_attention(ids, list(body.layers))
         tensors = {str(p): acts[p] for p in points}
-        return _tensor_body(request, served, body.format, "patterns", tensors, {"token_ids": ids}, len(ids))
+        return await _tensor_body(request, served, body.format, "patterns", tensors, {"token_ids": ids}, len(ids))
 
     @app.post("/v1/capture_generation", response_model=CaptureGenerationResponse, responses=_TENSOR_RESPONSES)
     async def capture_generation(body: CaptureGenerationRequest, request: Request) -> Any:
@@ -533,7 +535,7 @@ def _add_routes(app: FastAPI, served: _Served) -> None:
         tensors = {str(p): acts[p] for p in points}
         head = {"token_ids": ids, "completion": _completion_out(completion)}
         n_positions = len(ids) + len(completion.token_ids)
-        return _tensor_body(request, served, body.format, "activations", tensors, head, n_positions)
+        return await _tensor_body(request, served, body.format, "activations", tensors, head, n_positions)
 
     @app.post(
         "/v1/generate",
