@@ -26,7 +26,7 @@ import psutil
 import pytest
 import torch
 
-from interp_engine import Address, Cache, SteeringSpec, Write, sync_model
+from interp_engine import Address, Cache, InvalidOption, SteeringSpec, Write, load_model, sync_model
 from interp_engine.server import ServerLimits, create_app
 
 from .conftest import PROMPT, eager_model, hf_for, rel_diff, tiny_model_path
@@ -523,6 +523,8 @@ class TrackedModel:
         self.inner = inner
         self.produced = 0
         self.closed = threading.Event()
+        self.generating = threading.Event()
+        self.cancelled = threading.Event()
         self.shutdowns = 0
 
     def __getattr__(self, name: str) -> Any:
@@ -537,6 +539,14 @@ class TrackedModel:
         finally:
             await steps.aclose()
             self.closed.set()
+
+    async def generate(self, *args: Any, **kwargs: Any) -> Any:
+        self.generating.set()
+        try:
+            return await self.inner.generate(*args, **kwargs)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
 
     async def shutdown(self) -> None:
         self.shutdowns += 1
@@ -565,8 +575,35 @@ def test_client_disconnect_mid_stream_closes_the_model_stream() -> None:
         with client.stream("POST", "/v1/generate", json={**request, "max_tokens": 3}) as response:
             assert [e for e, _ in sse(response)] == ["token"] * 3 + ["done"]
         assert tracked.closed.wait(5)
+
+        # a client that leaves before a plain (non-streamed) generation ends cancels it too
+        body = json.dumps({"text": "Hi", "max_tokens": 120, "ignore_eos": True}).encode()
+        head = (
+            "POST /v1/generate HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        )
+        host, port = running.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(head.encode() + body)
+            assert tracked.generating.wait(10)
+        assert tracked.cancelled.wait(10), "the generation went on after its client left"
+        time.sleep(0.2)
+        assert client.get("/v1/health").json()["in_flight"] == 0
     assert tracked.shutdowns == 0  # the caller's model outlives the server
     assert sync_model(eager_model(FAMILY)).capture([1, 2], ["embed"])
+
+
+def test_a_closed_model_is_503_and_misuse_is_refused() -> None:
+    model = load_model(tiny_model_path(FAMILY), backend="eager")
+    with pytest.raises(InvalidOption, match="backend"):
+        create_app(model, backend="eager")
+    with pytest.raises(ValueError, match="max_points"):
+        ServerLimits(max_points=0)
+    with Server(create_app(model)) as running, httpx.Client(base_url=running.url, timeout=60) as client:
+        assert client.post("/v1/capture", json={"token_ids": [1, 2], "points": ["embed"]}).status_code == 200
+        sync_model(model).shutdown()  # its owner shuts it down under the server
+        response = client.post("/v1/capture", json={"token_ids": [1, 2], "points": ["embed"]})
+        assert response.status_code == 503 and response.json()["error"] == "ModelClosed"
 
 
 # -- run(): a process that stops cleanly -------------------------------------------------------------

@@ -16,7 +16,7 @@ import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import torch
@@ -61,6 +61,7 @@ from ._schemas import (
 from ._tensors import SAFETENSORS, decode, encode, safetensors_response
 
 logger = logging.getLogger("interp_engine.server")
+T = TypeVar("T")
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorOut, "description": text}
@@ -144,6 +145,32 @@ class _EventStream(StreamingResponse):
                 if aclose is not None:
                     await aclose()
                 await self._close()
+
+
+class _ClientGone(Exception):
+    """The client closed its connection before the answer was ready."""
+
+
+async def _unless_gone(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``, cancelling it if the client disconnects first: a cancelled model call
+    aborts its engine request, so a client that gives up frees the engine."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while True:  # the body is read: the next message is the disconnect
+            if (await request.receive())["type"] == "http.disconnect":
+                task.cancel()
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if watcher.done() and not watcher.cancelled():
+            raise _ClientGone from None
+        raise
+    finally:
+        watcher.cancel()
 
 
 def _event(name: str, data: Any) -> str:
@@ -407,6 +434,10 @@ def _add_error_handlers(app: FastAPI) -> None:
         }
         return JSONResponse(body, status_code=422)
 
+    @app.exception_handler(_ClientGone)
+    async def client_gone(request: Request, exc: _ClientGone) -> Response:
+        return Response(status_code=499)  # nobody reads it: the connection is closed
+
     @app.exception_handler(InterpError)
     async def interp_error(request: Request, exc: InterpError) -> JSONResponse:
         return from_interp(exc).response()
@@ -501,7 +532,7 @@ def _add_routes(app: FastAPI, served: _Served) -> None:
         spec = served.steering(body.steering)
         async with served.slots:
             with served.fields(prompt_field, spec):
-                acts = await model.capture(ids, points, steering_spec=spec)
+                acts = await _unless_gone(request, model.capture(ids, points, steering_spec=spec))
         tensors = {str(p): acts[p] for p in points}
         return await _tensor_body(request, served, body.format, "activations", tensors, {"token_ids": ids}, len(ids))
 
@@ -514,7 +545,7 @@ def _add_routes(app: FastAPI, served: _Served) -> None:
         served.check_size(points, len(ids), "layers")
         async with served.slots:
             with served.fields(prompt_field, None, "layers"):
-                acts = await model.capture_attention(ids, list(body.layers))
+                acts = await _unless_gone(request, model.capture_attention(ids, list(body.layers)))
         tensors = {str(p): acts[p] for p in points}
         return await _tensor_body(request, served, body.format, "patterns", tensors, {"token_ids": ids}, len(ids))
 
@@ -529,9 +560,10 @@ def _add_routes(app: FastAPI, served: _Served) -> None:
         spec = served.steering(body.steering)
         async with served.slots:
             with served.fields(prompt_field, spec):
-                completion, acts = await model.capture_generation(
+                work = model.capture_generation(
                     ids, points, max_tokens=body.max_tokens, steering_spec=spec, **body.sampling()
                 )
+                completion, acts = await _unless_gone(request, work)
         tensors = {str(p): acts[p] for p in points}
         head = {"token_ids": ids, "completion": _completion_out(completion)}
         n_positions = len(ids) + len(completion.token_ids)
@@ -543,7 +575,7 @@ def _add_routes(app: FastAPI, served: _Served) -> None:
         response_model_exclude_none=True,
         responses={**_ERRORS, 200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream"}},
     )
-    async def generate(body: GenerateRequest) -> Any:
+    async def generate(body: GenerateRequest, request: Request) -> Any:
         """A completion; with ``stream: true``, server-sent events: one ``token`` event per
         generated token (``{"token_id", "text", "logprobs"}``), then ``done`` (the completion) or
         ``error``. Closing the connection aborts the generation."""
@@ -559,14 +591,10 @@ def _add_routes(app: FastAPI, served: _Served) -> None:
         async with served.slots:
             with served.fields(prompt_field, spec):
                 if body.n_logprobs == 0:
-                    return _completion_out(await model.generate(ids, max_tokens=body.max_tokens, **options))
+                    work = model.generate(ids, max_tokens=body.max_tokens, **options)
+                    return _completion_out(await _unless_gone(request, work))
                 steps = model.stream(ids, max_tokens=body.max_tokens, n_logprobs=body.n_logprobs, **options)
-                try:
-                    collected = [step async for step in steps]
-                finally:
-                    aclose = getattr(steps, "aclose", None)
-                    if aclose is not None:
-                        await aclose()
+                collected = await _unless_gone(request, _collect(steps))
         return {
             "token_ids": [s.token_id for s in collected],
             "text": "".join(s.text for s in collected),
@@ -575,7 +603,7 @@ def _add_routes(app: FastAPI, served: _Served) -> None:
         }
 
     @app.post("/v1/decode_residuals", response_model=DecodeResponse, responses=_ERRORS)
-    async def decode_residuals(body: DecodeRequest) -> Any:
+    async def decode_residuals(body: DecodeRequest, request: Request) -> Any:
         """The logit lens: final norm + unembedding of residual vectors ``[..., d_model]``, with
         the top-k tokens of each (and the full logits when ``return_logits``)."""
         model = served.ready()
@@ -589,7 +617,7 @@ def _add_routes(app: FastAPI, served: _Served) -> None:
             raise limit_exceeded("activations", f"the result would hold {out_values} values", limit)
         async with served.slots:
             with blame({InvalidActivations: "activations"}):
-                logits = await model.decode_residuals(acts)
+                logits = await _unless_gone(request, model.decode_residuals(acts))
         if not isinstance(logits, torch.Tensor):  # a tensor in gives a tensor out
             raise ApiError(500, "BackendError", "decode_residuals returned no tensor")
         logits = logits.float()
@@ -607,6 +635,16 @@ def _add_routes(app: FastAPI, served: _Served) -> None:
             },
             "logits": encode(logits) if body.return_logits else None,
         }
+
+
+async def _collect(steps: AsyncIterator[StreamStep]) -> list[StreamStep]:
+    """Every step of a stream, closing it however the collection ends."""
+    try:
+        return [step async for step in steps]
+    finally:
+        aclose = getattr(steps, "aclose", None)
+        if aclose is not None:
+            await aclose()
 
 
 async def _stream(
