@@ -13,17 +13,16 @@ import math
 import os
 import signal
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict
-from typing import Any, TypeVar
+from typing import Any
 
 import anyio
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from fastapi.responses import JSONResponse, Response
 
 from .._address import KINDS, Address
 from .._errors import (
@@ -39,6 +38,7 @@ from .._plugins import load_model
 from .._protocol import Completion, InterpModel, StreamStep
 from .._steering import SteeringSpec, Write
 from ..validation import check_spec
+from ._asgi import BodyLimit, ClientGone, EventStream, Slots, unless_gone
 from ._errors import ApiError, blame, field_path, from_interp, limit_exceeded
 from ._limits import ServerLimits
 from ._schemas import (
@@ -61,7 +61,6 @@ from ._schemas import (
 from ._tensors import SAFETENSORS, decode, encode, safetensors_response
 
 logger = logging.getLogger("interp_engine.server")
-T = TypeVar("T")
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorOut, "description": text}
@@ -76,101 +75,6 @@ _TENSOR_RESPONSES: dict[int | str, dict[str, Any]] = {
     **_ERRORS,
     200: {"content": {SAFETENSORS: {}}, "description": "JSON, or a safetensors Cache file when asked"},
 }
-
-
-class _BodyLimit:
-    """ASGI middleware: refuse bodies over ``max_bytes`` with 413, by Content-Length up front, or
-    while reading a body sent without one."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    def _too_large(self, size: str) -> ApiError:
-        return ApiError(
-            413,
-            "LimitExceeded",
-            f"the request body is {size} bytes; the server's limit is {self.max_bytes}",
-            field="body",
-            valid=self.max_bytes,
-        )
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None:
-            try:
-                length = int(declared)
-            except ValueError:
-                await ApiError(400, "BadRequest", "invalid Content-Length header").response()(scope, receive, send)
-                return
-            if length > self.max_bytes:
-                await self._too_large(str(length)).response()(scope, receive, send)
-                return
-        received = 0
-
-        async def limited() -> Message:
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise self._too_large(f"over {received}")
-            return message
-
-        await self.app(scope, limited, send)
-
-
-class _EventStream(StreamingResponse):
-    """Server-sent events whose model stream is closed however the response ends: finished,
-    failed, or cancelled because the client went away (closing it makes the backend abort)."""
-
-    def __init__(self, events: AsyncIterator[str], close: Callable[[], Awaitable[None]]) -> None:
-        super().__init__(
-            events,
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
-        self._events = events
-        self._close = close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            with anyio.CancelScope(shield=True):
-                aclose = getattr(self._events, "aclose", None)
-                if aclose is not None:
-                    await aclose()
-                await self._close()
-
-
-class _ClientGone(Exception):
-    """The client closed its connection before the answer was ready."""
-
-
-async def _unless_gone(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work``, cancelling it if the client disconnects first: a cancelled model call
-    aborts its engine request, so a client that gives up frees the engine."""
-    task = asyncio.ensure_future(work)
-
-    async def watch() -> None:
-        while True:  # the body is read: the next message is the disconnect
-            if (await request.receive())["type"] == "http.disconnect":
-                task.cancel()
-                return
-
-    watcher = asyncio.ensure_future(watch())
-    try:
-        return await task
-    except asyncio.CancelledError:
-        if watcher.done() and not watcher.cancelled():
-            raise _ClientGone from None
-        raise
-    finally:
-        watcher.cancel()
 
 
 def _event(name: str, data: Any) -> str:
@@ -198,28 +102,6 @@ def _nest(flat: list[Any], shape: Sequence[int]) -> list[Any]:
     return [_nest(flat[i * step : (i + 1) * step], shape[1:]) for i in range(shape[0])]
 
 
-class _Slots:
-    """At most ``n`` requests on the model at once; the others wait. ``in_flight`` counts holders."""
-
-    def __init__(self, n: int) -> None:
-        self._semaphore = asyncio.Semaphore(n)
-        self.in_flight = 0
-
-    async def acquire(self) -> None:
-        await self._semaphore.acquire()
-        self.in_flight += 1
-
-    def release(self) -> None:
-        self.in_flight -= 1
-        self._semaphore.release()
-
-    async def __aenter__(self) -> None:
-        await self.acquire()
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.release()
-
-
 class _Served:
     """The app's state: the model once the lifespan has loaded it, the limits, the request slots."""
 
@@ -227,7 +109,7 @@ class _Served:
         self.limits = limits
         self.model: InterpModel | None = None
         self.name = ""
-        self.slots = _Slots(limits.max_concurrent_requests)
+        self.slots = Slots(limits.max_concurrent_requests)
 
     def ready(self) -> InterpModel:
         if self.model is None:
@@ -402,7 +284,7 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.served = served
-    app.add_middleware(_BodyLimit, max_bytes=served.limits.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=served.limits.max_body_bytes)
     _add_error_handlers(app)
     _add_routes(app, served)
     return app
@@ -434,8 +316,8 @@ def _add_error_handlers(app: FastAPI) -> None:
         }
         return JSONResponse(body, status_code=422)
 
-    @app.exception_handler(_ClientGone)
-    async def client_gone(request: Request, exc: _ClientGone) -> Response:
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, exc: ClientGone) -> Response:
         return Response(status_code=499)  # nobody reads it: the connection is closed
 
     @app.exception_handler(InterpError)
@@ -532,7 +414,7 @@ def _add_routes(app: FastAPI, served: _Served) -> None:
         spec = served.steering(body.steering)
         async with served.slots:
             with served.fields(prompt_field, spec):
-                acts = await _unless_gone(request, model.capture(ids, points, steering_spec=spec))
+                acts = await unless_gone(request, model.capture(ids, points, steering_spec=spec))
         tensors = {str(p): acts[p] for p in points}
         return await _tensor_body(request, served, body.format, "activations", tensors, {"token_ids": ids}, len(ids))
 
@@ -545,7 +427,7 @@ def _add_routes(app: FastAPI, served: _Served) -> None:
         served.check_size(points, len(ids), "layers")
         async with served.slots:
             with served.fields(prompt_field, None, "layers"):
-                acts = await _unless_gone(request, model.capture_attention(ids, list(body.layers)))
+                acts = await unless_gone(request, model.capture_attention(ids, list(body.layers)))
         tensors = {str(p): acts[p] for p in points}
         return await _tensor_body(request, served, body.format, "patterns", tensors, {"token_ids": ids}, len(ids))
 
@@ -563,7 +445,7 @@ def _add_routes(app: FastAPI, served: _Served) -> None:
                 work = model.capture_generation(
                     ids, points, max_tokens=body.max_tokens, steering_spec=spec, **body.sampling()
                 )
-                completion, acts = await _unless_gone(request, work)
+                completion, acts = await unless_gone(request, work)
         tensors = {str(p): acts[p] for p in points}
         head = {"token_ids": ids, "completion": _completion_out(completion)}
         n_positions = len(ids) + len(completion.token_ids)
@@ -592,9 +474,9 @@ def _add_routes(app: FastAPI, served: _Served) -> None:
             with served.fields(prompt_field, spec):
                 if body.n_logprobs == 0:
                     work = model.generate(ids, max_tokens=body.max_tokens, **options)
-                    return _completion_out(await _unless_gone(request, work))
+                    return _completion_out(await unless_gone(request, work))
                 steps = model.stream(ids, max_tokens=body.max_tokens, n_logprobs=body.n_logprobs, **options)
-                collected = await _unless_gone(request, _collect(steps))
+                collected = await unless_gone(request, _collect(steps))
         return {
             "token_ids": [s.token_id for s in collected],
             "text": "".join(s.text for s in collected),
@@ -617,7 +499,7 @@ def _add_routes(app: FastAPI, served: _Served) -> None:
             raise limit_exceeded("activations", f"the result would hold {out_values} values", limit)
         async with served.slots:
             with blame({InvalidActivations: "activations"}):
-                logits = await _unless_gone(request, model.decode_residuals(acts))
+                logits = await unless_gone(request, model.decode_residuals(acts))
         if not isinstance(logits, torch.Tensor):  # a tensor in gives a tensor out
             raise ApiError(500, "BackendError", "decode_residuals returned no tensor")
         logits = logits.float()
@@ -702,7 +584,7 @@ async def _stream(
         except InterpError as exc:  # the status line is sent: report it in the stream
             yield _event("error", from_interp(exc).body())
 
-    return _EventStream(events(), close)
+    return EventStream(events(), close)
 
 
 def run(
