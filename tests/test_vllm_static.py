@@ -278,6 +278,10 @@ def test_configure_static_before_build_binds_the_set() -> None:
     assert model.static_writes == [Address("resid_pre", 2)]
     with pytest.raises(InvalidOption, match="not 'auto'"):
         model.configure_static("auto")
+    model.configure_static([], static_writes=["resid_post.1"])  # a steering-only engine
+    assert model.static_points == [] and model.static_writes == [Address("resid_post", 1)]
+    with pytest.raises(UndeclaredAddress, match=r"declared: \[\] \(none\)"):
+        asyncio.run(model.capture([1, 2, 3], ["resid_post.1"]))  # checked before any engine exists
 
 
 @pytest.mark.parametrize(

@@ -33,6 +33,7 @@ from interp_engine.validation import requested_points
 from ._model import ENGINE_DEFAULTS, VllmModel
 from ._static import plan_writes
 from ._static_worker import CONFIG_KEY, STATIC_POINT_KINDS, STATIC_WRITE_KINDS
+from ._worker import PAYLOAD_KEY
 
 DEFAULT_SLOTS = 256
 STATIC_OPTIONS = ("static_points", "static_writes", "static_write_slots")
@@ -61,10 +62,9 @@ class StaticVllmModel(VllmModel):
         self._points: list[Address] | None = None
         self._writes: list[Address] = []
         self._frozen = False
-        self._slots_used: dict[Address, int] = {}
+        self._slots_used: dict[str, int] = {}  # per write address: slots held by requests in flight
         self._slots_free: asyncio.Condition | None = None
-        self._needs: dict[str, dict[Address, int]] = {}
-        self._held: dict[str, dict[Address, int]] = {}
+        self._held: dict[str, dict[str, int]] = {}
         if writes is not None:
             self._writes = self._declare_writes(writes)
         if points != "auto":
@@ -87,7 +87,10 @@ class StaticVllmModel(VllmModel):
             )
         if isinstance(points, str) and points == "auto":
             raise InvalidOption("configure_static takes the points themselves, not 'auto'")
-        declared = list(dict.fromkeys(requested_points(points, self.info, STATIC_POINT_KINDS).values()))
+        if isinstance(points, (list, tuple)) and not points:
+            declared: list[Address] = []  # a steering-only engine
+        else:
+            declared = list(dict.fromkeys(requested_points(points, self.info, STATIC_POINT_KINDS).values()))
         writes = self._declare_writes(static_writes) if static_writes is not None else self._writes
         self._points, self._writes = declared, writes
 
@@ -173,13 +176,14 @@ class StaticVllmModel(VllmModel):
         return ids, mapping, writes
 
     def _payload(self, rid: str, points: Iterable[Address], writes: list[Write], n_prompt: int, n_total: int) -> Any:
+        payload = super()._payload(rid, points, writes, n_prompt, n_total)
         if writes:
             if self.tp_size > 1 and any(w.op == "ablate" and w.address.kind == "mlp_post" for w in writes):
                 raise InvalidSteering(
                     "ablate at mlp_post is not available under tensor parallelism on vllm-static "
                     "(the neurons are split across ranks); use add or set there"
                 )
-            needs = {a: len(plan.ops) for a, plan in plan_writes(writes, n_prompt, n_total).items()}
+            needs = {str(a): len(plan.ops) for a, plan in plan_writes(writes, n_prompt, n_total).items()}
             for address, need in needs.items():
                 if need > self.static_write_slots:
                     raise InvalidSteering(
@@ -187,19 +191,19 @@ class StaticVllmModel(VllmModel):
                         f"vector row), but the engine has {self.static_write_slots}; load it with "
                         "a larger static_write_slots"
                     )
-            self._needs[rid] = needs
-        return super()._payload(rid, points, writes, n_prompt, n_total)
+            payload[PAYLOAD_KEY]["slots"] = needs  # what the request holds in the workers' tables
+        return payload
 
     async def _outputs(
         self, engine: Any, ids: list[int], params: Any, rid: str, salt: str | None
     ) -> AsyncIterator[Any]:
-        needs = self._needs.pop(rid, None)
-        if needs:
-            await self._reserve(rid, needs)
+        payload = (getattr(params, "extra_args", None) or {}).get(PAYLOAD_KEY) or {}
+        if payload.get("slots"):
+            await self._reserve(rid, payload["slots"])
         async for output in super()._outputs(engine, ids, params, rid, salt):
             yield output
 
-    async def _reserve(self, rid: str, needs: dict[Address, int]) -> None:
+    async def _reserve(self, rid: str, needs: dict[str, int]) -> None:
         if self._slots_free is None:
             self._slots_free = asyncio.Condition()
         cap = self.static_write_slots
