@@ -309,3 +309,35 @@ def test_user_mistakes_are_one_line(
     assert len(lines) == 1 and lines[0].startswith("interp: error: "), err
     assert expected in lines[0]
     assert "Traceback" not in err
+
+
+# -- any backend, through the protocol ----------------------------------------------------------
+
+
+def test_commands_on_a_third_party_backend(capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path) -> None:
+    # the toy backend (tests/toy_backend) serves residual addresses and logits, no attention
+    toy = ["--backend", "toy", "--no-plots"]
+    status, out, err = interp(capsys, "lens", "toy", "hello", *toy)
+    assert status == 0, err
+    assert "resid_post.2" in out
+    status, out, err = interp(capsys, "demo", "toy", *toy, "--prompt", "abc", "--contrast", "xyz")
+    assert status == 0, err
+    assert "skipped:" in out and "4. steering" in out
+    status, _, err = interp(capsys, "attention", "toy", "hello", "--layer", "0", *toy)
+    assert status == 1 and "attn_pattern.0" in our_lines(err)[0]
+    out_file = tmp_path / "toy.safetensors"
+    status, _, err = interp(
+        capsys,
+        "capture",
+        "toy",
+        "hello",
+        "--points",
+        "blocks.1.hook_resid_post",
+        "--out",
+        str(out_file),
+        "--backend",
+        "toy",
+    )
+    assert status == 0, err
+    direct = run_with_cache(load_model("toy", backend="toy"), "hello", ["resid_post.1"])
+    assert torch.equal(Cache.load(out_file)["resid_post.1"], direct["resid_post.1"])

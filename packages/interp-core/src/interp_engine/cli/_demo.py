@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from .._address import Address
+from .._errors import UnsupportedAddress
 from .._steering import SteeringSpec, Write
 from .._sync import SyncModel
 from ._common import (
@@ -66,6 +67,23 @@ def section_capture(sync: SyncModel, ids: list[int]) -> list[Address]:
     return points
 
 
+def section_attention(sync: SyncModel, length: int, seed: int) -> tuple[list[int], tuple[int, int], float] | None:
+    print(
+        f"\n3. attention: induction score of each head on {length} random tokens repeated "
+        "(mean attention from a token to the one after its earlier copy; 1.0 is a perfect induction head)\n"
+    )
+    try:
+        scores, rand_ids, _ = induction_scores(sync, length, seed)
+    except UnsupportedAddress as exc:
+        print(f"   skipped: {exc}")
+        return None
+    best = divmod(int(scores.argmax()), scores.shape[1])
+    rows = [[f"layer {i}", *[f"{float(s):.2f}" for s in scores[i]]] for i in range(scores.shape[0])]
+    print(table(["", *[f"head {h}" for h in range(scores.shape[1])]], rows))
+    print(f"\n   strongest: layer {best[0]} head {best[1]} ({float(scores[best]):.2f})")
+    return rand_ids, best, float(scores[best])
+
+
 def section_steering(sync: SyncModel, ids: list[int], contrast: str, layer: int, scale: float, max_tokens: int) -> None:
     point = Address("resid_post", layer)
     other = prompt_ids(sync, contrast)
@@ -87,8 +105,8 @@ def section_steering(sync: SyncModel, ids: list[int], contrast: str, layer: int,
     ]
     print(table(["", "next token (top 5)"], rows))
     if max_tokens > 0:
-        text_plain = sync.generate(ids, max_tokens=max_tokens, ignore_eos=True).text
-        text_steered = sync.generate(ids, max_tokens=max_tokens, steering_spec=spec, ignore_eos=True).text
+        text_plain = "".join(step.text for step in sync.stream(ids, max_tokens=max_tokens))
+        text_steered = "".join(step.text for step in sync.stream(ids, max_tokens=max_tokens, steering_spec=spec))
         print(f"\n   plain:   {text_plain!r}\n   steered: {text_steered!r}")
 
 
@@ -113,25 +131,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print("\n2. logit lens: the next token decoded from each layer's residual stream (last token)\n")
         print(lens_top_k(sync, lens, len(ids) - 1, 3))
 
-        scores, rand_ids, _ = induction_scores(sync, args.induction_length, args.seed)
-        best = divmod(int(scores.argmax()), scores.shape[1])
-        print(
-            f"\n3. attention: induction score of each head on {args.induction_length} random tokens repeated "
-            "(mean attention from a token to the one after its earlier copy; 1.0 is a perfect induction head)\n"
-        )
-        rows = [[f"layer {i}", *[f"{float(s):.2f}" for s in scores[i]]] for i in range(scores.shape[0])]
-        print(table(["", *[f"head {h}" for h in range(scores.shape[1])]], rows))
-        print(f"\n   strongest: layer {best[0]} head {best[1]} ({float(scores[best]):.2f})")
+        induction = section_attention(sync, args.induction_length, args.seed)
 
         section_steering(sync, ids, args.contrast, layer, args.scale, args.max_tokens)
 
         if figure is not None:
             print()
             plot_lens(figure, sync, lens, list(range(len(ids))), args.out, "lens.png")
-            pattern = sync.capture_attention(rand_ids, [best[0]])[Address("attn_pattern", best[0])]
-            tokens = sync.to_str_tokens(rand_ids)
-            title = f"layer {best[0]} on repeated random tokens (head {best[1]}: induction {float(scores[best]):.2f})"
-            plot_heads(figure, pattern, tokens, title, args.out, "induction.png")
+            if induction is not None:
+                rand_ids, (layer_, head), score = induction
+                pattern = sync.capture_attention(rand_ids, [layer_])[Address("attn_pattern", layer_)]
+                title = f"layer {layer_} on repeated random tokens (head {head}: induction {score:.2f})"
+                plot_heads(figure, pattern, sync.to_str_tokens(rand_ids), title, args.out, "induction.png")
     return 0
 
 
