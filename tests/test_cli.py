@@ -62,6 +62,11 @@ def test_installed_entry_point_runs_in_a_subprocess() -> None:
         assert command in done.stdout
 
 
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = interp(capsys, "--version")
+    assert status == 0 and out.startswith("interp-engine ")
+
+
 @pytest.mark.parametrize("command", ["demo", "capture", "lens", "attention", "serve"])
 def test_every_command_has_help(capsys: pytest.CaptureFixture[str], command: str) -> None:
     status, out, _ = interp(capsys, command, "--help")

@@ -18,6 +18,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from .. import __version__
 from .._errors import InterpError
 from ._capture import add_capture
 from ._common import UserError, add_model_options, load_options, parse_option
@@ -78,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Models are local HF directories, hub ids or interp:tiny. Addresses are interp-engine's "
         "(resid_post.5) or TransformerLens hook names (blocks.5.hook_resid_post).",
     )
+    parser.add_argument("--version", action="version", version=f"interp-engine {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     add_demo(sub)
     add_capture(sub)
