@@ -184,3 +184,18 @@ def test_cache_does_not_alias_the_input_mapping() -> None:
     cache = Cache(data)
     data[Address("resid_post", 1)] = torch.ones(1, 2, 3)
     assert list(cache) == [Address("resid_post", 0)]
+
+
+def test_save_adds_metadata_that_load_ignores(cache: Cache, tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    path = tmp_path / "cache.safetensors"
+    cache.save(path, metadata={"interp.prompts": '["a", "b"]', "format": "not overridable"})
+    with safe_open(str(path), framework="pt") as f:
+        header = f.metadata()
+    assert header["interp.prompts"] == '["a", "b"]'
+    assert header["format"] == "interp-engine-cache"
+    loaded = Cache.load(path)
+    assert list(loaded) == list(cache)
+    assert loaded.lengths is not None and cache.lengths is not None
+    assert loaded.lengths.tolist() == cache.lengths.tolist()

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ._errors import InvalidAddress, LayerOutOfRange, UnknownKind
+from ._tl_names import is_tl_name, parse_tl_name, tl_name
 
 Width = Literal["d_model", "d_mlp", "heads x keys", "vocab"]
 
@@ -55,6 +56,7 @@ class Address:
     is a model-level point with no layer. Negative layers count from the end and are resolved
     against a model with :meth:`resolve`. The string form ``"resid_post.5"`` round-trips through
     :meth:`parse`, but an ``Address`` is never equal to its string: keys stay typed.
+    :meth:`parse` also reads TransformerLens hook names (``"blocks.5.hook_resid_post"``).
     """
 
     kind: str
@@ -98,7 +100,12 @@ class Address:
 
     @classmethod
     def parse(cls, text: str | Address) -> Address:
-        """Read ``"kind.layer"`` or ``"kind"`` (an ``Address`` is returned unchanged)."""
+        """Read ``"kind.layer"`` or ``"kind"`` (an ``Address`` is returned unchanged).
+
+        TransformerLens hook names are read too: ``"blocks.5.hook_resid_post"`` is
+        ``Address("resid_post", 5)``, ``"ln_final.hook_normalized"`` is ``Address("final_norm")``;
+        one without an exact counterpart raises ``UnknownKind`` naming what to use instead.
+        """
         if isinstance(text, Address):
             return text
         if not isinstance(text, str):
@@ -107,7 +114,10 @@ class Address:
                 address=text,
                 valid=("kind", "kind.layer"),
             )
-        kind, sep, layer_text = text.strip().partition(".")
+        text = text.strip()
+        if is_tl_name(text):
+            return cls(*parse_tl_name(text))
+        kind, sep, layer_text = text.partition(".")
         if not sep:
             return cls(kind)
         try:
@@ -119,6 +129,12 @@ class Address:
                 valid=("kind.layer with an integer layer",),
             ) from None
         return cls(kind, layer)
+
+    @property
+    def tl_name(self) -> str | None:
+        """The TransformerLens hook name of this address (``"blocks.5.hook_resid_post"``), or
+        ``None`` where TransformerLens has no hook with exactly this value (``embed``, ``logits``)."""
+        return tl_name(self.kind, self.layer)
 
     @property
     def info(self) -> KindInfo:

@@ -91,15 +91,19 @@ class Cache(Mapping[Address, torch.Tensor]):
         """A copy with every tensor moved to ``device``."""
         return Cache({a: t.to(device) for a, t in self._data.items()}, lengths=self.lengths)
 
-    def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the cache to a safetensors file (keys are address strings)."""
+    def save(self, path: str | os.PathLike[str], *, metadata: Mapping[str, str] | None = None) -> None:
+        """Write the cache to a safetensors file (keys are address strings).
+
+        ``metadata`` adds string entries to the file's header (``safe_open(path).metadata()``
+        reads them back; :meth:`load` ignores them).
+        """
         from safetensors.torch import save_file
 
         tensors = {str(a): t.detach().cpu().contiguous() for a, t in self._data.items()}
-        metadata = {"format": "interp-engine-cache"}
+        header = {**(metadata or {}), "format": "interp-engine-cache"}
         if self.lengths is not None:
-            metadata[_LENGTHS_KEY] = json.dumps([int(n) for n in self.lengths.tolist()])
-        save_file(tensors, os.fspath(path), metadata=metadata)
+            header[_LENGTHS_KEY] = json.dumps([int(n) for n in self.lengths.tolist()])
+        save_file(tensors, os.fspath(path), metadata=header)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], *, device: str | torch.device = "cpu") -> Cache:

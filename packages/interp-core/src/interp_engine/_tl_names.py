@@ -1,0 +1,103 @@
+"""TransformerLens hook names, read as addresses.
+
+``Address.parse("blocks.5.hook_resid_post")`` is ``Address("resid_post", 5)``: a researcher can
+paste the names they know from TransformerLens wherever an address is accepted. Only names whose
+value is exactly one of our addresses are mapped; a TransformerLens name without an exact
+counterpart raises ``UnknownKind`` naming the nearest address and how it differs.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ._errors import UnknownKind
+
+TL_PER_LAYER: dict[str, str] = {
+    "hook_resid_pre": "resid_pre",
+    "hook_resid_mid": "resid_mid",
+    "hook_resid_post": "resid_post",
+    "hook_attn_out": "attn_out",
+    "hook_mlp_out": "mlp_out",
+    "mlp.hook_post": "mlp_post",
+    "attn.hook_pattern": "attn_pattern",
+}
+"""``blocks.L.<suffix>`` -> our per-layer kind."""
+
+TL_MODEL_LEVEL: dict[str, str] = {
+    "ln_final.hook_normalized": "final_norm",
+}
+"""Whole TransformerLens names -> our model-level kind."""
+
+_EMBED_HINT = (
+    "interp-engine's 'embed' is the token + position embedding entering layer 0, i.e. TransformerLens's "
+    "blocks.0.hook_resid_pre = hook_embed + hook_pos_embed (on models without learned position "
+    "embeddings, e.g. rotary ones, it equals hook_embed alone); use 'embed'"
+)
+
+_NEAR_MISSES: dict[str, str] = {  # unmapped suffixes of blocks.L.* -> what to use instead
+    "hook_mlp_in": "the MLP's input is resid_mid.L on sequential models (resid_pre.L on parallel-attention ones)",
+    "hook_attn_in": "the attention's input is resid_pre.L",
+    "hook_q_input": "the attention's input is resid_pre.L",
+    "hook_k_input": "the attention's input is resid_pre.L",
+    "hook_v_input": "the attention's input is resid_pre.L",
+    "attn.hook_attn_scores": "attn_pattern.L holds the attention probabilities (after the softmax), not the scores",
+    "attn.hook_q": "per-head queries are not an address; attn_pattern.L and attn_out.L are",
+    "attn.hook_k": "per-head keys are not an address; attn_pattern.L and attn_out.L are",
+    "attn.hook_v": "per-head values are not an address; attn_pattern.L and attn_out.L are",
+    "attn.hook_z": "per-head outputs are not an address; attn_out.L is their sum after the output projection",
+    "attn.hook_result": "per-head results are not an address; attn_out.L is their sum",
+    "attn.hook_rot_q": "rotated queries are not an address; attn_pattern.L is",
+    "attn.hook_rot_k": "rotated keys are not an address; attn_pattern.L is",
+    "mlp.hook_pre": "the MLP pre-activation is not an address; mlp_post.L is after the nonlinearity",
+    "mlp.hook_pre_linear": "the gated MLP's linear branch is not an address; mlp_post.L is act(gate) * up",
+    "ln1.hook_normalized": "norm outputs inside a block are not addresses; resid_pre.L is the norm's input",
+    "ln2.hook_normalized": "norm outputs inside a block are not addresses; resid_mid.L is the norm's input",
+    "ln1.hook_scale": "norm scales are not addresses; resid_pre.L is the norm's input",
+    "ln2.hook_scale": "norm scales are not addresses; resid_mid.L is the norm's input",
+}
+
+_BLOCK = re.compile(r"blocks\.(-?\d+)\.(.+)")
+
+
+def is_tl_name(text: str) -> bool:
+    """Whether ``text`` is spelled like a TransformerLens hook name (a ``hook_`` part)."""
+    return any(part.startswith("hook_") for part in text.split("."))
+
+
+def _unknown(text: str, why: str) -> UnknownKind:
+    mapped = [f"blocks.L.{suffix}" for suffix in TL_PER_LAYER] + list(TL_MODEL_LEVEL)
+    return UnknownKind(
+        f"TransformerLens name {text!r} has no interp-engine address: {why}. "
+        f"Mapped TransformerLens names: {', '.join(mapped)}",
+        address=text,
+        valid=tuple(mapped),
+    )
+
+
+def parse_tl_name(text: str) -> tuple[str, int | None]:
+    """``(kind, layer)`` of a TransformerLens hook name, or ``UnknownKind`` saying what to use."""
+    if text in TL_MODEL_LEVEL:
+        return TL_MODEL_LEVEL[text], None
+    if text in ("hook_embed", "hook_pos_embed", "embed.hook_out", "pos_embed.hook_out"):
+        raise _unknown(text, _EMBED_HINT)
+    if text.startswith("ln_final."):
+        raise _unknown(text, "of the final norm only its output, ln_final.hook_normalized (final_norm), is an address")
+    match = _BLOCK.fullmatch(text)
+    if match is None:
+        raise _unknown(text, "it is not a blocks.L.* name this mapping knows")
+    layer, suffix = int(match.group(1)), match.group(2)
+    if suffix in TL_PER_LAYER:
+        return TL_PER_LAYER[suffix], layer
+    hint = _NEAR_MISSES.get(suffix, "it is not part of the address vocabulary")
+    raise _unknown(text, hint.replace(".L", f".{layer}"))
+
+
+def tl_name(kind: str, layer: int | None) -> str | None:
+    """The TransformerLens name of an address, or ``None`` where TransformerLens has none."""
+    for suffix, ours in TL_PER_LAYER.items():
+        if ours == kind:
+            return f"blocks.{layer}.{suffix}"
+    for name, ours in TL_MODEL_LEVEL.items():
+        if ours == kind:
+            return name
+    return None

@@ -1,0 +1,111 @@
+"""The ``interp`` command: a tour, capture to files, the logit lens, attention, and serving.
+
+    interp demo [MODEL]
+    interp capture MODEL TEXT | --input prompts.txt --points resid_post.5,... --out acts.safetensors
+    interp lens MODEL TEXT
+    interp attention MODEL TEXT --layer L
+    interp serve MODEL --backend eager --host 127.0.0.1 --port 8000
+
+Every command works on any backend (``--backend``) through the model protocol. A mistake in the
+input prints one line (``interp: error: ...``) and exits non-zero; ``--help`` on each command
+says the rest. ``import interp_engine`` never imports this module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from .. import __version__
+from .._errors import InterpError
+from ._capture import add_capture
+from ._common import UserError, add_model_options, load_options, parse_option
+from ._demo import add_demo
+from ._views import add_attention, add_lens
+
+__all__ = ["main"]
+
+SERVE_HINT = "the HTTP server is not installed: pip install 'interp-core[serve]'"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage mistake as one line (``interp: error: ...``), exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        command = self.prog.split(" ", 1)[1] if " " in self.prog else ""
+        hint = f"see 'interp {command} --help'" if command else "see 'interp --help'"
+        self.exit(2, f"interp: error: {message} ({hint})\n")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        from interp_engine.server import run  # type: ignore[import-not-found, unused-ignore]
+    except ModuleNotFoundError as exc:
+        raise UserError(f"{SERVE_HINT} (missing module {exc.name})") from None
+    limits = dict(args.limit) or None
+    run(args.model, backend=args.backend, host=args.host, port=args.port, limits=limits, **load_options(args))
+    return 0
+
+
+def add_serve(sub: Any) -> None:
+    parser = sub.add_parser(
+        "serve",
+        help="serve a model over HTTP (needs interp-core[serve])",
+        description="Serve MODEL over HTTP with interp_engine.server (install interp-core[serve]). "
+        "Binds to the loopback interface unless --host says otherwise.",
+        epilog="example: interp serve path/to/model --backend vllm --port 8000 --limit max_body_bytes=1048576",
+    )
+    parser.add_argument("model", metavar="MODEL", help="a local model directory, hub id or interp:tiny")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    parser.add_argument(
+        "--limit",
+        action="append",
+        type=parse_option,
+        default=[],
+        metavar="KEY=VALUE",
+        help="a server limit (repeatable), e.g. --limit max_body_bytes=1048576",
+    )
+    add_model_options(parser)
+    parser.set_defaults(func=cmd_serve)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="interp",
+        description="interp-engine on the command line: capture, logit lens, attention, steering, serving.",
+        epilog="Models are local HF directories, hub ids or interp:tiny. Addresses are interp-engine's "
+        "(resid_post.5) or TransformerLens hook names (blocks.5.hook_resid_post).",
+    )
+    parser.add_argument("--version", action="version", version=f"interp-engine {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    add_demo(sub)
+    add_capture(sub)
+    add_lens(sub)
+    add_attention(sub)
+    add_serve(sub)
+    return parser
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
+    return " ".join(text.split()) or type(exc).__name__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``interp`` command; returns the exit status (0 ok, 1 error, 2 usage, 130 interrupted)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.error("choose a command: demo, capture, lens, attention or serve")
+    try:
+        status: int = args.func(args)
+    except (UserError, InterpError, OSError) as exc:
+        print(f"interp: error: {_one_line(exc)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interp: interrupted (interp capture resumes when run again)", file=sys.stderr)
+        return 130
+    return status

@@ -1,0 +1,185 @@
+"""``interp capture``: batch capture into one Cache file, resumable.
+
+Each prompt's activations are written as soon as they exist to ``OUT.parts/NNNNNN.safetensors``
+(one Cache of batch 1, written atomically), next to a ``manifest.json`` naming the model, the
+points and a hash of the prompts. Re-running the same command skips the prompts already there;
+when all are done they are joined into ``OUT`` (right-padded with zeros, ``Cache.lengths`` holding
+each prompt's real token count) and the parts directory is removed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .._address import Address
+from .._api import pad_rows
+from .._cache import Cache
+from .._sync import SyncModel
+from ._common import Progress, UserError, add_model_options, opened, parse_points
+
+MANIFEST = "manifest.json"
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    if (args.text is None) == (args.input is None):
+        raise UserError("give either TEXT or --input FILE (one prompt per line)")
+    if args.text is not None:
+        prompts = [args.text]
+    else:
+        path = pathlib.Path(args.input)
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except FileNotFoundError:
+            raise UserError(f"--input file not found: {path}") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UserError(f"cannot read --input {path}: {exc}") from None
+        prompts = [line for line in lines if line.strip()]
+    if not prompts or not all(p.strip() for p in prompts):
+        raise UserError("no prompts to capture (the text or every line of --input is empty)")
+    return prompts
+
+
+def parts_dir(out: pathlib.Path) -> pathlib.Path:
+    return out.with_name(out.name + ".parts")
+
+
+def shard_path(parts: pathlib.Path, index: int) -> pathlib.Path:
+    return parts / f"{index:06d}.safetensors"
+
+
+def _manifest(args: argparse.Namespace, prompts: Sequence[str], points: Sequence[Address]) -> dict[str, Any]:
+    digest = hashlib.sha256("\n".join(prompts).encode()).hexdigest()
+    return {
+        "model": str(args.model),
+        "backend": args.backend,
+        "points": [str(p) for p in points],
+        "n_prompts": len(prompts),
+        "prompts_sha256": digest,
+    }
+
+
+def prepare_parts(parts: pathlib.Path, manifest: dict[str, Any], overwrite: bool) -> set[int]:
+    """The indices already captured by an interrupted run of the same command (a fresh parts
+    directory when there is none, or when ``overwrite``)."""
+    if overwrite and parts.exists():
+        shutil.rmtree(parts)
+    if parts.exists():
+        try:
+            previous = json.loads((parts / MANIFEST).read_text())
+        except (OSError, ValueError):
+            previous = None
+        if previous != manifest:
+            raise UserError(
+                f"{parts} holds a capture of other prompts, points or model; "
+                "re-run the same command to resume it, or pass --overwrite to start again"
+            )
+        return {i for i in range(manifest["n_prompts"]) if shard_path(parts, i).exists()}
+    parts.mkdir(parents=True)
+    (parts / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    return set()
+
+
+def write_shard(parts: pathlib.Path, index: int, acts: dict[Address, torch.Tensor], n_tokens: int) -> None:
+    """One prompt's activations as a batch-1 Cache, written atomically."""
+    final = shard_path(parts, index)
+    tmp = final.with_suffix(".tmp")
+    Cache({a: t.unsqueeze(0) for a, t in acts.items()}, lengths=torch.tensor([n_tokens])).save(tmp)
+    os.replace(tmp, final)
+
+
+def join_parts(parts: pathlib.Path, n: int, out: pathlib.Path, metadata: dict[str, str]) -> Cache:
+    rows: list[dict[Address, torch.Tensor]] = []
+    lengths: list[int] = []
+    for index in range(n):
+        shard = Cache.load(shard_path(parts, index))
+        rows.append({a: t[0] for a, t in shard.items()})
+        lengths.append(int(shard.lengths[0]) if shard.lengths is not None else next(iter(rows[-1].values())).shape[0])
+    cache = Cache(pad_rows(rows, lengths), lengths=torch.tensor(lengths))
+    tmp = out.with_name(out.name + ".tmp")
+    cache.save(tmp, metadata=metadata)
+    os.replace(tmp, out)
+    shutil.rmtree(parts)
+    return cache
+
+
+def capture_chunk(sync: SyncModel, rows: list[list[int]], points: list[Address]) -> list[dict[Address, torch.Tensor]]:
+    """Several prompts at once: concurrent requests, which a serving backend batches."""
+
+    async def gather() -> list[dict[Address, torch.Tensor]]:
+        return list(await asyncio.gather(*(sync.model.capture(r, points) for r in rows)))
+
+    return sync.run(gather)
+
+
+def cmd_capture(args: argparse.Namespace) -> int:
+    points = parse_points(args.points)
+    prompts = read_prompts(args)
+    if args.batch_size < 1:
+        raise UserError(f"--batch-size must be at least 1, got {args.batch_size}")
+    out = pathlib.Path(args.out)
+    parts = parts_dir(out)
+    if out.exists() and not parts.exists() and not args.overwrite:
+        raise UserError(f"{out} exists; pass --overwrite to replace it")
+    with opened(args) as sync:
+        resolved = list(dict.fromkeys(p.resolve(sync.model.info.n_layers) for p in points))
+        ids = [sync.to_tokens(p)[0].tolist() for p in prompts]
+        done = prepare_parts(parts, _manifest(args, prompts, resolved), args.overwrite)
+        todo = [i for i in range(len(prompts)) if i not in done]
+        progress = Progress(len(prompts), len(done), "capture", quiet=args.quiet)
+        try:
+            for start in range(0, len(todo), args.batch_size):
+                chunk = todo[start : start + args.batch_size]
+                for index, acts in zip(chunk, capture_chunk(sync, [ids[i] for i in chunk], resolved), strict=True):
+                    write_shard(parts, index, acts, len(ids[index]))
+                    progress.update()
+        finally:
+            progress.close()
+    metadata = {
+        "interp.prompts": json.dumps(prompts),
+        "interp.token_ids": json.dumps(ids),
+        "interp.model": str(args.model),
+    }
+    cache = join_parts(parts, len(prompts), out, metadata)
+    shapes = ", ".join(f"{a} {list(t.shape)}" for a, t in cache.items())
+    print(f"wrote {out}: {len(prompts)} prompts, {shapes}")
+    return 0
+
+
+def add_capture(sub: Any) -> None:
+    parser = sub.add_parser(
+        "capture",
+        help="capture activations of one text or a file of prompts into a Cache file",
+        description="Capture activations at --points for TEXT or every non-empty line of --input, "
+        "into one safetensors file in the Cache format (Cache.load reads it): values "
+        "[batch, pos, width] (attention [batch, heads, q, k]) right-padded with zeros, and "
+        "cache.lengths holding each prompt's real token count. The prompts and their token ids "
+        "are kept in the file's metadata (interp.prompts, interp.token_ids). Progress is kept in "
+        "OUT.parts/ as each prompt finishes: re-run the same command after an interruption to "
+        "continue where it stopped.",
+        epilog="example: interp capture path/to/model --input prompts.txt "
+        "--points resid_post.5,blocks.3.hook_mlp_out --out acts.safetensors",
+    )
+    parser.add_argument("model", metavar="MODEL", help="a local model directory, hub id or interp:tiny")
+    parser.add_argument("text", metavar="TEXT", nargs="?", help="one prompt (or use --input)")
+    parser.add_argument("--input", metavar="FILE", help="a text file with one prompt per line (blank lines skipped)")
+    parser.add_argument(
+        "--points",
+        required=True,
+        help="comma-separated addresses: resid_post.5,mlp_post.-1,... (TransformerLens names too)",
+    )
+    parser.add_argument("--out", default="acts.safetensors", help="output file (default: acts.safetensors)")
+    parser.add_argument("--batch-size", type=int, default=8, help="prompts sent to the model at once (8)")
+    parser.add_argument("--overwrite", action="store_true", help="replace OUT and discard unfinished progress")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_model_options(parser)
+    parser.set_defaults(func=cmd_capture)
