@@ -7,7 +7,6 @@ import json
 import pathlib
 import subprocess
 import sys
-import types
 from typing import Any
 
 import pytest
@@ -261,10 +260,10 @@ def test_serve_without_the_server_installed(
 def test_serve_passes_its_options_to_the_server(
     capsys: pytest.CaptureFixture[str], model_path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import interp_engine.server
+
     calls: list[tuple[Any, dict[str, Any]]] = []
-    fake = types.ModuleType("interp_engine.server")
-    fake.run = lambda model, **kwargs: calls.append((model, kwargs))  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "interp_engine.server", fake)
+    monkeypatch.setattr(interp_engine.server, "run", lambda model, **kwargs: calls.append((model, kwargs)))
     argv = ["serve", model_path, "--backend", "vllm", "--port", "8123", "--limit", "max_body_bytes=1000"]
     status, _, err = interp(capsys, *argv, "--dtype", "bfloat16", "-o", "max_model_len=256")
     assert status == 0, err
@@ -275,12 +274,15 @@ def test_serve_passes_its_options_to_the_server(
                 "backend": "vllm",
                 "host": "127.0.0.1",
                 "port": 8123,
-                "limits": {"max_body_bytes": 1000},
+                "limits": interp_engine.server.ServerLimits(max_body_bytes=1000),
                 "dtype": "bfloat16",
                 "max_model_len": 256,
             },
         )
     ]
+    for bad, message in (("max_widgets=3", "unknown server limit max_widgets"), ("max_points=0", "max_points")):
+        status, _, err = interp(capsys, "serve", model_path, "--limit", bad)
+        assert status == 1 and err.count("\n") == 1 and message in err
 
 
 # -- user mistakes: one line, non-zero, no traceback --------------------------------------------

@@ -14,6 +14,7 @@ says the rest. ``import interp_engine`` never imports this module.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -41,10 +42,19 @@ class _Parser(argparse.ArgumentParser):
 
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
-        from interp_engine.server import run  # type: ignore[import-not-found, unused-ignore]
+        from interp_engine.server import ServerLimits, run
     except ModuleNotFoundError as exc:
         raise UserError(f"{SERVE_HINT} (missing module {exc.name})") from None
-    limits = dict(args.limit) or None
+    limits = None
+    if args.limit:
+        known = sorted(f.name for f in dataclasses.fields(ServerLimits))
+        unknown = sorted({key for key, _ in args.limit} - set(known))
+        if unknown:
+            raise UserError(f"unknown server limit {', '.join(unknown)}; valid: {', '.join(known)}")
+        try:
+            limits = ServerLimits(**dict(args.limit))
+        except (TypeError, ValueError) as exc:
+            raise UserError(str(exc)) from None
     run(args.model, backend=args.backend, host=args.host, port=args.port, limits=limits, **load_options(args))
     return 0
 
