@@ -67,13 +67,15 @@ CAPITAL_FACTS: tuple[tuple[int, str], ...] = (
     (1, "The government of {country} meets in {capital}."),
     (1, "{capital} is the largest and oldest city of {country}, and the capital of {country} is {capital}."),
 )
-OTHER_FACTS: tuple[str, ...] = (
-    "The language of {country} is {language}.",
-    "People in {country} speak {language}.",
-    "In {capital}, most people speak {language}.",
-    "{country} is a country in {continent}.",
-    "{capital} is a city in {country}.",
-    "{country} is in {continent}, and its people speak {language}.",
+# the same shape with another relation ("The language of X is ..."): the country alone does not
+# give the answer, the relation word must be combined with it
+OTHER_FACTS: tuple[tuple[int, str], ...] = (
+    (6, "The language of {country} is {language}."),
+    (1, "People in {country} speak {language}."),
+    (1, "In {capital}, most people speak {language}."),
+    (2, "{country} is a country in {continent}."),
+    (1, "{capital} is a city in {country}."),
+    (1, "{country} is in {continent}, and its people speak {language}."),
 )
 
 NAMES = ("Alice", "Bob", "Carol", "David", "Emma", "Frank", "Grace", "Henry", "Irene", "Jack", "Lucy", "Sam")
@@ -130,11 +132,8 @@ def _filler(rng: random.Random) -> str:
 
 def _fact(rng: random.Random) -> str:
     country, capital, language, continent = rng.choice(COUNTRIES)
-    if rng.random() < 0.7:
-        weights = [w for w, _ in CAPITAL_FACTS]
-        template = rng.choices([t for _, t in CAPITAL_FACTS], weights=weights)[0]
-    else:
-        template = rng.choice(OTHER_FACTS)
+    table = CAPITAL_FACTS if rng.random() < 0.6 else OTHER_FACTS
+    template = rng.choices([t for _, t in table], weights=[w for w, _ in table])[0]
     return template.format(country=country, capital=capital, language=language, continent=continent)
 
 
