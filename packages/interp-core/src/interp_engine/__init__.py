@@ -2,7 +2,7 @@
 
 from interp_engine import Address, load_model, run_with_cache
 
-model = load_model("path/or/hub-id", backend="eager")
+model = load_model("path/or/hub-id", backend="eager")   # or "interp:tiny", the shipped model
 cache = run_with_cache(model, model.to_tokens("Hello"), ["resid_post.5"])
 """
 
@@ -32,6 +32,7 @@ from ._errors import (
 )
 from ._plugins import installed_backends, load_model
 from ._protocol import Completion, InterpModel, ModelInfo, StreamStep
+from ._shipped import shipped_models, tiny_model_path
 from ._steering import SteeringSpec, Write
 from ._sync import SyncModel, sync_model
 from .hookspecs import hookimpl
@@ -77,5 +78,7 @@ __all__ = [
     "installed_backends",
     "load_model",
     "run_with_cache",
+    "shipped_models",
     "sync_model",
+    "tiny_model_path",
 ]

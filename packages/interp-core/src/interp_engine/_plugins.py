@@ -12,6 +12,7 @@ import pluggy
 from . import hookspecs
 from ._errors import BackendNotFound
 from ._protocol import InterpModel
+from ._shipped import resolve_model
 
 ENV_BACKEND = "INTERP_ENGINE_BACKEND"
 """Backend used by ``load_model`` when ``backend=`` is not given (default ``eager``)."""
@@ -58,11 +59,14 @@ def installed_backends() -> list[str]:
 def load_model(name_or_path: str | os.PathLike[str], backend: str | None = None, **kwargs: Any) -> InterpModel:
     """Load a model on a backend chosen by name.
 
-    ``backend`` defaults to ``$INTERP_ENGINE_BACKEND``, else ``"eager"``. Extra keyword
+    ``name_or_path`` is a local directory, a hub id, or the name of a model that ships with
+    interp-core (``"interp:tiny"``), which is resolved here to its installed directory before the
+    backend sees it. ``backend`` defaults to ``$INTERP_ENGINE_BACKEND``, else ``"eager"``. Extra keyword
     arguments go to the backend (``dtype``/``device`` for eager, engine arguments for vLLM);
     an argument the backend does not know raises ``InvalidOption``.
     """
     chosen = backend or os.environ.get(ENV_BACKEND) or "eager"
+    path = resolve_model(name_or_path)
     available = installed_backends()
     if chosen not in available:
         install = _DISTRIBUTIONS.get(chosen, "a package that registers it in the 'interp_engine.backends' entry points")
@@ -75,7 +79,7 @@ def load_model(name_or_path: str | os.PathLike[str], backend: str | None = None,
             message += f". These backend plugins failed to load: {failed}"
         raise BackendNotFound(message)
     model: InterpModel | None = plugin_manager().hook.interp_engine_load_model(
-        backend=chosen, name_or_path=os.fspath(name_or_path), options=dict(kwargs)
+        backend=chosen, name_or_path=path, options=dict(kwargs)
     )
     if model is None:
         raise BackendNotFound(f"the plugins listing backend {chosen!r} did not load a model for it")

@@ -1,0 +1,63 @@
+"""Models that ship inside interp-core, loadable by name on every backend.
+
+``load_model("interp:tiny", backend=...)`` resolves the name here, in the core, to the directory
+the package installed, so a backend only ever sees a local Hugging Face model directory.
+
+``interp:tiny`` is a 4-layer GPT-2-shaped model (d_model 128, 4 heads of 32, 256 positions, a
+byte-level BPE tokenizer of about a thousand tokens) trained on CPU in minutes by
+``packages/interp-core/scripts/train_tiny.py`` on the corpus beside that script: it completes
+"The capital of France is" with " Paris", has induction heads, and its answers can be steered.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+from ._errors import ModelLoadError
+
+PREFIX = "interp:"
+"""Names that start with this prefix are models shipped with interp-core."""
+
+_MODELS = pathlib.Path(__file__).resolve().parent / "models"
+_SHIPPED = {"tiny": _MODELS / "tiny"}
+_REQUIRED = ("config.json", "model.safetensors", "tokenizer.json")
+
+
+def shipped_models() -> list[str]:
+    """The names ``load_model`` accepts for the shipped models (``["interp:tiny"]``)."""
+    return sorted(PREFIX + name for name in _SHIPPED)
+
+
+def tiny_model_path() -> pathlib.Path:
+    """The directory of the shipped tiny model (config, safetensors weights, tokenizer files).
+
+    It loads with plain ``transformers`` too: ``AutoModelForCausalLM.from_pretrained(tiny_model_path())``.
+    """
+    return _resolve_shipped("tiny")
+
+
+def resolve_model(name_or_path: str | os.PathLike[str]) -> str:
+    """``name_or_path`` as a backend should see it: a shipped name becomes its directory.
+
+    Anything without the ``interp:`` prefix (a local directory, a hub id) is returned unchanged.
+    """
+    name = os.fspath(name_or_path)
+    if not name.startswith(PREFIX):
+        return name
+    return os.fspath(_resolve_shipped(name[len(PREFIX) :]))
+
+
+def _resolve_shipped(short: str) -> pathlib.Path:
+    path = _SHIPPED.get(short)
+    if path is None:
+        raise ModelLoadError(
+            f"no model named {PREFIX + short!r} ships with interp-core; shipped models: {', '.join(shipped_models())}"
+        )
+    missing = [name for name in _REQUIRED if not (path / name).is_file()]
+    if missing:
+        raise ModelLoadError(
+            f"the shipped model {PREFIX + short!r} is incomplete in {path} (missing {', '.join(missing)}); "
+            "reinstall interp-core or retrain it with packages/interp-core/scripts/train_tiny.py"
+        )
+    return path
