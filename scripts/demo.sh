@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m interp_eager.demo "$@"
+exec .venv/bin/interp demo "$@"

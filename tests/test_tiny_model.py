@@ -191,27 +191,6 @@ def _induction_scores(tokens: torch.Tensor, offset: int) -> torch.Tensor:
     )
 
 
-def test_a_head_is_an_induction_head_on_repeated_random_tokens() -> None:
-    vocab = tiny().info.vocab_size
-    gen = torch.Generator().manual_seed(1234)
-    half = torch.randint(2, vocab, (4, 30), generator=gen)
-    repeated = torch.cat([half, half], dim=1)
-    n = half.shape[1]
-    # attend from the second copy's token t to the first copy's token t+1 (the one that came next)
-    scores = _induction_scores(repeated, offset=n - 1)
-    layer, head = divmod(int(scores.argmax()), scores.shape[1])
-    assert scores[layer, head] > 0.3, f"best induction score {float(scores.max()):.3f}; chance is ~{1 / (1.5 * n):.3f}"
-    assert layer > 0, "an induction head needs a previous-token head before it"
-    # control: the same head on random tokens that do not repeat does not look there
-    fresh = torch.cat([half, torch.randint(2, vocab, (4, n), generator=gen)], dim=1)
-    control = _induction_scores(fresh, offset=n - 1)[layer, head]
-    assert control < 0.1, f"the head attends there without a repeat too: {float(control):.3f}"
-    # and the model uses it: the second copy is predicted, the first cannot be
-    logits = tiny().capture(repeated[0].tolist(), [Address("logits")])[Address("logits")]
-    hits = logits.argmax(-1)[:-1] == repeated[0, 1:]
-    assert hits[n:].float().mean() > 0.8 and hits[: n - 1].float().mean() < 0.2
-
-
 def test_a_steering_vector_flips_the_answer() -> None:
     model = tiny()
     point = Address("resid_post", STEER_LAYER)
@@ -261,12 +240,28 @@ def test_the_corpus_is_what_its_generator_writes() -> None:
     assert shipped.count(FRANCE + " Paris.") >= 20
 
 
-def test_the_demo_runs_on_the_tiny_model_by_default(capsys: pytest.CaptureFixture[str]) -> None:
-    from interp_eager.demo import main
+def test_the_demo_runs_on_the_tiny_model_by_default(capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path) -> None:
+    from interp_engine.cli import main
 
-    assert main([]) == 0
+    assert main(["demo", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("model: interp:tiny (gpt2, 4 layers")
+    assert out.startswith("model interp:tiny on eager: gpt2, 4 layers")
     plain = next(line for line in out.splitlines() if line.strip().startswith("plain:"))
     steered = next(line for line in out.splitlines() if line.strip().startswith("steered:"))
-    assert "+ ' Paris" in plain and "+ ' Berlin" in steered, out
+    assert "' Paris" in plain and "' Berlin" in steered, out
+    assert (tmp_path / "lens.png").stat().st_size > 0
+
+
+def test_the_tiny_model_on_vllm_answers_and_steers_like_eager() -> None:
+    model = sync_model(load_model("interp:tiny", backend="vllm"))
+    try:
+        point = Address("resid_post", STEER_LAYER)
+        france = model.capture(_ids(FRANCE), [point, "logits"])
+        germany = model.capture(_ids(GERMANY), [point])[point][-1]
+        eager = tiny().capture(_ids(FRANCE), [point, "logits"])
+        assert float((france[point] - eager[point]).abs().max()) <= 1e-4 * float(eager[point].abs().max())
+        spec = SteeringSpec([Write(point, germany - france[point][-1], op="add", positions=[-1])])
+        assert model.generate(_ids(FRANCE), max_tokens=1).text == " Paris"
+        assert model.generate(_ids(FRANCE), max_tokens=1, steering_spec=spec).text == " Berlin"
+    finally:
+        model.shutdown()
