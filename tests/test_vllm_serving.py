@@ -133,6 +133,43 @@ def test_prefix_cache_hits_still_return_every_prompt_token(vllm_engines: Any) ->
     assert rel_diff(acts[point], out.hidden_states[2][0]) <= TOL
 
 
+def test_steered_requests_neither_reuse_nor_leave_cached_kv(vllm_engines: Any) -> None:
+    """A steered generation on a prompt whose prefix is cached still steers every prompt token,
+    and its steered KV is never served to a later unsteered request (prefix caching on)."""
+    facade = vllm_engines("qwen2")
+    info = facade.info
+    long_text = " ".join([PROMPT] * 9)
+    spec = SteeringSpec(
+        [Write("resid_post.0", torch.randn(info.d_model, generator=torch.Generator().manual_seed(5)), scale=6.0)]
+    )
+    hf = hf_for(vllm_model_path("qwen2"))
+
+    def first_step(ids: list[int], steering: SteeringSpec | None) -> list[tuple[int, float]]:
+        steps = list(facade.stream(ids, max_tokens=1, n_logprobs=3, steering_spec=steering))
+        return steps[0].logprobs
+
+    def expected(ids: list[int], steering: SteeringSpec | None) -> torch.Tensor:
+        logits = facade.capture(ids, ["logits"], steering_spec=steering)[Address("logits")]
+        return logits[-1].log_softmax(-1)
+
+    # a cached unsteered prefix, then a steered request on it
+    ids = facade.to_tokens(long_text)[0].tolist()[:200]  # > one KV block (128 on CPU)
+    first_step(ids, None)
+    first_step(ids, None)
+    steered = first_step(ids, spec)
+    want = expected(ids, spec)
+    assert [t for t, _ in steered] == want.topk(3).indices.tolist()
+    assert max(abs(lp - float(want[t])) for t, lp in steered) <= 1e-3
+    # a steered request first, then an unsteered one on the same prompt: HF's numbers
+    ids = facade.to_tokens(long_text)[0].tolist()[3:203]
+    first_step(ids, spec)
+    plain = first_step(ids, None)
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0, -1].log_softmax(-1)
+    assert [t for t, _ in plain] == want.topk(3).indices.tolist()
+    assert max(abs(lp - float(want[t])) for t, lp in plain) <= 1e-3
+
+
 def test_cancelling_a_call_aborts_its_request_and_frees_its_state(vllm_engines: Any) -> None:
     facade = vllm_engines("gpt2")
     model = facade.model

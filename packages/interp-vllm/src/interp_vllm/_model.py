@@ -472,8 +472,11 @@ class VllmModel(TokenizerMixin):
             extra["extra_args"] = self._payload(rid, [], writes, len(ids), len(ids) + max_tokens)
         params = self._sampling(max_tokens, dict(sampling), **extra)
         pieces = TextPieces(self.completion_text)
+        # a steered request neither reuses cached KV (its writes must run on every prompt token)
+        # nor leaves its steered KV behind for others: a unique salt keeps it out of the cache
+        salt = rid if writes else None
         try:
-            async for output in self._outputs(engine, ids, params, rid, None):
+            async for output in self._outputs(engine, ids, params, rid, salt):
                 choice = output.outputs[0]
                 for i, token in enumerate(choice.token_ids):
                     last = output.finished and i == len(choice.token_ids) - 1
