@@ -4,19 +4,27 @@
 
 The workload of ``bench/vllm_overhead.py``: a GPT-2-shaped model (12 layers x 768, random
 weights, built locally), ``--prompts`` prompts of 64-256 random tokens each generating 32
-tokens, all submitted at once. Four engines live side by side in one process and the variants
-alternate round by round:
+tokens, all submitted at once. Every request computes all of its prompt tokens, as new traffic
+does (plain requests carry a unique ``cache_salt`` like captures and steered requests; vLLM's
+CPU platform has prefix caching off anyway).
 
-- ``plain``: compiled vLLM (``enforce_eager=False``) with no taps, through ``AsyncLLM.generate``;
-- ``static_capture_1`` / ``static_steer_1`` / ``static_capture_steer_1``: a vllm-static engine
-  declaring ``resid_post.6`` as its only point and write: ``capture_generation`` of it,
-  ``generate`` with an ``add`` there, and both in one request;
-- ``static_capture_all``: a vllm-static engine declaring every layer's ``resid_post``;
-- ``dynamic_capture_1`` / ``dynamic_steer_1``: the ``vllm`` backend (its default eager mode,
-  hooks installed per step) doing the same as the static variants.
+The reference is one plain compiled vLLM engine (``enforce_eager=False``, no taps, requests
+through ``AsyncLLM.generate``) that stays up for the whole run. The engines under test are
+built one at a time next to it (on a 2-core machine more live engines slow each other), and in
+each stage the reference's ``plain`` alternates round by round with the stage's variants:
 
-Throughput is generated tokens per second (median over rounds). Ends with ``RESULT`` lines:
-static against plain compiled vLLM (target 0.95) and static against dynamic (target 1.5).
+1. a vllm-static engine declaring ``resid_post.6`` as its only point and write:
+   ``static_capture_1`` (``capture_generation`` of it), ``static_steer_1`` (``generate`` with an
+   ``add`` there), ``static_capture_steer_1`` (both in one request) and ``static_untapped``
+   (plain requests on the static engine: what the compiled-in taps cost everyone else);
+2. a vllm-static engine declaring every layer's ``resid_post``: ``static_capture_all``;
+3. the ``vllm`` backend (its default eager mode, hooks installed per step):
+   ``dynamic_capture_1`` and ``dynamic_steer_1``.
+
+Throughput is generated tokens per second; each variant is reported against the reference's
+median in its own stage. Static against dynamic divides the two stage-relative figures, so
+drift between stages cancels. Ends with ``RESULT`` lines: static against plain compiled vLLM
+(target 0.95) and static against dynamic (target 1.5).
 """
 
 from __future__ import annotations
@@ -48,58 +56,92 @@ async def capture_steer_run(model: Any, prompts: list[list[int]], points: list[A
     return sum(len(completion.token_ids) for completion, _ in results)
 
 
+async def measure(variants: dict[str, Callable[[], Awaitable[int]]], rounds: int, stage: str) -> dict[str, float]:
+    """Median tokens/s per variant over ``rounds`` rounds (order reversed every other round),
+    after one untimed pass of each; a pause before each timed run lets the other engine's
+    workers stop polling."""
+    for run in variants.values():
+        await run()
+    rates: dict[str, list[float]] = {name: [] for name in variants}
+    for round_index in range(rounds):
+        order = list(variants) if round_index % 2 == 0 else list(reversed(variants))
+        for name in order:
+            await asyncio.sleep(1.5)
+            rates[name].append(await timed(variants[name]))
+        print(f"{stage} round {round_index + 1}: " + ", ".join(f"{n} {rates[n][-1]:.1f}" for n in variants), flush=True)
+    return {name: statistics.median(values) for name, values in rates.items()}
+
+
 async def main(args: argparse.Namespace) -> int:
     path = build_model()
     common = {"max_model_len": 512}
     plain = load_model(path, backend="vllm", enforce_eager=False, **common)
+    await plain.warmup()
     info = plain.info
     middle = Address("resid_post", info.n_layers // 2)
     every = [Address("resid_post", i) for i in range(info.n_layers)]
-    one = load_model(path, backend="vllm-static", static_points=[middle], static_writes=[middle], **common)
-    full = load_model(path, backend="vllm-static", static_points=every, **common)
-    dynamic = load_model(path, backend="vllm", **common)
-    for model in (plain, one, full, dynamic):  # one at a time: compiling is CPU-bound
-        await model.warmup()
-
     prompts = make_prompts(args.prompts, info.vocab_size)
     spec = SteeringSpec([Write(middle, torch.randn(info.d_model), op="add", scale=2.0)])
-    variants: dict[str, Callable[[], Awaitable[int]]] = {
-        "plain": lambda: plain_run(plain, prompts),
-        "static_capture_1": lambda: capture_run(one, prompts, [middle]),
-        "static_steer_1": lambda: steer_run(one, prompts, spec),
-        "static_capture_steer_1": lambda: capture_steer_run(one, prompts, [middle], spec),
-        "static_capture_all": lambda: capture_run(full, prompts, every),
-        "dynamic_capture_1": lambda: capture_run(dynamic, prompts, [middle]),
-        "dynamic_steer_1": lambda: steer_run(dynamic, prompts, spec),
-    }
-    if args.rounds:  # warm every path once
-        for run in variants.values():
-            await run()
-    rates: dict[str, list[float]] = {name: [] for name in variants}
-    for round_index in range(args.rounds):
-        order = list(variants) if round_index % 2 == 0 else list(reversed(variants))
-        for name in order:
-            rates[name].append(await timed(variants[name]))
-        print(f"round {round_index + 1}: " + ", ".join(f"{n} {rates[n][-1]:.1f}" for n in variants), flush=True)
-    for model in (plain, one, full, dynamic):
-        await model.shutdown()
 
-    median = {name: statistics.median(values) if values else float("nan") for name, values in rates.items()}
+    def reference() -> Awaitable[int]:
+        return plain_run(plain, prompts, salted=True)
+
+    stages: list[tuple[str, Callable[[], Any], Callable[[Any], dict[str, Callable[[], Awaitable[int]]]]]] = [
+        (
+            "static-1",
+            lambda: load_model(path, backend="vllm-static", static_points=[middle], static_writes=[middle], **common),
+            lambda m: {
+                "static_untapped": lambda: plain_run(m, prompts, salted=True),
+                "static_capture_1": lambda: capture_run(m, prompts, [middle]),
+                "static_steer_1": lambda: steer_run(m, prompts, spec),
+                "static_capture_steer_1": lambda: capture_steer_run(m, prompts, [middle], spec),
+            },
+        ),
+        (
+            "static-all",
+            lambda: load_model(path, backend="vllm-static", static_points=every, **common),
+            lambda m: {"static_capture_all": lambda: capture_run(m, prompts, every)},
+        ),
+        (
+            "dynamic",
+            lambda: load_model(path, backend="vllm", **common),
+            lambda m: {
+                "dynamic_capture_1": lambda: capture_run(m, prompts, [middle]),
+                "dynamic_steer_1": lambda: steer_run(m, prompts, spec),
+            },
+        ),
+    ]
+    rows: list[tuple[str, str, float, float]] = []  # stage, variant, tok/s, vs the reference
+    relative: dict[str, float] = {}
+    for stage, build, make_variants in stages:
+        model = build()
+        try:
+            await model.warmup()
+            median = await measure({"plain": reference, **make_variants(model)}, args.rounds, stage)
+        finally:
+            await model.shutdown()
+        for name, rate in median.items():
+            rows.append((stage, name, rate, rate / median["plain"]))
+            if name != "plain":
+                relative[name] = rate / median["plain"]
+    await plain.shutdown()
+
     print()
-    print(f"{'variant':<24} {'tok/s (median)':>15} {'vs plain':>9}")
-    for name, rate in median.items():
-        print(f"{name:<24} {rate:>15.1f} {rate / median['plain']:>9.3f}")
+    print(f"{'stage':<11} {'variant':<24} {'tok/s (median)':>15} {'vs plain':>9}")
+    for stage, name, rate, ratio in rows:
+        print(f"{stage:<11} {name:<24} {rate:>15.1f} {ratio:>9.3f}")
     print()
 
-    def ratio(a: str, b: str) -> float:
-        return median[a] / median[b]
+    def vs(a: str, b: str) -> float:
+        return relative[a] / relative[b]
 
-    print(f"RESULT static_capture_1_vs_plain {ratio('static_capture_1', 'plain'):.3f} (target 0.95)")
-    print(f"RESULT static_steer_1_vs_plain {ratio('static_steer_1', 'plain'):.3f} (target 0.95)")
-    print(f"RESULT static_capture_steer_1_vs_plain {ratio('static_capture_steer_1', 'plain'):.3f} (target 0.95)")
-    print(f"RESULT static_capture_all_vs_plain {ratio('static_capture_all', 'plain'):.3f} (target -)")
-    print(f"RESULT static_vs_dynamic_capture_1 {ratio('static_capture_1', 'dynamic_capture_1'):.3f} (target 1.50)")
-    print(f"RESULT static_vs_dynamic_steer_1 {ratio('static_steer_1', 'dynamic_steer_1'):.3f} (target 1.50)")
+    print(f"RESULT static_capture_1_vs_plain {relative['static_capture_1']:.3f} (target 0.95)")
+    print(f"RESULT static_steer_1_vs_plain {relative['static_steer_1']:.3f} (target 0.95)")
+    print(f"RESULT static_capture_steer_1_vs_plain {relative['static_capture_steer_1']:.3f} (target 0.95)")
+    print(f"RESULT static_untapped_vs_plain {relative['static_untapped']:.3f} (target 0.95)")
+    print(f"RESULT static_capture_all_vs_plain {relative['static_capture_all']:.3f} (target -)")
+    print(f"RESULT static_vs_dynamic_capture_1 {vs('static_capture_1', 'dynamic_capture_1'):.3f} (target 1.50)")
+    print(f"RESULT static_vs_dynamic_steer_1 {vs('static_steer_1', 'dynamic_steer_1'):.3f} (target 1.50)")
     return 0
 
 

@@ -162,6 +162,10 @@ class VllmModel(TokenizerMixin):
         self._closed = False
         self._close_lock = threading.Lock()
         self.tp_size = 1
+        # fetches wait here and go to the workers together: one engine-core round trip for
+        # every request that finished while the previous batch was on its way
+        self._fetch_queue: list[tuple[str, asyncio.Future[list[bytes]]]] = []
+        self._fetch_task: asyncio.Task[None] | None = None
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "running" if self._engine is not None else "not started"
@@ -299,9 +303,38 @@ class VllmModel(TokenizerMixin):
             if not finished and not self._closed:
                 await engine.abort(rid)
 
+    async def _fetch_blobs(self, engine: Any, rid: str) -> list[bytes]:
+        """One request's packed values from every rank, fetched together with whatever other
+        requests are waiting (a cancelled caller's values are dropped in the worker all the same)."""
+        future: asyncio.Future[list[bytes]] = asyncio.get_running_loop().create_future()
+        self._fetch_queue.append((rid, future))
+        if self._fetch_task is None or self._fetch_task.done():
+            self._fetch_task = asyncio.ensure_future(self._fetch_batches(engine))
+        return await future
+
+    async def _fetch_batches(self, engine: Any) -> None:
+        while self._fetch_queue:
+            batch, self._fetch_queue = self._fetch_queue, []
+            try:
+                ranks = await engine.collective_rpc("interp_fetch_many", args=([rid for rid, _ in batch],))
+            except BaseException as exc:
+                for _, future in batch:
+                    if not future.done():
+                        future.set_exception(exc if isinstance(exc, Exception) else ModelClosed(str(exc)))
+                if not isinstance(exc, Exception):
+                    raise
+                continue
+            for i, (_, future) in enumerate(batch):
+                if not future.done():
+                    future.set_result([rank[i] for rank in ranks])
+
+    async def _done(self, engine: Any, rid: str) -> None:
+        """The request finished or was aborted in vLLM and captured nothing: the workers forget
+        it on their own when vLLM tells them (before any later request is admitted)."""
+
     async def _fetch(self, engine: Any, rid: str, points: Iterable[Address], n: int) -> dict[Address, torch.Tensor]:
         try:
-            blobs = await engine.collective_rpc("interp_fetch", args=(rid,))
+            blobs = await self._fetch_blobs(engine, rid)
         except Exception as exc:
             if self._closed:
                 raise ModelClosed("the model was shut down while this call was in flight") from exc
@@ -416,7 +449,9 @@ class VllmModel(TokenizerMixin):
             values = await self._fetch(engine, rid, resolved, n + keep) if resolved else {}
             fetched = True
         finally:
-            if not fetched or not resolved:
+            if not resolved:
+                await self._done(engine, rid)
+            elif not fetched:
                 await self._release(engine, rid)
         kept = tokens[:keep]
         stopped = stop_at_eos and bool(kept) and kept[-1] in self._eos
@@ -487,7 +522,7 @@ class VllmModel(TokenizerMixin):
                     yield StreamStep(int(token), pieces.add(int(token), last=last), top)
         finally:
             if writes:
-                await self._release(engine, rid)
+                await self._done(engine, rid)
 
     async def worker_stats(self) -> list[dict[str, int]]:
         """Per-worker counters: live requests (for leak checks) and vLLM's and Dynamo's

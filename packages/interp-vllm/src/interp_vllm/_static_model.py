@@ -232,6 +232,9 @@ class StaticVllmModel(VllmModel):
         finally:
             await self._unreserve(rid)
 
+    async def _done(self, engine: Any, rid: str) -> None:
+        await self._unreserve(rid)  # the workers free its slots before admitting anyone else
+
     async def _release(self, engine: Any, rid: str) -> None:
         try:
             await super()._release(engine, rid)

@@ -285,10 +285,10 @@ class StaticTapManager(TapManager):
         self.held[rid] = held
         return taps
 
-    def run(self, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _run(self, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         slices = self._slices(kwargs.get("positions"))
         self._fill_indices(slices)
-        output = forward(*args, **kwargs)
+        output = self._timed_forward(forward, args, kwargs)
         if slices:
             self._read(slices, output)
         return output

@@ -1,7 +1,8 @@
 """The ``vllm.general_plugins`` entry point: loaded in every vLLM process, workers included.
 
 It wraps the V1 model runner's ``_model_forward`` (the CPU runner inherits it) so each forward
-runs with the taps of the requests in that step, wraps ``load_model`` (the GPU runner's and the
+runs with the taps of the requests in that step, and its ``_update_states`` so the taps learn
+which requests vLLM finished or aborted; it wraps ``load_model`` (the GPU runner's and the
 CPU runner's own) so a vllm-static engine gets its fixed taps before vLLM compiles the model,
 and adds the RPC methods the front end calls through ``collective_rpc``. Safe to call more than
 once.
@@ -62,6 +63,12 @@ def interp_fetch(self: Any, rid: str) -> bytes:
     return _pack(_taps(self.model_runner).fetch(rid))
 
 
+def interp_fetch_many(self: Any, rids: list[str]) -> list[bytes]:
+    """Several finished requests' values at once (one engine-core round trip for all)."""
+    taps = _taps(self.model_runner)
+    return [_pack(taps.fetch(rid)) for rid in rids]
+
+
 def interp_release(self: Any, rid: str) -> None:
     """Forget a request's values (cancelled or failed requests)."""
     _taps(self.model_runner).release(rid)
@@ -101,7 +108,20 @@ def _wrap_load_model(runner_class: Any) -> None:
     runner_class.load_model = load_model
 
 
-_RPCS = (interp_ping, interp_fetch, interp_release, interp_decode, interp_stats)
+def _wrap_update_states(runner_class: Any) -> None:
+    """Tell the taps which requests vLLM finished (or aborted) before the runner drops them."""
+    original = runner_class._update_states
+
+    def _update_states(self: Any, scheduler_output: Any) -> Any:
+        finished = getattr(scheduler_output, "finished_req_ids", None)
+        if finished:
+            _taps(self).finished(finished)
+        return original(self, scheduler_output)
+
+    runner_class._update_states = _update_states
+
+
+_RPCS = (interp_ping, interp_fetch, interp_fetch_many, interp_release, interp_decode, interp_stats)
 
 
 def register() -> None:
@@ -117,6 +137,7 @@ def register() -> None:
         return _taps(self).run(lambda *a, **k: original(self, *a, **k), args, kwargs)
 
     GPUModelRunner._model_forward = _model_forward  # type: ignore[method-assign]
+    _wrap_update_states(GPUModelRunner)
     for runner_class in _runner_classes(GPUModelRunner):
         _wrap_load_model(runner_class)
     setattr(GPUModelRunner, PATCHED, True)

@@ -16,6 +16,7 @@ true residual stream is their sum. Reads take the sum; a write replaces the pair
 from __future__ import annotations
 
 import collections
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -149,6 +150,16 @@ class TapManager:
         # ids already fetched or released: a step scheduled before an abort landed must not
         # bring their state back
         self.retired: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # where the worker's time goes (nanoseconds), reported by stats(): the whole of each
+        # forward call with taps, the forward alone, and answering fetches
+        self.timing = {"steps": 0, "step_ns": 0, "forward_ns": 0, "fetch_ns": 0, "fetches": 0}
+
+    def _timed_forward(self, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        began = time.perf_counter_ns()
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            self.timing["forward_ns"] += time.perf_counter_ns() - began
 
     # -- the step's requests ------------------------------------------------------------
     def _slices(self, positions: torch.Tensor | None) -> list[_Slice]:
@@ -186,15 +197,37 @@ class TapManager:
                 slices.append(_Slice(taps, start, end, flat_positions[start:end]))
         return slices
 
+    def finished(self, req_ids: Any) -> None:
+        """vLLM finished or aborted these requests (its own ids). A request that captured
+        nothing (steering only) is forgotten now, with no round trip from the front end;
+        captured values wait for their fetch."""
+        for req_id in req_ids:
+            state = self.runner.requests.get(req_id)
+            params = getattr(state, "sampling_params", None)
+            payload = (getattr(params, "extra_args", None) or {}).get(PAYLOAD_KEY)
+            if payload is None:
+                continue
+            taps = self.requests.get(str(payload["id"]))
+            if taps is not None and not taps.points:
+                self.release(taps.rid)
+
     def _admit(self, rid: str, payload: dict[str, Any]) -> RequestTaps:
         """The state of a request seen for the first time."""
         return RequestTaps(payload)
 
     # -- one forward ----------------------------------------------------------------------
     def run(self, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        began = time.perf_counter_ns()
+        try:
+            return self._run(forward, args, kwargs)
+        finally:
+            self.timing["steps"] += 1
+            self.timing["step_ns"] += time.perf_counter_ns() - began
+
+    def _run(self, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         slices = self._slices(kwargs.get("positions"))
         if not slices:
-            return forward(*args, **kwargs)
+            return self._timed_forward(forward, args, kwargs)
         sites: dict[tuple[str, int], list[_Slice]] = defaultdict(list)
         for sl in slices:
             for address in sl.taps.addresses():
@@ -208,7 +241,7 @@ class TapManager:
                     sites[site].append(sl)
         handles = [self._install(site, members) for site, members in sites.items() if site[0] != "output"]
         try:
-            output = forward(*args, **kwargs)
+            output = self._timed_forward(forward, args, kwargs)
         finally:
             for handle in handles:
                 handle.remove()
@@ -405,6 +438,14 @@ class TapManager:
     def fetch(self, rid: str) -> dict[str, torch.Tensor]:
         """A request's values, ordered by position (a recomputed position keeps its last
         value), as ``{"<address>": values, "<address>@positions": positions}``; then forget it."""
+        began = time.perf_counter_ns()
+        try:
+            return self._collect(rid)
+        finally:
+            self.timing["fetches"] += 1
+            self.timing["fetch_ns"] += time.perf_counter_ns() - began
+
+    def _collect(self, rid: str) -> dict[str, torch.Tensor]:
         taps = self.requests.pop(rid, None)
         self._retire(rid)
         if taps is None:
@@ -437,7 +478,7 @@ class TapManager:
     def stats(self) -> dict[str, int]:
         """How many requests hold state in this worker (for leak checks), and vLLM's and
         Dynamo's compilation counters (for recompilation checks)."""
-        out = {"live_requests": len(self.requests)}
+        out = {"live_requests": len(self.requests), **self.timing}
         try:
             from vllm.compilation.counter import compilation_counter
 
