@@ -8,7 +8,9 @@ One engine (the backend's defaults: V1 runner, eager mode) serves a GPT-2-shaped
 variants alternating round by round:
 
 - ``plain``: the same engine's own ``AsyncLLM.generate``, no interp payload (the plugin only
-  checks the step for tapped requests);
+  checks the step for tapped requests), with a unique ``cache_salt`` so that, like captures and
+  steered requests, it computes every prompt token (with vLLM's prefix caching on, repeated
+  prompts would otherwise skip their prefill only here);
 - ``capture_1``: ``capture_generation`` of ``resid_post.6``;
 - ``capture_all``: ``capture_generation`` of every layer's ``resid_post``;
 - ``steer_1``: ``generate`` with an ``add`` at ``resid_post.6``.
@@ -114,7 +116,10 @@ async def main(args: argparse.Namespace) -> int:
     middle = info.n_layers // 2
     spec = SteeringSpec([Write(Address("resid_post", middle), torch.randn(info.d_model), op="add", scale=2.0)])
     variants: dict[str, Callable[[], Awaitable[int]]] = {
-        "plain": lambda: plain_run(model, prompts),
+        # salted: captures and steered requests compute every prompt token, and with prefix
+        # caching on (vLLM's default) the rounds' repeated prompts would otherwise skip their
+        # prefill only for plain requests
+        "plain": lambda: plain_run(model, prompts, salted=True),
         "capture_1": lambda: capture_run(model, prompts, [Address("resid_post", middle)]),
         "capture_all": lambda: capture_run(model, prompts, [Address("resid_post", i) for i in range(info.n_layers)]),
         "steer_1": lambda: steer_run(model, prompts, spec),
