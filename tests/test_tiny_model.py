@@ -174,10 +174,10 @@ def test_the_logit_lens_shows_the_answer_rising_through_the_layers() -> None:
         probs.append(float(p[paris]))
     table = ", ".join(f"{pt}: rank {r} p {p:.3f}" for pt, r, p in zip(points, ranks, probs, strict=True))
     # the embedding of " is" knows nothing of France; the first layer's guess is unsure; each layer
-    # after it raises the answer's probability, and only the last is confident
+    # after it raises the answer's probability, and only the last makes it the top token
     assert ranks[0] > 10, f"the answer is already near the top before any layer: {table}"
     assert all(b > a for a, b in itertools.pairwise(probs[1:])), f"not rising through the layers: {table}"
-    assert ranks[-1] == 0 and probs[-1] > 0.9, table
+    assert ranks[-1] == 0 and probs[-1] > 0.5, table
     assert probs[1] < 0.75 * probs[-1], f"the first layer already decides: {table}"
 
 
@@ -191,6 +191,21 @@ def _induction_scores(tokens: torch.Tensor, offset: int) -> torch.Tensor:
     )
 
 
+def test_one_head_is_an_induction_head_on_repeated_random_tokens() -> None:
+    """On runs of random tokens shown twice, some head of a later layer looks from each token of
+    the second copy to the token that followed its first occurrence; the same head does not look
+    there when the second half is fresh random tokens (not a positional habit)."""
+    vocab = tiny().info.vocab_size
+    gen = torch.Generator().manual_seed(11)
+    for length in (12, 30):
+        run = torch.randint(2, vocab, (4, length), generator=gen)
+        repeated = _induction_scores(torch.cat([run, run], dim=1), length - 1)
+        layer, head = divmod(int(repeated.argmax()), repeated.shape[1])
+        assert layer >= 1 and float(repeated.max()) > 0.5, repeated
+        fresh = torch.cat([run, torch.randint(2, vocab, (4, length), generator=gen)], dim=1)
+        assert float(_induction_scores(fresh, length - 1)[layer, head]) < 0.1
+
+
 def test_a_steering_vector_flips_the_answer() -> None:
     model = tiny()
     point = Address("resid_post", STEER_LAYER)
@@ -200,7 +215,7 @@ def test_a_steering_vector_flips_the_answer() -> None:
     assert model.generate(_ids(FRANCE), max_tokens=1).text == " Paris"
     assert model.generate(_ids(FRANCE), max_tokens=1, steering_spec=spec).text == " Berlin"
     probs = _next_token_probs(FRANCE, spec)
-    assert probs[_token(" Berlin")] > 0.5 and probs[_token(" Paris")] < 0.1
+    assert int(probs.argmax()) == _token(" Berlin") and probs[_token(" Paris")] < 0.1
     # the direction matters, not just the size of the push
     other = torch.randn(france.shape, generator=torch.Generator().manual_seed(0))
     other = other * (germany - france).norm() / other.norm()
@@ -216,11 +231,13 @@ def test_the_training_script_runs_end_to_end(tmp_path: pathlib.Path) -> None:
     """A few steps of the real script (its CLI, tokenizer, data, loop, save and report), then load the result."""
     out = tmp_path / "tiny"
     args = ["--out", str(out), "--steps", "4", "--batch-size", "4", "--warmup", "2", "--log-every", "1"]
+    args += ["--circuit-steps", "2", "--circuit-batch", "2"]
     run = subprocess.run(
         [sys.executable, str(SCRIPTS / "train_tiny.py"), *args], capture_output=True, text=True, timeout=300
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "step     3" in run.stdout and "greedy capitals:" in run.stdout, run.stdout
+    assert "circuit     1" in run.stdout and "step     3" in run.stdout, run.stdout
+    assert "greedy capitals:" in run.stdout and "best induction head:" in run.stdout, run.stdout
     record: dict[str, Any] = json.loads((out / "training.json").read_text())
     assert record["arguments"]["steps"] == 4
     model = sync_model(load_model(out, backend="eager"))

@@ -8,9 +8,14 @@ What it does, deterministically for a given ``--seed`` (and library versions, th
 1. trains a byte-level BPE tokenizer (``tokenizers``) on ``tiny_corpus.txt`` and saves it as a
    ``transformers`` fast tokenizer (``tokenizer.json``), so HF ``AutoTokenizer`` and vLLM load it;
 2. trains a GPT-2-shaped ``GPT2LMHeadModel`` (4 layers, d_model 128, 4 heads of 32, 256 positions)
-   with AdamW on two kinds of 256-token rows: windows of the corpus that start at a sentence, and
-   rows of random-token runs each shown twice (only the second copies are scored, and only copying
-   the first copy predicts them, which is what grows induction heads);
+   with AdamW, in two phases. Phase 1 (``--circuit-steps``) sees only short rows of random-token
+   runs each shown twice (only the second copies are scored: only copying the first copy predicts
+   them). Phase 2 (``--steps``) sees 256-token rows: windows of the corpus that start at a
+   sentence, with such repeat rows mixed in. Throughout, two auxiliary attention losses ask
+   head 0.0 to attend to the previous token and head 1.0 to the token after the current token's
+   earlier occurrence (an induction head): at this size and step budget the plain objective alone
+   learns to copy through a circuit offset by one position (attending one token further on, and
+   reading the answer from there), which the standard induction score does not see, or not at all;
 3. saves ``model.safetensors`` (float32), ``config.json``, ``generation_config.json``, the tokenizer
    files and ``training.json`` (the arguments, the final loss and the time it took);
 4. prints what it learned, measured with plain ``transformers``: greedy capitals, the logit lens
@@ -86,10 +91,20 @@ def train_tokenizer(docs: Sequence[str], vocab_size: int, max_length: int) -> Pr
 class Batches:
     """Training rows: corpus windows that start at a sentence, or runs of random tokens shown twice."""
 
-    def __init__(self, stream: torch.Tensor, starts: torch.Tensor, n_special: int, vocab: int, args: Any) -> None:
+    def __init__(
+        self,
+        stream: torch.Tensor,
+        starts: torch.Tensor,
+        n_special: int,
+        vocab: int,
+        args: Any,
+        shape: tuple[int, int, float] | None = None,
+    ) -> None:
+        """``shape``: ``(rows, tokens per row, fraction of repeat rows)``, by default the
+        arguments' ``batch_size``, ``seq_len`` and ``repeat_fraction``."""
         self.stream, self.starts = stream, starts
         self.n_special, self.vocab = n_special, vocab
-        self.seq, self.batch, self.p_repeat = args.seq_len, args.batch_size, args.repeat_fraction
+        self.batch, self.seq, self.p_repeat = shape or (args.batch_size, args.seq_len, args.repeat_fraction)
         self.min_run, self.max_run = args.min_run, args.max_run
         self.gen = torch.Generator().manual_seed(args.seed)
 
@@ -97,10 +112,13 @@ class Batches:
         """Uniform in ``[low, high]``."""
         return int(torch.randint(low, high + 1, (1,), generator=self.gen))
 
-    def _repeats(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """A row of consecutive ``run, run`` pairs of random tokens; only the second copies are scored."""
+    def _repeats(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A row of consecutive ``run, run`` pairs of random tokens; only the second copies are
+        scored. Also, per position of a second copy, where an induction head looks: the token
+        after the same token's first occurrence (-1 elsewhere)."""
         row = torch.empty(self.seq, dtype=torch.long)
         target = torch.full((self.seq,), -100, dtype=torch.long)
+        induct = torch.full((self.seq,), -1, dtype=torch.long)
         at = 0
         while at < self.seq:
             run = self._int(self.min_run, self.max_run)
@@ -109,22 +127,49 @@ class Batches:
             row[at : at + len(pair)] = pair
             # the second copy's first token follows nothing predictable; the rest follow the first copy
             target[at + run + 1 : at + len(pair)] = pair[run + 1 :]
+            queries = torch.arange(at + run, max(at + run, min(at + 2 * run - 1, self.seq)))
+            induct[queries] = queries - run + 1
             at += len(pair)
-        return row, target
+        return row, target, induct
 
-    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(input_ids, targets)``, both ``[batch, seq]``; a target of -100 is not scored."""
-        rows, targets = [], []
+    def next(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(input_ids, targets, induction_keys)``, each ``[batch, seq]``; a target of -100 is
+        not scored, an induction key of -1 is no induction query."""
+        rows, targets, keys = [], [], []
         for _ in range(self.batch):
             if float(torch.rand((), generator=self.gen)) < self.p_repeat:
-                row, target = self._repeats()
+                row, target, induct = self._repeats()
             else:
                 start = int(self.starts[self._int(0, len(self.starts) - 1)])
                 row = self.stream[start : start + self.seq]
-                target = row
+                target, induct = row, torch.full((self.seq,), -1, dtype=torch.long)
             rows.append(row)
             targets.append(target)
-        return torch.stack(rows), torch.stack(targets)
+            keys.append(induct)
+        return torch.stack(rows), torch.stack(targets), torch.stack(keys)
+
+
+def _head(spec: str) -> tuple[int, int]:
+    layer, head = spec.split(".")
+    return int(layer), int(head)
+
+
+def circuit_loss(
+    attentions: Sequence[torch.Tensor], induct: torch.Tensor, args: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The auxiliary attention losses that give this tiny model a canonical induction circuit:
+    ``-log`` of the attention a previous-token head pays to ``t-1`` (every row) and of the
+    attention the induction head pays to the token after the earlier occurrence (repeat rows)."""
+    layer, head = _head(args.prev_head)
+    pattern = attentions[layer][:, head]  # [batch, q, k]
+    t = torch.arange(1, pattern.shape[1])
+    prev = -torch.log(pattern[:, t, t - 1] + 1e-6).mean()
+    layer, head = _head(args.induction_head)
+    pattern = attentions[layer][:, head]
+    rows, queries = torch.nonzero(induct >= 0, as_tuple=True)
+    if len(rows) == 0:
+        return prev, pattern.sum() * 0.0
+    return prev, -torch.log(pattern[rows, queries, induct[rows, queries]] + 1e-6).mean()
 
 
 def _lr(step: int, args: Any) -> float:
@@ -166,6 +211,8 @@ def train(args: argparse.Namespace) -> pathlib.Path:
         dtype="float32",
     )
     model = GPT2LMHeadModel(config)
+    if args.prev_aux > 0 or args.induction_aux > 0:
+        model.set_attn_implementation("eager")  # the circuit losses read the attention patterns
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "wpe" not in n]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2 or "wpe" in n]
     optimizer = torch.optim.AdamW(
@@ -175,27 +222,47 @@ def train(args: argparse.Namespace) -> pathlib.Path:
     )
     model.train()
     began = time.perf_counter()
+    circuit = args.prev_aux > 0 or args.induction_aux > 0
     smooth = None
-    for step in range(args.steps):
+
+    def step(batch: Batches, lr: float) -> float:
         for group in optimizer.param_groups:
-            group["lr"] = _lr(step, args)
-        inputs, targets = batches.next()
-        logits = model(input_ids=inputs).logits
-        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), targets[:, 1:].flatten(), ignore_index=-100)
+            group["lr"] = lr
+        inputs, targets, induct = batch.next()
+        out = model(input_ids=inputs, output_attentions=circuit)
+        loss = F.cross_entropy(out.logits[:, :-1].flatten(0, 1), targets[:, 1:].flatten(), ignore_index=-100)
+        if circuit:
+            prev, induction = circuit_loss(out.attentions, induct, args)
+            loss = loss + args.prev_aux * prev + args.induction_aux * induction
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        value = loss.item()
-        smooth = value if smooth is None else 0.95 * smooth + 0.05 * value
-        if step % args.log_every == 0 or step == args.steps - 1:
+        return float(loss.item())
+
+    def log(phase: str, index: int, last: int, value: float) -> None:
+        if index % args.log_every == 0 or index == last:
             print(
-                f"step {step:5d}  loss {value:.3f}  (smoothed {smooth:.3f})  {time.perf_counter() - began:6.0f}s",
+                f"{phase} {index:5d}  loss {value:.3f}  (smoothed {smooth:.3f})  {time.perf_counter() - began:6.0f}s",
                 flush=True,
             )
+
+    # phase 1: short rows of repeated random tokens only, where the induction circuit forms
+    # fastest; phase 2: the corpus, with repeat rows mixed in so the circuit stays
+    repeats = Batches(stream, starts, 2, len(tokenizer), args, (args.circuit_batch, args.circuit_seq, 1.0))
+    for index in range(args.circuit_steps):
+        value = step(repeats, args.circuit_lr * min(1.0, (index + 1) / args.warmup))
+        smooth = value if smooth is None else 0.95 * smooth + 0.05 * value
+        log("circuit", index, args.circuit_steps - 1, value)
+    smooth = None
+    for index in range(args.steps):
+        value = step(batches, _lr(index, args))
+        smooth = value if smooth is None else 0.95 * smooth + 0.05 * value
+        log("step", index, args.steps - 1, value)
     seconds = time.perf_counter() - began
 
     model.eval()
+    model.set_attn_implementation("sdpa")
     model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]
         bos_token_id=eos, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, do_sample=False
     )
@@ -309,7 +376,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=pathlib.Path, default=SHIPPED, help="default: the package's shipped model")
     parser.add_argument("--corpus", type=pathlib.Path, default=CORPUS)
-    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads (0: torch's default); one is robust on a busy machine"
@@ -323,9 +390,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--n-layers", type=int, default=4)
     parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--head-dim", type=int, default=32)
-    parser.add_argument("--repeat-fraction", type=float, default=0.4)
+    parser.add_argument("--repeat-fraction", type=float, default=0.25)
     parser.add_argument("--min-run", type=int, default=5)
     parser.add_argument("--max-run", type=int, default=40)
+    parser.add_argument(
+        "--circuit-steps", type=int, default=1000, help="phase 1: steps on repeated random tokens only (0: none)"
+    )
+    parser.add_argument("--circuit-batch", type=int, default=24)
+    parser.add_argument("--circuit-seq", type=int, default=96)
+    parser.add_argument("--circuit-lr", type=float, default=1e-3)
+    parser.add_argument(
+        "--prev-aux", type=float, default=1.0, help="weight of the previous-token attention loss (0: none)"
+    )
+    parser.add_argument("--prev-head", default="0.0", help="LAYER.HEAD asked to attend to the previous token")
+    parser.add_argument(
+        "--induction-aux", type=float, default=1.0, help="weight of the induction attention loss (0: none)"
+    )
+    parser.add_argument("--induction-head", default="1.0", help="LAYER.HEAD asked to attend like an induction head")
     parser.add_argument("--log-every", type=int, default=50)
     parser.add_argument("--no-report", action="store_true", help="skip the behaviour report at the end")
     return parser.parse_args(argv)
