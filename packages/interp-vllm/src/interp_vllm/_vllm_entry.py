@@ -58,13 +58,9 @@ def interp_ping(self: Any) -> dict[str, Any]:
     }
 
 
-def interp_fetch(self: Any, rid: str) -> bytes:
-    """A finished request's captured values (safetensors bytes; empty if none)."""
-    return _pack(_taps(self.model_runner).fetch(rid))
-
-
 def interp_fetch_many(self: Any, rids: list[str]) -> list[bytes]:
-    """Several finished requests' values at once (one engine-core round trip for all)."""
+    """Finished requests' captured values, safetensors bytes each (empty if none): one
+    engine-core round trip for every request the front end is waiting on."""
     taps = _taps(self.model_runner)
     return [_pack(taps.fetch(rid)) for rid in rids]
 
@@ -121,7 +117,7 @@ def _wrap_update_states(runner_class: Any) -> None:
     runner_class._update_states = _update_states
 
 
-_RPCS = (interp_ping, interp_fetch, interp_fetch_many, interp_release, interp_decode, interp_stats)
+_RPCS = (interp_ping, interp_fetch_many, interp_release, interp_decode, interp_stats)
 
 
 def register() -> None:

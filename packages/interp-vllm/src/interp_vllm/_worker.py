@@ -6,7 +6,7 @@ requests are in the step and which rows of the flattened token batch are theirs
 absolute position. Requests that carry an interp payload in ``SamplingParams.extra_args`` get
 hooks for exactly their points for that forward: reads are copied out per request, writes
 change only that request's rows. Values wait in the worker until the front end fetches them
-(``interp_fetch``), once the request is done.
+(``interp_fetch_many``), once the request is done.
 
 vLLM's decoder layers defer the residual add: a layer returns ``(hidden, residual)`` and the
 true residual stream is their sum. Reads take the sum; a write replaces the pair by
@@ -170,9 +170,7 @@ class TapManager:
             return []
         wanted: list[tuple[int, RequestTaps]] = []
         for index, req_id in enumerate(batch.req_ids[:num_reqs]):
-            state = runner.requests.get(req_id)
-            params = getattr(state, "sampling_params", None)
-            payload = (getattr(params, "extra_args", None) or {}).get(PAYLOAD_KEY)
+            payload = self._payload(req_id)
             if payload is None:
                 continue
             rid = str(payload["id"])
@@ -197,14 +195,19 @@ class TapManager:
                 slices.append(_Slice(taps, start, end, flat_positions[start:end]))
         return slices
 
+    def _payload(self, req_id: str) -> dict[str, Any] | None:
+        """The interp payload a live vLLM request carries in ``SamplingParams.extra_args``."""
+        state = self.runner.requests.get(req_id)
+        params = getattr(state, "sampling_params", None)
+        payload: dict[str, Any] | None = (getattr(params, "extra_args", None) or {}).get(PAYLOAD_KEY)
+        return payload
+
     def finished(self, req_ids: Any) -> None:
         """vLLM finished or aborted these requests (its own ids). A request that captured
         nothing (steering only) is forgotten now, with no round trip from the front end;
         captured values wait for their fetch."""
         for req_id in req_ids:
-            state = self.runner.requests.get(req_id)
-            params = getattr(state, "sampling_params", None)
-            payload = (getattr(params, "extra_args", None) or {}).get(PAYLOAD_KEY)
+            payload = self._payload(req_id)
             if payload is None:
                 continue
             taps = self.requests.get(str(payload["id"]))
