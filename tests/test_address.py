@@ -39,6 +39,10 @@ def test_vocabulary_is_the_spec_table() -> None:
         "attn_pattern",
         "final_norm",
         "logits",
+        "attn_q",
+        "attn_k",
+        "attn_v",
+        "attn_z",
     ]
     assert MODEL_LEVEL == ["embed", "final_norm", "logits"]
     assert KINDS["mlp_post"].width == "d_mlp"

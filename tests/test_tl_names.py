@@ -31,7 +31,17 @@ MAPPED = [
     ("blocks.-1.hook_resid_post", Address("resid_post", -1)),
     ("blocks.12.hook_resid_post", Address("resid_post", 12)),
     ("  blocks.2.hook_mlp_out ", Address("mlp_out", 2)),
+    ("blocks.1.attn.hook_z", Address("attn_z", 1)),
+    ("blocks.1.attn.hook_v", Address("attn_v", 1)),
+    ("blocks.1.attn.hook_q", Address("attn_q", 1)),
+    ("blocks.1.attn.hook_k", Address("attn_k", 1)),
 ]
+
+
+def test_rotated_query_and_key_names_are_the_head_addresses() -> None:
+    # on rotary models TransformerLens's hook_rot_q/k hold what attn_q/k hold (post-rotary)
+    assert Address.parse("blocks.2.attn.hook_rot_q") == Address("attn_q", 2)
+    assert Address.parse("blocks.2.attn.hook_rot_k") == Address("attn_k", 2)
 
 
 @pytest.mark.parametrize(("name", "address"), MAPPED, ids=[m[0].strip() for m in MAPPED])
@@ -54,7 +64,7 @@ def test_tl_name_of_every_kind() -> None:
     [
         ("hook_embed", "blocks.0.hook_resid_pre"),
         ("hook_pos_embed", "use 'embed'"),
-        ("blocks.2.attn.hook_z", "attn_out.2"),
+        ("blocks.2.attn.hook_result", "attn_out.2"),
         ("blocks.2.attn.hook_attn_scores", "attn_pattern.2"),
         ("blocks.2.hook_mlp_in", "resid_mid.2"),
         ("blocks.2.mlp.hook_pre", "mlp_post.2"),

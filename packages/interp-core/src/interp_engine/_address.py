@@ -8,7 +8,7 @@ from typing import Literal
 from ._errors import InvalidAddress, LayerOutOfRange, UnknownKind
 from ._tl_names import is_tl_name, parse_tl_name, tl_name
 
-Width = Literal["d_model", "d_mlp", "heads x keys", "vocab"]
+Width = Literal["d_model", "d_mlp", "heads x keys", "heads x d_head", "kv_heads x d_head", "vocab"]
 
 
 @dataclass(frozen=True)
@@ -19,6 +19,11 @@ class KindInfo:
     width: Width
     writable: bool
     meaning: str
+
+    @property
+    def per_head(self) -> bool:
+        """Whether values keep a head axis (``[n_tokens, heads, d_head]``) and writes select heads."""
+        return self.width in ("heads x d_head", "kv_heads x d_head")
 
 
 KINDS: dict[str, KindInfo] = {
@@ -32,13 +37,35 @@ KINDS: dict[str, KindInfo] = {
     "attn_pattern": KindInfo(True, "heads x keys", False, "attention probabilities"),
     "final_norm": KindInfo(False, "d_model", True, "final norm output, input to the unembedding"),
     "logits": KindInfo(False, "vocab", False, "output logits"),
+    "attn_q": KindInfo(
+        True, "heads x d_head", False, "queries as the attention product uses them (after rotary, q-norm)"
+    ),
+    "attn_k": KindInfo(
+        True, "kv_heads x d_head", False, "keys as the attention product uses them (after rotary, k-norm)"
+    ),
+    "attn_v": KindInfo(True, "kv_heads x d_head", True, "values, per key/value head"),
+    "attn_z": KindInfo(
+        True, "heads x d_head", True, "each head's output, the input of the attention's output projection"
+    ),
 }
-"""The address vocabulary (TransformerLens meanings), in forward order."""
+"""The address vocabulary (TransformerLens meanings), in the order of SPEC §3's table."""
 
 _KIND_ORDER = {  # the order values are computed in, inside one layer
     kind: i
     for i, kind in enumerate(
-        ("resid_pre", "attn_pattern", "attn_out", "resid_mid", "mlp_post", "mlp_out", "resid_post")
+        (
+            "resid_pre",
+            "attn_q",
+            "attn_k",
+            "attn_v",
+            "attn_pattern",
+            "attn_z",
+            "attn_out",
+            "resid_mid",
+            "mlp_post",
+            "mlp_out",
+            "resid_post",
+        )
     )
 }
 _MODEL_LEVEL_ORDER = {"embed": -1, "final_norm": 1 << 30, "logits": (1 << 30) + 1}

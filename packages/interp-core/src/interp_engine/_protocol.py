@@ -25,6 +25,12 @@ class ModelInfo:
     vocab_size: int
     n_ctx: int
     parallel_attn: bool = False
+    d_head: int = 0
+    """Width of one attention head (``0``: ``d_model // n_heads``, filled in)."""
+
+    def __post_init__(self) -> None:
+        if not self.d_head:
+            object.__setattr__(self, "d_head", self.d_model // max(self.n_heads, 1))
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ import torch
 
 from ._address import Address, AddressLike, as_address
 from ._errors import InvalidSteering
+from ._writes import apply_op
 
 Op = Literal["add", "set", "ablate"]
 OPS: tuple[Op, ...] = ("add", "set", "ablate")
@@ -32,11 +33,51 @@ def _as_vector(value: Any) -> torch.Tensor:
     if not (tensor.is_floating_point() or tensor.dtype in (torch.int32, torch.int64)):
         raise InvalidSteering(f"a steering vector must hold real numbers, got dtype {tensor.dtype}")
     tensor = tensor.to(device="cpu", dtype=torch.float32).contiguous().clone()  # never alias the caller's
-    if tensor.dim() not in (1, 2) or tensor.numel() == 0:
+    if tensor.dim() not in (1, 2, 3) or tensor.numel() == 0:
         raise InvalidSteering(f"a steering vector is [width] or [n_positions, width], got shape {list(tensor.shape)}")
     if not bool(torch.isfinite(tensor).all()):
         raise InvalidSteering("the steering vector contains NaN or infinite values")
     return tensor
+
+
+def _as_heads(value: Any) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = (value,)
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    try:
+        heads = tuple(value)
+    except TypeError:
+        raise InvalidSteering(f"heads must be a list of head indices, got {value!r}") from None
+    if not heads or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in heads):
+        raise InvalidSteering(f"heads must be a non-empty list of head indices >= 0, got {value!r}")
+    if len(set(heads)) != len(heads):
+        raise InvalidSteering(f"heads repeat an index: {list(heads)}")
+    return heads
+
+
+def _check_shape(address: Address, tensor: torch.Tensor, op: str, heads: tuple[int, ...] | None) -> None:
+    """The vector shapes a write at ``address`` accepts (see :class:`Write`)."""
+    shape = list(tensor.shape)
+    if not address.info.per_head:
+        if heads is not None:
+            raise InvalidSteering(
+                f"heads= selects attention heads at a head address (attn_z, attn_v); {address} has no head axis"
+            )
+        if tensor.dim() == 3:
+            raise InvalidSteering(f"a steering vector is [width] or [n_positions, width], got shape {shape}")
+        if op == "ablate" and tensor.dim() != 1:
+            raise InvalidSteering("ablate takes one direction of shape [width]")
+        return
+    if op == "ablate" and tensor.dim() == 3:
+        raise InvalidSteering(f"ablate at {address} takes a direction [d_head] or one per head [heads, d_head]")
+    if heads is not None and tensor.dim() >= 2 and tensor.shape[-2] != len(heads):
+        raise InvalidSteering(
+            f"the vector for {address} has {tensor.shape[-2]} head rows (shape {shape}) but heads= lists "
+            f"{len(heads)} heads; give [d_head], [len(heads), d_head] or [n_positions, len(heads), d_head]"
+        )
 
 
 def _as_positions(value: Any) -> Positions:
@@ -75,6 +116,13 @@ class Write:
     ``[n_positions, width]`` (one row per selected position, in order). ``positions`` is
     ``"all"``, ``"prompt"``, ``"generated"`` or explicit sequence indices (negative ones count
     back from the end of the prompt). The vector is stored as float32 on the CPU.
+
+    At a head address (``attn_z``, ``attn_v``) a write works per head: ``heads=[h, ...]`` picks
+    the heads (default: every head; the others are untouched, bit for bit) and ``vector`` is
+    ``[d_head]`` (the same for each listed head), ``[len(heads), d_head]`` (one row per head) or
+    ``[n_positions, len(heads), d_head]`` (per position, e.g. another run's captured heads).
+    ``ablate`` removes a direction per head. Zero-ablating head 3 of layer 1 is
+    ``Write("attn_z.1", torch.zeros(d_head), op="set", heads=[3])``.
     """
 
     address: Address
@@ -82,6 +130,7 @@ class Write:
     op: Op = "add"
     scale: float = 1.0
     positions: Positions = "all"
+    heads: tuple[int, ...] | None = None
 
     def __init__(
         self,
@@ -90,6 +139,7 @@ class Write:
         op: str = "add",
         scale: float = 1.0,
         positions: Any = "all",
+        heads: Any = None,
     ) -> None:
         addr = as_address(address)
         if not addr.info.writable:
@@ -99,21 +149,50 @@ class Write:
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
             raise InvalidSteering(f"scale must be a finite number, got {scale!r}")
         tensor = _as_vector(vector)
-        if op == "ablate":
-            if tensor.dim() != 1:
-                raise InvalidSteering("ablate takes one direction of shape [width]")
-            if float(tensor.norm()) == 0.0:
-                raise InvalidSteering("cannot ablate along a zero vector")
+        selected = _as_heads(heads)
+        _check_shape(addr, tensor, op, selected)
+        if op == "ablate" and bool((tensor.norm(dim=-1) == 0).any()):
+            raise InvalidSteering("cannot ablate along a zero vector")
         object.__setattr__(self, "address", addr)
         object.__setattr__(self, "vector", tensor)
         object.__setattr__(self, "op", op)
         object.__setattr__(self, "scale", float(scale))
         object.__setattr__(self, "positions", _as_positions(positions))
+        object.__setattr__(self, "heads", selected)
 
     @property
     def width(self) -> int:
-        """The width the vector must match at its address."""
+        """The width the vector must match at its address (``d_head`` at head addresses)."""
         return int(self.vector.shape[-1])
+
+    @property
+    def per_position(self) -> bool:
+        """Whether the vector holds one row per selected position (its first axis)."""
+        return self.vector.dim() == (3 if self.address.info.per_head else 2)
+
+    @property
+    def head_rows(self) -> int | None:
+        """How many heads the vector has rows for (``None``: one row shared by every head)."""
+        if not self.address.info.per_head or self.vector.dim() == 1:
+            return None
+        return int(self.vector.shape[-2])
+
+    def apply(self, x: torch.Tensor, vector: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` with this write applied (a new tensor; ``x`` is not modified).
+
+        ``x`` is ``[..., width]`` rows at residual-type addresses and ``[..., n_heads, d_head]`` at
+        head addresses, where only the selected heads change. ``vector`` is the vector to use
+        for these rows (default :attr:`vector`); for a per-position write, the backend passes the
+        rows of the vector that belong to ``x``'s positions (``[n, width]`` or ``[n, len(heads), d_head]``).
+        """
+        vec = self.vector if vector is None else vector
+        if not self.address.info.per_head:
+            return apply_op(self.op, self.scale, x, vec)
+        if self.heads is None:
+            return apply_op(self.op, self.scale, x, vec)
+        index = torch.tensor(self.heads, device=x.device)
+        changed = apply_op(self.op, self.scale, x.index_select(-2, index), vec)
+        return x.index_copy(x.dim() - 2, index, changed)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Write):
@@ -123,6 +202,7 @@ class Write:
             and self.op == other.op
             and self.scale == other.scale
             and self.positions == other.positions
+            and self.heads == other.heads
             and torch.equal(self.vector, other.vector)
         )
 
@@ -131,26 +211,31 @@ class Write:
     def __repr__(self) -> str:
         return (
             f"Write({str(self.address)!r}, <{list(self.vector.shape)}>, op={self.op!r}, "
-            f"scale={self.scale}, positions={self.positions!r})"
+            f"scale={self.scale}, positions={self.positions!r}"
+            + ("" if self.heads is None else f", heads={list(self.heads)}")
+            + ")"
         )
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (JSON-ready): the vector as nested lists of floats."""
         positions: Any = self.positions if isinstance(self.positions, str) else list(self.positions)
-        return {
+        data: dict[str, Any] = {
             "address": str(self.address),
             "vector": self.vector.tolist(),
             "op": self.op,
             "scale": self.scale,
             "positions": positions,
         }
+        if self.heads is not None:
+            data["heads"] = list(self.heads)
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Write:
         """Read what :meth:`to_dict` wrote (validated like the constructor)."""
         if not isinstance(data, dict) or "address" not in data or "vector" not in data:
             raise InvalidSteering(f"a write needs at least 'address' and 'vector', got {data!r:.200}")
-        unknown = set(data) - {"address", "vector", "op", "scale", "positions"}
+        unknown = set(data) - {"address", "vector", "op", "scale", "positions", "heads"}
         if unknown:
             raise InvalidSteering(f"unknown write fields: {sorted(unknown)}")
         return cls(
@@ -159,6 +244,7 @@ class Write:
             op=data.get("op", "add"),
             scale=data.get("scale", 1.0),
             positions=data.get("positions", "all"),
+            heads=data.get("heads"),
         )
 
 

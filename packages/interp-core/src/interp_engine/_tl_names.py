@@ -4,6 +4,13 @@
 paste the names they know from TransformerLens wherever an address is accepted. Only names whose
 value is exactly one of our addresses are mapped; a TransformerLens name without an exact
 counterpart raises ``UnknownKind`` naming the nearest address and how it differs.
+
+Heads: ``attn.hook_z`` is ``attn_z`` and ``attn.hook_v`` is ``attn_v``. Queries and keys are
+``attn_q``/``attn_k`` as the attention product uses them, i.e. after rotary embeddings and any
+q/k norm: that is TransformerLens's ``attn.hook_rot_q``/``hook_rot_k`` on rotary models and its
+``attn.hook_q``/``hook_k`` on the others (GPT-2, OPT). Both spellings parse to ``attn_q``/``attn_k``;
+on a rotary model ``hook_q``'s own value (before rotary) is not an address. With grouped-query
+attention ``attn_k``/``attn_v`` keep the key/value heads (not repeated per query head).
 """
 
 from __future__ import annotations
@@ -20,6 +27,12 @@ TL_PER_LAYER: dict[str, str] = {
     "hook_mlp_out": "mlp_out",
     "mlp.hook_post": "mlp_post",
     "attn.hook_pattern": "attn_pattern",
+    "attn.hook_q": "attn_q",
+    "attn.hook_k": "attn_k",
+    "attn.hook_v": "attn_v",
+    "attn.hook_z": "attn_z",
+    "attn.hook_rot_q": "attn_q",
+    "attn.hook_rot_k": "attn_k",
 }
 """``blocks.L.<suffix>`` -> our per-layer kind."""
 
@@ -41,13 +54,7 @@ _NEAR_MISSES: dict[str, str] = {  # unmapped suffixes of blocks.L.* -> what to u
     "hook_k_input": "the attention's input is resid_pre.L",
     "hook_v_input": "the attention's input is resid_pre.L",
     "attn.hook_attn_scores": "attn_pattern.L holds the attention probabilities (after the softmax), not the scores",
-    "attn.hook_q": "per-head queries are not an address; attn_pattern.L and attn_out.L are",
-    "attn.hook_k": "per-head keys are not an address; attn_pattern.L and attn_out.L are",
-    "attn.hook_v": "per-head values are not an address; attn_pattern.L and attn_out.L are",
-    "attn.hook_z": "per-head outputs are not an address; attn_out.L is their sum after the output projection",
     "attn.hook_result": "per-head results are not an address; attn_out.L is their sum",
-    "attn.hook_rot_q": "rotated queries are not an address; attn_pattern.L is",
-    "attn.hook_rot_k": "rotated keys are not an address; attn_pattern.L is",
     "mlp.hook_pre": "the MLP pre-activation is not an address; mlp_post.L is after the nonlinearity",
     "mlp.hook_pre_linear": "the gated MLP's linear branch is not an address; mlp_post.L is act(gate) * up",
     "ln1.hook_normalized": "norm outputs inside a block are not addresses; resid_pre.L is the norm's input",

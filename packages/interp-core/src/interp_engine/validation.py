@@ -5,6 +5,7 @@ Backend authors call these at the top of each request; they raise the core's typ
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
@@ -83,8 +84,25 @@ def resolve_points(
 
 
 def width_of(address: Address, info: ModelInfo) -> int:
-    """The activation width at a residual-type or neuron address."""
-    return info.d_mlp if address.info.width == "d_mlp" else info.d_model
+    """The activation width per row at an address: ``d_head`` at head addresses (per head)."""
+    width = address.info.width
+    if address.info.per_head:
+        return info.d_head
+    return {"d_mlp": info.d_mlp, "vocab": info.vocab_size}.get(width, info.d_model)
+
+
+def heads_of(address: Address, info: ModelInfo) -> int:
+    """How many heads a head address has (query heads, or key/value heads)."""
+    return info.n_kv_heads if address.info.width == "kv_heads x d_head" else info.n_heads
+
+
+def value_shape(address: Address, info: ModelInfo) -> tuple[int, ...]:
+    """The shape of one token's value at ``address`` (attention patterns: ``(heads,)`` + keys)."""
+    if address.info.per_head:
+        return (heads_of(address, info), info.d_head)
+    if address.info.width == "heads x keys":
+        return (info.n_heads,)
+    return (width_of(address, info),)
 
 
 def check_spec(spec: SteeringSpec | None, info: ModelInfo, writable: Collection[str] | None = None) -> list[Write]:
@@ -104,11 +122,33 @@ def check_spec(spec: SteeringSpec | None, info: ModelInfo, writable: Collection[
             )
         expected = width_of(address, info)
         if write.width != expected:
+            per = " per head" if address.info.per_head else ""
             raise InvalidSteering(
-                f"the vector for {address} has width {write.width}, but {address.kind} is {expected} wide in this model"
+                f"the vector for {address} has width {write.width}, but {address.kind} is {expected} wide{per} "
+                "in this model"
             )
-        writes.append(Write(address, write.vector, op=write.op, scale=write.scale, positions=write.positions))
+        if address.info.per_head:
+            _check_heads(write, address, info)
+        writes.append(dataclasses.replace(write, address=address))
     return writes
+
+
+def _check_heads(write: Write, address: Address, info: ModelInfo) -> None:
+    n_heads = heads_of(address, info)
+    bad = [h for h in write.heads or () if h >= n_heads]
+    if bad:
+        raise InvalidSteering(
+            f"head {bad[0]} of the write at {address} is out of range: {address.kind} has {n_heads} heads "
+            f"in this model (0..{n_heads - 1})"
+        )
+    selected = len(write.heads) if write.heads is not None else n_heads
+    rows = write.head_rows
+    if rows is not None and rows != selected:
+        raise InvalidSteering(
+            f"the vector for {address} has {rows} head rows but the write selects {selected} heads "
+            f"({'heads=' + str(list(write.heads)) if write.heads is not None else 'every head'}); "
+            "give [d_head], [n_heads_selected, d_head] or [n_positions, n_heads_selected, d_head]"
+        )
 
 
 def write_positions(write: Write, n_prompt: int, n_total: int) -> list[int]:
@@ -139,7 +179,7 @@ def check_write_shapes(writes: Sequence[Write], n_prompt: int, n_total: int) -> 
             raise InvalidSteering(
                 f"position {late[0]} of the write at {write.address} is beyond the {n_total}-token sequence"
             )
-        if write.vector.dim() == 2 and write.vector.shape[0] != len(positions):
+        if write.per_position and write.vector.shape[0] != len(positions):
             raise InvalidSteering(
                 f"the {write.op} tensor for {write.address} has {write.vector.shape[0]} rows but "
                 f"selects {len(positions)} positions ({write.positions!r}); give one row per "
