@@ -27,11 +27,13 @@ def apply_op(op: str, scale: float, x: torch.Tensor, vector: torch.Tensor) -> to
     if op == "add":
         return x + scale * vector
     if op == "set":
-        return torch.broadcast_to(scale * vector, x.shape).clone()
+        constant: torch.Tensor = torch.broadcast_to(scale * vector, x.shape)
+        return constant.clone()
     if op == "ablate":
         direction = vector / vector.norm(dim=-1, keepdim=True)
         projection = (x * direction).sum(-1, keepdim=True)
-        return x - scale * projection * direction
+        ablated: torch.Tensor = x - scale * projection * direction
+        return ablated
     raise InvalidSteering(f"unknown steering op {op!r}; valid ops: add, set, ablate")
 
 
