@@ -41,7 +41,7 @@ GEN_TOKENS = 32
 
 
 def build_model() -> pathlib.Path:
-    from interp_eager.testing import build_tiny_model
+    from interp_testkit import build_tiny_model
 
     return build_tiny_model(
         "gpt2", ROOT / ".cache" / "bench-vllm-gpt2", n_layers=12, d_model=768, head_dim=64, max_positions=512

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv in the repository root and install the workspace into it (editable).
 # Installs vLLM's CPU build for the vllm backend; set INTERP_SKIP_VLLM=1 to leave vLLM out.
+# Dev-only packages of the test suite: tests/toy_backend (a third-party backend) and tests/testkit
+# (interp_testkit: the tiny random-weight models the tests and benchmarks build).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
@@ -15,4 +17,5 @@ if [ "${INTERP_SKIP_VLLM:-0}" != 1 ]; then
   # next to the CPU torch wheel they break `import transformers`. The text models need none.
   .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
-"${PIP[@]}" -e "packages/interp-core[serve]" -e packages/interp-eager -e packages/interp-vllm -e ".[dev]" -e tests/toy_backend
+"${PIP[@]}" -e "packages/interp-core[serve]" -e packages/interp-eager -e packages/interp-vllm -e ".[dev]" -e tests/toy_backend \
+  -e tests/testkit

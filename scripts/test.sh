@@ -6,4 +6,7 @@ bash scripts/setup.sh
 .venv/bin/ruff check packages tests bench
 .venv/bin/ruff format --check packages tests bench
 .venv/bin/python -m mypy packages/interp-core/src packages/interp-eager/src packages/interp-vllm/src
+# the dev-only tests/testkit by name: given as a path under tests/ (a package), mypy would name it
+# tests.testkit.src.interp_testkit and miss its [tool.mypy] section
+.venv/bin/python -m mypy -p interp_testkit
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

@@ -1,9 +1,9 @@
 """Shared fixtures: tiny local models for every supported family, built once and reused.
 
-Models are random-weight HF checkpoints with a tokenizer trained locally
-(``interp_eager.testing``), written under ``.cache/test-models`` in the repository so a second
-run reuses them. Nothing is downloaded. Each family's eager model and its HF oracle are loaded
-once per session.
+Models are random-weight HF checkpoints with a tokenizer trained locally (``interp_testkit``, the
+dev-only package in ``tests/testkit``: no backend is needed to build them), written under
+``.cache/test-models`` in the repository so a second run reuses them. Nothing is downloaded. Each
+family's eager model and its HF oracle are loaded once per session.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ ALL_FAMILIES = REQUIRED_FAMILIES + EXTRA_FAMILIES
 
 @functools.cache
 def tiny_model_path(family: str) -> pathlib.Path:
-    from interp_eager.testing import build_tiny_model
+    from interp_testkit import build_tiny_model
 
     return build_tiny_model(family, MODELS / family)
 
@@ -75,7 +75,7 @@ VLLM_SHAPE = {"d_model": 128, "head_dim": 32, "max_positions": 256}
 
 @functools.cache
 def vllm_model_path(family: str) -> pathlib.Path:
-    from interp_eager.testing import build_tiny_model
+    from interp_testkit import build_tiny_model
 
     return build_tiny_model(family, MODELS / f"{family}-vllm", **VLLM_SHAPE)
 

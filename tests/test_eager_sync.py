@@ -304,7 +304,7 @@ def test_sync_stream_yields_steps_and_can_be_abandoned() -> None:
 @functools.cache
 def long_context_model() -> Any:
     """A tiny gpt2 with room for a few hundred tokens (the shared one has ``n_ctx`` 128)."""
-    from interp_eager.testing import build_tiny_model
+    from interp_testkit import build_tiny_model
 
     path = build_tiny_model("gpt2", MODELS / "gpt2-ctx512", n_layers=4, d_model=128, max_positions=512)
     return load_model(path, backend="eager")

@@ -50,7 +50,7 @@ SEED_LAYERS = 12
 @functools.cache
 def seed_model_path(family: str) -> pathlib.Path:
     """A 12-layer tiny ``family`` model, so the seed's layers 5 and 10 exist."""
-    from interp_eager.testing import build_tiny_model
+    from interp_testkit import build_tiny_model
 
     return build_tiny_model(family, MODELS / f"seed-{family}-{SEED_LAYERS}", n_layers=SEED_LAYERS)
 

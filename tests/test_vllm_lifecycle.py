@@ -51,7 +51,7 @@ D_MODEL = 128
 @functools.cache
 def seed_path() -> pathlib.Path:
     """A 12-layer tiny gpt2 with vLLM-friendly heads, so the seed's ``resid_post.10`` exists."""
-    from interp_eager.testing import build_tiny_model
+    from interp_testkit import build_tiny_model
 
     return build_tiny_model(
         "gpt2", MODELS / "gpt2-vllm-12", n_layers=SEED_LAYERS, d_model=D_MODEL, head_dim=32, max_positions=256

@@ -1,4 +1,8 @@
-"""Tiny random-weight Hugging Face causal LMs for offline tests and demos.
+"""Tiny random-weight Hugging Face causal LMs for offline tests and benchmarks (development only).
+
+This is the dev-only distribution ``interp-testkit`` (``tests/testkit``, installed by ``scripts/setup.sh``), not
+part of any interp-engine wheel: it needs ``transformers``, ``tokenizers`` and ``torch`` but no interp-engine
+package, so the vllm suite runs without ``interp-eager`` installed. Nothing under ``packages/`` may import it.
 
 :func:`build_tiny_model` writes a directory that loads fully offline with ``AutoModelForCausalLM.from_pretrained(path)``
 and ``AutoTokenizer.from_pretrained(path)``: ``config.json`` + ``model.safetensors`` (fp32), ``generation_config.json``
