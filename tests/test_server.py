@@ -328,6 +328,41 @@ def test_attention_equals_hf(client: httpx.Client, direct: Any) -> None:
     assert rel_diff(tensor(body["patterns"]["attn_pattern.-1"]), reference.attentions[2][0]) <= TOL
 
 
+def test_heads_over_http_capture_write_and_steered_attention(client: httpx.Client, direct: Any) -> None:
+    ids = direct.to_tokens(PROMPT)[0].tolist()
+    d_head = direct.info.d_head
+    body = client.post("/v1/capture", json={"token_ids": ids, "points": ["attn_z.1", "attn_k.0"]}).json()
+    expected = direct.capture(ids, ["attn_z.1", "attn_k.0"])
+    assert torch.equal(tensor(body["activations"]["attn_z.1"]), expected[Address("attn_z", 1)])
+    assert list(tensor(body["activations"]["attn_k.0"]).shape) == [len(ids), direct.info.n_kv_heads, d_head]
+    # zero-ablate head 0 of layer 0, then read layer 1's pattern: one call, the same as the model's
+    spec = SteeringSpec([Write("attn_z.0", torch.zeros(d_head), op="set", heads=[0])])
+    request = {"token_ids": ids, "layers": [1], "steering": spec.to_dict()}
+    body = client.post("/v1/attention", json=request).json()
+    steered = direct.capture_attention(ids, [1], steering_spec=spec)[Address("attn_pattern", 1)]
+    assert rel_diff(tensor(body["patterns"]["attn_pattern.1"]), steered) <= TOL
+    plain = direct.capture_attention(ids, [1])[Address("attn_pattern", 1)]
+    assert not torch.allclose(steered, plain)
+    # a per-position, per-head patch arrives as an encoded [positions, heads, d_head] tensor
+    rows = expected[Address("attn_z", 1)][:2, [1]]
+    write = {"address": "attn_z.1", "vector": encoded(rows), "op": "set", "positions": [0, 1], "heads": [1]}
+    body = client.post(
+        "/v1/capture", json={"token_ids": ids, "points": ["logits"], "steering": {"writes": [write]}}
+    ).json()
+    spec = SteeringSpec([Write("attn_z.1", rows, op="set", positions=[0, 1], heads=[1])])
+    assert (
+        rel_diff(
+            tensor(body["activations"]["logits"]),
+            direct.capture(ids, ["logits"], steering_spec=spec)[Address("logits")],
+        )
+        <= TOL
+    )
+    bad = {"address": "attn_z.1", "vector": [0.0] * d_head, "op": "set", "heads": [99]}
+    response = client.post("/v1/capture", json={"token_ids": ids, "points": ["logits"], "steering": {"writes": [bad]}})
+    assert response.status_code == 400
+    assert "head 99" in response.text
+
+
 def test_decode_residuals_is_the_logit_lens(client: httpx.Client, direct: Any) -> None:
     ids = direct.to_tokens(PROMPT)[0].tolist()
     last = client.post("/v1/capture", json={"token_ids": ids, "points": ["resid_post.-1"]}).json()

@@ -52,10 +52,11 @@ def pad_rows(rows: Sequence[Activations], lengths: Sequence[int]) -> dict[Addres
         padded = []
         for row in rows:
             value = row[address]
+            pad: tuple[int, ...]
             if address.kind == "attn_pattern":  # [heads, q, k]
                 pad = (0, longest - value.shape[2], 0, longest - value.shape[1])
-            else:  # [n, width]
-                pad = (0, 0, 0, longest - value.shape[0])
+            else:  # [n, width], or [n, heads, d_head] at head addresses
+                pad = (0, 0) * (value.dim() - 1) + (0, longest - value.shape[0])
             padded.append(torch.nn.functional.pad(value, pad))
         out[address] = torch.stack(padded)
     return out
@@ -98,10 +99,19 @@ def run_with_cache(
     return Cache(values, lengths=_lengths(rows))
 
 
-def capture_attention(model: InterpModel | SyncModel, tokens: Tokens, layers: Iterable[int]) -> Cache:
-    """Attention probabilities of ``layers`` as a :class:`Cache` of ``[batch, heads, q, k]``."""
+def capture_attention(
+    model: InterpModel | SyncModel,
+    tokens: Tokens,
+    layers: Iterable[int],
+    *,
+    steering_spec: SteeringSpec | None = None,
+) -> Cache:
+    """Attention probabilities of ``layers`` as a :class:`Cache` of ``[batch, heads, q, k]``,
+    under ``steering_spec`` if given: the pattern of head 1.0 with head 0.0 zero-ablated is
+    ``capture_attention(model, tokens, [1], steering_spec=SteeringSpec([Write("attn_z.0",
+    torch.zeros(d_head), op="set", heads=[0])]))``."""
     points = [Address("attn_pattern", layer) for layer in layers]
-    return run_with_cache(model, tokens, points)
+    return run_with_cache(model, tokens, points, steering_spec=steering_spec)
 
 
 def _one_prompt(model: InterpModel, tokens: Tokens, what: str) -> list[int]:

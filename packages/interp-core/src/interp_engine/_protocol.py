@@ -61,7 +61,8 @@ class InterpModel(Protocol):
     """What every backend's model offers (SPEC §5). Everything that computes is async.
 
     Results from :meth:`capture` are plain dicts keyed by :class:`Address`, without a batch
-    axis (``[n_tokens, width]``; attention ``[heads, q, k]``), float32 on the CPU.
+    axis (``[n_tokens, width]``; head addresses ``[n_tokens, heads, d_head]``; attention
+    ``[heads, q, k]``), float32 on the CPU.
     """
 
     backend: str
@@ -117,8 +118,11 @@ class InterpModel(Protocol):
         """Generated tokens one at a time, each with its top-n logprobs."""
         ...
 
-    async def capture_attention(self, token_ids: Sequence[int], layers: Iterable[int]) -> Activations:
-        """Attention probabilities ``[heads, q, k]`` keyed by ``Address("attn_pattern", L)``."""
+    async def capture_attention(
+        self, token_ids: Sequence[int], layers: Iterable[int], *, steering_spec: SteeringSpec | None = None
+    ) -> Activations:
+        """Attention probabilities ``[heads, q, k]`` keyed by ``Address("attn_pattern", L)``,
+        under ``steering_spec`` if given."""
         ...
 
     async def decode_residuals(

@@ -140,8 +140,12 @@ class SyncModel:
             )
         )
 
-    def capture_attention(self, token_ids: Sequence[int], layers: Sequence[int]) -> Activations:
-        return self.run(lambda: self.model.capture_attention(token_ids, layers))
+    def capture_attention(
+        self, token_ids: Sequence[int], layers: Sequence[int], *, steering_spec: SteeringSpec | None = None
+    ) -> Activations:
+        if steering_spec is None:  # a backend written before the keyword still works unsteered
+            return self.run(lambda: self.model.capture_attention(token_ids, layers))
+        return self.run(lambda: self.model.capture_attention(token_ids, layers, steering_spec=steering_spec))
 
     def decode_residuals(
         self, acts: torch.Tensor | Mapping[Address, torch.Tensor]

@@ -3,15 +3,18 @@
 Each :class:`Family` names, relative to the HF ``*ForCausalLM`` module, where the decoder
 layers, the final norm and the unembedding are, and, relative to one decoder layer, which
 module is the attention, which module's output is added to the residual after attention and
-after the MLP, and which linear layer reads the MLP's post-nonlinearity neurons. The capture
-code never branches on the family; it only reads these tables.
+after the MLP, which linear layer reads the MLP's post-nonlinearity neurons, and where the
+per-head values are: the projection whose output holds the values (and how they are laid out
+in it), the output projection (whose input is ``attn_z``) and, for a family whose attention
+does not call transformers' attention interface, the method that receives queries and keys.
+The capture code never branches on the family; it only reads these tables.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from interp_engine import UnsupportedArchitecture
 
@@ -22,6 +25,12 @@ def _never(config: Any) -> bool:
 
 def _uses_parallel_residual(config: Any) -> bool:
     return bool(getattr(config, "use_parallel_residual", False))
+
+
+QkvLayout = Literal["v", "q|k|v", "per-head q|k|v"]
+"""How values sit in the output of :attr:`Family.attn_v`: alone (``v_proj``), after the
+queries and keys (GPT-2's ``c_attn``, Phi-3's ``qkv_proj``: ``[q heads | k heads | v heads]``),
+or interleaved per head (GPT-NeoX's ``query_key_value``: ``[q_h k_h v_h]`` for each head ``h``)."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +57,16 @@ class Family:
     """Whether attention and MLP both read ``resid_pre`` (GPT-NeoX, Phi, GPT-J)."""
     post_norm: Callable[[Any], bool] = _never
     """Whether the residual stream is normalised after each block (OPT-350m): no ``resid_mid``."""
+    attn_o: str = "self_attn.o_proj"
+    """The attention's output projection; its input, split per head, is ``attn_z``."""
+    attn_v: str = "self_attn.v_proj"
+    """The projection whose output holds the values (``attn_v``), before they enter the KV cache."""
+    qkv_layout: QkvLayout = "v"
+    """Where the values are in :attr:`attn_v`'s output."""
+    attn_fn: str | None = None
+    """The attention module's own method called as ``fn(query, key, value, ...)`` when the family
+    does not go through transformers' ``ALL_ATTENTION_FUNCTIONS`` (GPT-J's ``_attn``); ``None``:
+    queries and keys are read where the attention interface's function receives them."""
 
     @property
     def attn_out_module(self) -> str:
@@ -61,7 +80,15 @@ def _llama_like(name: str, model_types: tuple[str, ...], **overrides: Any) -> Fa
 
 FAMILIES: tuple[Family, ...] = (
     Family(
-        "gpt2", ("gpt2",), layers="transformer.h", final_norm="transformer.ln_f", attn="attn", mlp_down="mlp.c_proj"
+        "gpt2",
+        ("gpt2",),
+        layers="transformer.h",
+        final_norm="transformer.ln_f",
+        attn="attn",
+        mlp_down="mlp.c_proj",
+        attn_o="attn.c_proj",
+        attn_v="attn.c_attn",
+        qkv_layout="q|k|v",
     ),
     _llama_like("llama", ("llama",)),
     _llama_like("mistral", ("mistral",)),
@@ -76,7 +103,7 @@ FAMILIES: tuple[Family, ...] = (
     ),
     _llama_like("olmo2", ("olmo2",), attn_out="post_attention_layernorm", mlp_out="post_feedforward_layernorm"),
     _llama_like("stablelm", ("stablelm",), parallel=_uses_parallel_residual),
-    _llama_like("phi3", ("phi3",)),
+    _llama_like("phi3", ("phi3",), attn_v="self_attn.qkv_proj", qkv_layout="q|k|v"),
     Family(
         "phi",
         ("phi",),
@@ -84,6 +111,7 @@ FAMILIES: tuple[Family, ...] = (
         final_norm="model.final_layernorm",
         mlp_down="mlp.fc2",
         parallel=lambda c: True,
+        attn_o="self_attn.dense",
     ),
     Family(
         "gpt_neox",
@@ -93,6 +121,9 @@ FAMILIES: tuple[Family, ...] = (
         attn="attention",
         mlp_down="mlp.dense_4h_to_h",
         parallel=lambda c: bool(getattr(c, "use_parallel_residual", True)),
+        attn_o="attention.dense",
+        attn_v="attention.query_key_value",
+        qkv_layout="per-head q|k|v",
     ),
     Family(
         "gptj",
@@ -102,6 +133,9 @@ FAMILIES: tuple[Family, ...] = (
         attn="attn",
         mlp_down="mlp.fc_out",
         parallel=lambda c: True,
+        attn_o="attn.out_proj",
+        attn_v="attn.v_proj",
+        attn_fn="_attn",
     ),
     Family(
         "opt",
@@ -112,6 +146,7 @@ FAMILIES: tuple[Family, ...] = (
         mlp_down="fc2",
         before_unembed=("model.decoder.project_out",),
         post_norm=lambda c: not bool(getattr(c, "do_layer_norm_before", True)),
+        attn_o="self_attn.out_proj",
     ),
 )
 

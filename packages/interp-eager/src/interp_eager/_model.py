@@ -140,17 +140,17 @@ class EagerModel(TokenizerMixin):
         self.family = family_for(config)
         self.arch = Architecture(hf_model, self.family)
         embed = hf_model.get_input_embeddings()  # type: ignore[operator]
-        n_heads = int(config.num_attention_heads)
         self.info = ModelInfo(
             architecture=str(config.model_type),
             n_layers=len(self.arch.layers),
             d_model=int(config.hidden_size),
             d_mlp=_in_width(self.arch.layer_module(0, self.family.mlp_down)),
-            n_heads=n_heads,
-            n_kv_heads=int(getattr(config, "num_key_value_heads", None) or n_heads),
+            n_heads=self.arch.n_heads,
+            n_kv_heads=self.arch.n_kv_heads,
             vocab_size=int(embed.num_embeddings),
             n_ctx=_ctx_length(config, tokenizer),
             parallel_attn=self.arch.parallel,
+            d_head=self.arch.d_head,
         )
         parameters = inspect.signature(hf_model.forward).parameters
         self._cache_arg = "past_key_values" if "past_key_values" in parameters else "cache"
@@ -272,7 +272,8 @@ class EagerModel(TokenizerMixin):
     async def capture(
         self, token_ids: Sequence[int], points: Iterable[Any], *, steering_spec: SteeringSpec | None = None
     ) -> dict[Address, torch.Tensor]:
-        """Activations ``[n_tokens, width]`` (attention ``[heads, q, k]``) at ``points``."""
+        """Activations ``[n_tokens, width]`` at ``points`` (head addresses ``[n_tokens, heads,
+        d_head]``, attention patterns ``[heads, q, k]``)."""
         values = await self.capture_batch([token_ids], points, steering_spec=steering_spec)
         return {a: t[0] for a, t in values.items()}
 
@@ -283,15 +284,20 @@ class EagerModel(TokenizerMixin):
         *,
         steering_spec: SteeringSpec | None = None,
     ) -> dict[Address, torch.Tensor]:
-        """One batched forward over prompts of any lengths: ``[batch, n_max, width]``,
-        right-padded with zeros; each row equals its solo run."""
+        """One batched forward over prompts of any lengths: ``[batch, n_max, width]`` (head
+        addresses ``[batch, n_max, heads, d_head]``), right-padded with zeros; each row equals
+        its solo run."""
         checked, mapping, writes = self._prepare(rows, points, steering_spec)
         values = await self._run(lambda: self._capture_sync(checked, list(dict.fromkeys(mapping.values())), writes))
         return {requested: values[address] for requested, address in mapping.items()}
 
-    async def capture_attention(self, token_ids: Sequence[int], layers: Iterable[int]) -> dict[Address, torch.Tensor]:
-        """Attention probabilities ``[heads, q, k]`` of ``layers`` (HF eager attention)."""
-        return await self.capture(token_ids, [Address("attn_pattern", layer) for layer in layers])
+    async def capture_attention(
+        self, token_ids: Sequence[int], layers: Iterable[int], *, steering_spec: SteeringSpec | None = None
+    ) -> dict[Address, torch.Tensor]:
+        """Attention probabilities ``[heads, q, k]`` of ``layers`` (HF eager attention), under
+        ``steering_spec`` if given (e.g. one head zero-ablated at ``attn_z``)."""
+        points = [Address("attn_pattern", layer) for layer in layers]
+        return await self.capture(token_ids, points, steering_spec=steering_spec)
 
     # -- generation ---------------------------------------------------------------------
     async def _decode(
@@ -394,8 +400,8 @@ class EagerModel(TokenizerMixin):
         steering_spec: SteeringSpec | None = None,
         **sampling: Any,
     ) -> tuple[Completion, dict[Address, torch.Tensor]]:
-        """A completion and activations ``[n_prompt + n_generated, width]`` over prompt and
-        every generated token."""
+        """A completion and activations ``[n_prompt + n_generated, width]`` (head addresses
+        ``[n_prompt + n_generated, heads, d_head]``) over prompt and every generated token."""
         prompt, chosen, mapping, plan_for = self._prepare_generation(
             token_ids, points, max_tokens, steering_spec, sampling
         )

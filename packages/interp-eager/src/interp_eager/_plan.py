@@ -5,10 +5,18 @@ output is read), hooks only those sites, applies the request's writes there, and
 the requested values. Derived points (``resid_mid`` = ``resid_pre`` + ``attn_out``) read their
 parts inside the layer and keep only the sum. When every requested value is in hand and
 nothing downstream is needed, the forward stops early.
+
+Head addresses are per-head views of a site tensor (:class:`HeadSlice`): ``attn_z`` of the
+output projection's input, ``attn_v`` of the projection that makes the values (so a write
+there is what the KV cache stores). Queries and keys (``attn_q``/``attn_k``, read-only) are
+read where the attention function receives them, after rotary embeddings and q/k norms: an
+*attention tap* (:func:`add_attention_tap`) on the attention module, called by transformers'
+attention interface (or by the family's own attention method, GPT-J's ``_attn``).
 """
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -20,7 +28,7 @@ from torch import nn
 from interp_engine import Address, UnsupportedAddress, Write
 from interp_engine.validation import write_positions
 
-from ._families import Family
+from ._families import Family, QkvLayout
 
 
 class StopForward(Exception):
@@ -28,12 +36,43 @@ class StopForward(Exception):
 
 
 @dataclass(frozen=True)
+class HeadSlice:
+    """Where per-head values sit in the last axis of a site tensor: ``heads`` groups of
+    ``stride`` features (default ``d_head``) from feature ``start``, each head's ``d_head``
+    values ``offset`` features into its group."""
+
+    heads: int
+    d_head: int
+    start: int = 0
+    stride: int = 0
+    offset: int = 0
+
+    def of(self, x: torch.Tensor) -> torch.Tensor:
+        """The ``[..., heads, d_head]`` view of ``x`` (writing into it writes into ``x``)."""
+        stride = self.stride or self.d_head
+        region = x[..., self.start : self.start + self.heads * stride]
+        groups = region.view(*region.shape[:-1], self.heads, stride)
+        return groups[..., self.offset : self.offset + self.d_head]
+
+
+_VALUE_SLICES: dict[QkvLayout, Callable[[int, int, int], HeadSlice]] = {
+    "v": lambda heads, kv_heads, d: HeadSlice(kv_heads, d),
+    "q|k|v": lambda heads, kv_heads, d: HeadSlice(kv_heads, d, start=(heads + kv_heads) * d),
+    "per-head q|k|v": lambda heads, kv_heads, d: HeadSlice(kv_heads, d, stride=3 * d, offset=2 * d),
+}
+"""The values in the output of a family's :attr:`~Family.attn_v`, by its ``qkv_layout``."""
+
+
+@dataclass(frozen=True)
 class Site:
-    """A hookable tensor: the first input (``pre``) or an output element (``post``) of a module."""
+    """A hookable tensor: the first input (``pre``) or an output element (``post``) of a module,
+    or the query (``index`` 0) or key (1) that a module's attention function receives
+    (``attention``, ``[batch, heads, keys, d_head]``). ``heads`` views the tensor per head."""
 
     module: nn.Module
-    when: Literal["pre", "post"]
+    when: Literal["pre", "post", "attention"]
     index: int = 0
+    heads: HeadSlice | None = None
 
 
 @dataclass
@@ -60,6 +99,10 @@ class Architecture:
         self.before_unembed = [m for m in (_maybe(hf_model, p) for p in family.before_unembed) if m is not None]
         self.parallel = family.parallel(self.config)
         self.post_norm = family.post_norm(self.config)
+        config: Any = self.config
+        self.n_heads = int(config.num_attention_heads)
+        self.n_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.n_heads)
+        self.d_head = int(getattr(config, "head_dim", None) or config.hidden_size // self.n_heads)
 
     def layer_module(self, layer: int, path: str) -> nn.Module:
         module: nn.Module = _get(self.layers[layer], path)
@@ -88,6 +131,13 @@ class Architecture:
             return Site(self.layer_module(layer, self.family.mlp_down), "pre")
         if kind == "attn_pattern":
             return Site(self.layer_module(layer, self.family.attn), "post", index=1)
+        if kind == "attn_z":
+            return Site(self.layer_module(layer, self.family.attn_o), "pre", heads=HeadSlice(self.n_heads, self.d_head))
+        if kind == "attn_v":
+            values = _VALUE_SLICES[self.family.qkv_layout](self.n_heads, self.n_kv_heads, self.d_head)
+            return Site(self.layer_module(layer, self.family.attn_v), "post", heads=values)
+        if kind in ("attn_q", "attn_k"):
+            return Site(self.layer_module(layer, self.family.attn), "attention", index=int(kind == "attn_k"))
         raise UnsupportedAddress(f"{address} has no hook site in the eager backend", address=address)
 
     def check_servable(self, address: Address) -> None:
@@ -147,39 +197,34 @@ class _Edit:
     """Per batch row, the absolute positions the write touches (in the vector's row order)."""
     vector: torch.Tensor | None = None
 
-    def apply(self, x: torch.Tensor, chunk: Chunk) -> torch.Tensor:
-        shaped = _as_rows(x, chunk)
-        rows: list[int] = []
+    def _vector(self, like: torch.Tensor) -> torch.Tensor:
+        if self.vector is None or self.vector.device != like.device or self.vector.dtype != like.dtype:
+            self.vector = self.write.vector.to(device=like.device, dtype=like.dtype)
+        return self.vector
+
+    def apply(self, rows: torch.Tensor, chunk: Chunk) -> torch.Tensor:
+        """``rows`` (``[batch, length, ...]``) with the write applied where it touches this chunk:
+        a new tensor, or ``rows`` itself when the chunk holds none of its positions."""
+        batch: list[int] = []
         cols: list[int] = []
         vec_rows: list[int] = []
         end = chunk.offset + chunk.length
         for row, positions in enumerate(self.rows_positions):
             for j, p in enumerate(positions):
                 if chunk.offset <= p < end:
-                    rows.append(row)
+                    batch.append(row)
                     cols.append(p - chunk.offset)
                     vec_rows.append(j)
-        if not rows:
-            return x
-        if self.vector is None or self.vector.device != x.device or self.vector.dtype != x.dtype:
-            self.vector = self.write.vector.to(device=x.device, dtype=x.dtype)
-        vec = self.vector
-        scale = self.write.scale
-        r = torch.tensor(rows, device=x.device)
-        c = torch.tensor(cols, device=x.device)
-        current = shaped[r, c]
-        if vec.dim() == 2:
-            vec = vec[torch.tensor(vec_rows, device=x.device)]
-        if self.write.op == "add":
-            new = current + scale * vec
-        elif self.write.op == "set":
-            new = (scale * vec).expand_as(current)
-        else:  # ablate
-            direction = vec / vec.norm()
-            new = current - scale * (current @ direction).unsqueeze(-1) * direction
-        out = shaped.clone()
-        out[r, c] = new.to(out.dtype)
-        return out.view_as(x)
+        if not batch:
+            return rows
+        vector = self._vector(rows)
+        if self.write.per_position:
+            vector = vector[torch.tensor(vec_rows, device=rows.device)]
+        b = torch.tensor(batch, device=rows.device)
+        c = torch.tensor(cols, device=rows.device)
+        out = rows.clone()
+        out[b, c] = self.write.apply(rows[b, c], vector)
+        return out
 
 
 @dataclass
@@ -246,49 +291,75 @@ class Plan:
         self._pending = set(self.wanted)
         return _Installed(self)
 
-    def _record(self, address: Address, value: torch.Tensor) -> None:
-        self.values[address].append(_as_rows(value, self.chunk).detach().clone())
+    def _record(self, address: Address, rows: torch.Tensor) -> None:
+        self.values[address].append(rows.detach().clone())
         self._pending.discard(address)
 
     def _finish_site(self) -> None:
         if self.stop_early and not self._pending:
             raise StopForward
 
-    def _handle(self, plan: _SitePlan, value: torch.Tensor) -> torch.Tensor:
-        chunk = self.chunk
-        for edit in plan.edits:
-            value = edit.apply(value, chunk)
-        for layer in plan.stash_resid_pre_for:
-            self._stash[layer] = value
-        if plan.mid_layer is not None and (plan.mid_edits or plan.mid_reads):
-            resid_pre = _as_rows(self._stash[plan.mid_layer], chunk)
-            mid = resid_pre + _as_rows(value, chunk)
-            for edit in plan.mid_edits:
-                mid = edit.apply(mid, chunk)
-            if plan.mid_edits:
-                value = (mid - resid_pre).view_as(value)
-            for address in plan.mid_reads:
-                self._record(address, mid)
-        for address in plan.reads:
-            self._record(address, value)
-        return value
+    def _rows(self, site: Site, value: torch.Tensor) -> torch.Tensor:
+        """The ``[batch, length, ...]`` values of this chunk at ``site`` (a view of ``value``)."""
+        if site.when == "attention":  # [batch, heads, keys, d_head]; the chunk's tokens are the last keys
+            return value[:, :, value.shape[2] - self.chunk.length :].transpose(1, 2)
+        rows = _as_rows(value, self.chunk)
+        return rows if site.heads is None else site.heads.of(rows)
 
-    def hooks(self) -> list[Callable[[], Any]]:
+    def _put(self, site: Site, value: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """``value`` with its ``_rows`` replaced by ``rows``."""
+        if site.heads is None:
+            return rows.reshape(value.shape)
+        out = value.clone()
+        site.heads.of(_as_rows(out, self.chunk)).copy_(rows)
+        return out
+
+    def _handle(self, site: Site, plan: _SitePlan, value: torch.Tensor) -> torch.Tensor:
+        chunk = self.chunk
+        rows = self._rows(site, value)
+        edited = rows
+        for edit in plan.edits:
+            edited = edit.apply(edited, chunk)
+        for layer in plan.stash_resid_pre_for:
+            self._stash[layer] = edited
+        if plan.mid_layer is not None and (plan.mid_edits or plan.mid_reads):
+            resid_pre = self._stash[plan.mid_layer]
+            mid = resid_pre + edited
+            steered = mid
+            for edit in plan.mid_edits:
+                steered = edit.apply(steered, chunk)
+            if steered is not mid:
+                edited = steered - resid_pre
+            for address in plan.mid_reads:
+                self._record(address, steered)
+        for address in plan.reads:
+            self._record(address, edited)
+        return value if edited is rows else self._put(site, value, edited)
+
+    def hooks(self) -> list[Any]:
         handles = []
         for site, site_plan in self._sites.items():
             handles.append(self._hook(site, site_plan))
         return handles
 
     def _hook(self, site: Site, site_plan: _SitePlan) -> Any:
+        if site.when == "attention":  # read-only: queries and keys are not writable
+
+            def tap(query: torch.Tensor, key: torch.Tensor) -> None:
+                self._handle(site, site_plan, key if site.index else query)
+                self._finish_site()
+
+            return add_attention_tap(site.module, tap, method=self.arch.family.attn_fn)
+
         if site.when == "pre":
 
             def pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
                 if args:
-                    value = self._handle(site_plan, args[0])
+                    value = self._handle(site, site_plan, args[0])
                     result: Any = ((value, *args[1:]), kwargs) if site_plan.edits else None
                 else:
                     key = "hidden_states" if "hidden_states" in kwargs else next(iter(kwargs))
-                    value = self._handle(site_plan, kwargs[key])
+                    value = self._handle(site, site_plan, kwargs[key])
                     result = (args, {**kwargs, key: value}) if site_plan.edits else None
                 self._finish_site()
                 return result
@@ -298,7 +369,7 @@ class Plan:
         def post(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
             changes = bool(site_plan.edits or site_plan.mid_edits)
             if isinstance(output, torch.Tensor):
-                value = self._handle(site_plan, output)
+                value = self._handle(site, site_plan, output)
                 result: Any = value if changes else None
             else:
                 items = list(output)
@@ -307,7 +378,7 @@ class Plan:
                         "this attention implementation returned no attention weights",
                         address=site_plan.reads[0] if site_plan.reads else None,
                     )
-                items[site.index] = self._handle(site_plan, items[site.index])
+                items[site.index] = self._handle(site, site_plan, items[site.index])
                 result = type(output)(items) if changes else None
             self._finish_site()
             return result
@@ -340,3 +411,84 @@ class _Installed:
         for handle in self.handles:
             handle.remove()
         return exc[0] is StopForward
+
+
+# -- attention taps: the queries and keys an attention function receives ----------------------
+
+_TAPS = "_interp_engine_attention_taps"
+_PATCHED = "_interp_engine_tapped"
+_patch_lock = threading.Lock()
+AttentionTap = Callable[[torch.Tensor, torch.Tensor], None]
+
+
+def _run_taps(module: Any, query: torch.Tensor, key: torch.Tensor) -> None:
+    taps = getattr(module, "__dict__", {}).get(_TAPS)
+    if taps:
+        for tap in tuple(taps):
+            tap(query, key)
+
+
+def _tapped(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` (an attention implementation) calling the taps of the module it runs for
+    (a fresh closure per lookup: caching them would keep every function ever looked up alive)."""
+
+    def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *a: Any, **kw: Any) -> Any:
+        _run_taps(module, query, key)
+        return function(module, query, key, value, *a, **kw)
+
+    return attention
+
+
+def _patch_attention_interface() -> None:
+    """Make transformers' ``ALL_ATTENTION_FUNCTIONS.get_interface`` hand out tapped functions
+    (once per process). Modules without taps run the original function unchanged; the
+    implementation (eager, SDPA, ...) and its masks are the model's own."""
+    from transformers import modeling_utils
+
+    interface = modeling_utils.ALL_ATTENTION_FUNCTIONS
+    with _patch_lock:
+        if getattr(interface, _PATCHED, False):
+            return
+        original = interface.get_interface
+
+        def get_interface(attn_implementation: str, default: Callable[..., Any]) -> Callable[..., Any]:
+            return _tapped(original(attn_implementation, default))
+
+        setattr(interface, "get_interface", get_interface)  # noqa: B010 - an instance attribute, on purpose
+        setattr(interface, _PATCHED, True)
+
+
+class _TapHandle:
+    def __init__(self, module: nn.Module, tap: AttentionTap, method: str | None) -> None:
+        self.module, self.tap, self.method = module, tap, method
+
+    def remove(self) -> None:
+        taps: list[AttentionTap] = self.module.__dict__.get(_TAPS, [])
+        if self.tap in taps:
+            taps.remove(self.tap)
+        if not taps:
+            self.module.__dict__.pop(_TAPS, None)
+            if self.method is not None:
+                self.module.__dict__.pop(self.method, None)
+
+
+def add_attention_tap(module: nn.Module, tap: AttentionTap, *, method: str | None = None) -> _TapHandle:
+    """Call ``tap(query, key)`` each time ``module``'s attention function runs, with the
+    ``[batch, heads, keys, d_head]`` tensors it receives (keys include any cached ones, the
+    current tokens last). ``method`` names the module's own attention method when the family
+    does not use transformers' attention interface (GPT-J's ``_attn``); it is shadowed on the
+    instance while taps are installed. Remove with the returned handle's ``remove()``."""
+    taps: list[AttentionTap] = module.__dict__.setdefault(_TAPS, [])
+    if not taps:
+        if method is None:
+            _patch_attention_interface()
+        else:
+            original = getattr(module, method)
+
+            def call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *a: Any, **kw: Any) -> Any:
+                _run_taps(module, query, key)
+                return original(query, key, value, *a, **kw)
+
+            module.__dict__[method] = call
+    taps.append(tap)
+    return _TapHandle(module, tap, method)

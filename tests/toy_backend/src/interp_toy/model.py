@@ -155,8 +155,11 @@ class ToyModel:
         acts, _ = self._forward(ids, points, check_spec(steering_spec, self.info, WRITABLE), len(ids) - len(tokens))
         return Completion(tokens, "".join(map(chr, tokens)), "length"), {a: acts[a] for a in points}
 
-    async def capture_attention(self, token_ids: Sequence[int], layers: Iterable[int]) -> dict[Address, torch.Tensor]:
-        return await self.capture(token_ids, [Address("attn_pattern", layer) for layer in layers])
+    async def capture_attention(
+        self, token_ids: Sequence[int], layers: Iterable[int], *, steering_spec: SteeringSpec | None = None
+    ) -> dict[Address, torch.Tensor]:
+        points = [Address("attn_pattern", layer) for layer in layers]
+        return await self.capture(token_ids, points, steering_spec=steering_spec)
 
     async def decode_residuals(
         self, acts: torch.Tensor | Mapping[Address, torch.Tensor]
@@ -179,18 +182,11 @@ class ToyModel:
 
 
 def _apply(write: Write, x: torch.Tensor, n_prompt: int) -> torch.Tensor:
-    """``x`` ``[n, width]`` with one write applied at the positions it selects (those present)."""
+    """``x`` ``[n, width]`` with one write applied at the positions it selects (those present);
+    the maths is the core's (``Write.apply``)."""
     x = x.clone()
     # named positions are ranges, so those of a shorter sequence are a prefix: rows line up
     for row, pos in enumerate(write_positions(write, n_prompt, x.shape[0])):
-        if pos >= x.shape[0]:
-            continue
-        vector = write.vector[row] if write.vector.dim() == 2 else write.vector
-        if write.op == "add":
-            x[pos] = x[pos] + write.scale * vector
-        elif write.op == "set":
-            x[pos] = write.scale * vector
-        else:
-            d = vector / vector.norm()
-            x[pos] = x[pos] - write.scale * (x[pos] @ d) * d
+        if pos < x.shape[0]:
+            x[pos] = write.apply(x[pos], write.vector[row] if write.per_position else None)
     return x

@@ -37,7 +37,7 @@ from .._errors import (
 from .._plugins import load_model
 from .._protocol import Completion, InterpModel, StreamStep
 from .._steering import SteeringSpec, Write
-from ..validation import check_spec
+from ..validation import check_spec, value_shape
 from ._asgi import BodyLimit, ClientGone, EventStream, Slots, unless_gone
 from ._errors import ApiError, blame, field_path, from_interp, limit_exceeded
 from ._limits import ServerLimits
@@ -146,10 +146,8 @@ class _Served:
 
     def values_per_position(self, address: Address, n_keys: int) -> int:
         info = self.ready().info
-        width = KINDS[address.kind].width
-        if width == "heads x keys":
-            return info.n_heads * n_keys
-        return {"d_model": info.d_model, "d_mlp": info.d_mlp, "vocab": info.vocab_size}[width]
+        size = math.prod(value_shape(address, info))
+        return size * n_keys if KINDS[address.kind].width == "heads x keys" else size
 
     def check_size(self, points: Sequence[Address], n_positions: int, field: str) -> None:
         """Refuse, before any compute, a result over ``max_activation_values``."""
@@ -188,7 +186,7 @@ class _Served:
             if isinstance(vector, EncodedTensor):
                 vector = decode(vector, f"{field}.vector", self.limits.max_activation_values)
             try:
-                write = Write(address, vector, op=item.op, scale=item.scale, positions=item.positions)
+                write = Write(address, vector, op=item.op, scale=item.scale, positions=item.positions, heads=item.heads)
             except InterpError as exc:
                 raise from_interp(exc, field) from exc
             try:
@@ -362,11 +360,8 @@ def _add_routes(app: FastAPI, served: _Served) -> None:
         info = model.info
         kinds = []
         for kind, meta in KINDS.items():
-            size: Any = (
-                "n_heads x n_keys"
-                if meta.width == "heads x keys"
-                else {"d_model": info.d_model, "d_mlp": info.d_mlp, "vocab": info.vocab_size}[meta.width]
-            )
+            shape = value_shape(Address(kind, 0) if meta.per_layer else Address(kind), info)
+            size: Any = "n_heads x n_keys" if meta.width == "heads x keys" else math.prod(shape)
             kinds.append(
                 {
                     "kind": kind,
@@ -426,8 +421,14 @@ def _add_routes(app: FastAPI, served: _Served) -> None:
         points = served.points([f"attn_pattern.{layer}" for layer in body.layers], "layers")
         served.check_size(points, len(ids), "layers")
         async with served.slots:
-            with served.fields(prompt_field, None, "layers"):
-                acts = await unless_gone(request, model.capture_attention(ids, list(body.layers)))
+            spec = served.steering(body.steering)
+            with served.fields(prompt_field, spec, "layers"):
+                call = (
+                    model.capture_attention(ids, list(body.layers), steering_spec=spec)
+                    if spec is not None
+                    else model.capture_attention(ids, list(body.layers))
+                )
+                acts = await unless_gone(request, call)
         tensors = {str(p): acts[p] for p in points}
         return await _tensor_body(request, served, body.format, "patterns", tensors, {"token_ids": ids}, len(ids))
 

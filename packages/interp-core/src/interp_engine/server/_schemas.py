@@ -30,10 +30,13 @@ class WriteBody(_Body):
     tensor, e.g. activations returned by an earlier capture, for activation patching)."""
 
     address: str = Field(examples=["resid_post.1"])
-    vector: list[float] | list[list[float]] | EncodedTensor
+    vector: list[float] | list[list[float]] | list[list[list[float]]] | EncodedTensor
     op: Literal["add", "set", "ablate"] = "add"
     scale: float = 1.0
     positions: Literal["all", "prompt", "generated"] | list[StrictInt] = "all"
+    heads: list[StrictInt] | None = Field(
+        default=None, description="at attn_z/attn_v: the heads written (default every head)", examples=[[0]]
+    )
 
 
 class SteeringBody(_Body):
@@ -82,6 +85,7 @@ class CaptureGenerationRequest(_Prompt, _Sampling):
 
 class AttentionRequest(_Prompt):
     layers: list[StrictInt] = Field(min_length=1)
+    steering: SteeringBody | None = None
     format: Format = "json"
 
 
