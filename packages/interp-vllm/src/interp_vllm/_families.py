@@ -28,6 +28,8 @@ class VllmFamily:
     attn: str = "self_attn"
     attn_kernel: str = "self_attn.attn"
     """The ``Attention`` module called as ``attn(q, k, v)`` with post-rotary q and k."""
+    attn_o_proj: str = "self_attn.o_proj"
+    """The attention's output projection: its input is every head's output (``attn_z``)."""
     mlp: str = "mlp"
     mlp_down: str = "mlp.down_proj"
 
@@ -41,6 +43,7 @@ FAMILIES: tuple[VllmFamily, ...] = (
         deferred_residual=False,
         attn="attn",
         attn_kernel="attn.attn",
+        attn_o_proj="attn.c_proj",
         mlp_down="mlp.c_proj",
     ),
     VllmFamily(

@@ -46,12 +46,11 @@ from interp_engine.validation import (
 )
 
 from ._families import family_for
-from ._vllm_entry import _pack, _unpack
-from ._worker import ERROR_KEY, PAYLOAD_KEY
+from ._sites import SITES, merge_ranks
+from ._wire import Fetched, RequestPayload, pack, unpack
 
 SAMPLING_OPTIONS = ("ignore_eos", "seed", "temperature", "top_k", "top_p")
 FRONT_END_OPTIONS = ("tokenizer_path",)
-_SHARDED = {"mlp_post": -1, "attn_pattern": 1}  # kind -> axis split across tensor-parallel ranks
 
 CPU_ENV_DEFAULTS = {
     # measured on a 2-core machine: 1 GiB of KV cache starts reliably; without thread binding
@@ -164,7 +163,7 @@ class VllmModel(TokenizerMixin):
         self.tp_size = 1
         # fetches wait here and go to the workers together: one engine-core round trip for
         # every request that finished while the previous batch was on its way
-        self._fetch_queue: list[tuple[str, asyncio.Future[list[bytes]]]] = []
+        self._fetch_queue: list[tuple[str, asyncio.Future[list[dict[str, Any]]]]] = []
         self._fetch_task: asyncio.Task[None] | None = None
 
     def __repr__(self) -> str:
@@ -266,16 +265,10 @@ class VllmModel(TokenizerMixin):
         except (TypeError, ValueError, VLLMClientError) as exc:
             raise InvalidOption(f"invalid sampling parameters: {exc}") from exc
 
-    def _payload(self, rid: str, points: Iterable[Address], writes: list[Write], n_prompt: int, n_total: int) -> Any:
-        return {
-            PAYLOAD_KEY: {
-                "id": rid,
-                "points": [str(p) for p in points],
-                "writes": [w.to_dict() for w in writes],
-                "n_prompt": n_prompt,
-                "n_total": n_total,
-            }
-        }
+    def _payload(
+        self, rid: str, points: Iterable[Address], writes: list[Write], n_prompt: int, n_total: int
+    ) -> RequestPayload:
+        return RequestPayload(rid, tuple(points), tuple(writes), n_prompt, n_total)
 
     async def _outputs(
         self, engine: Any, ids: list[int], params: Any, rid: str, salt: str | None
@@ -303,10 +296,10 @@ class VllmModel(TokenizerMixin):
             if not finished and not self._closed:
                 await engine.abort(rid)
 
-    async def _fetch_blobs(self, engine: Any, rid: str) -> list[bytes]:
+    async def _fetch_blobs(self, engine: Any, rid: str) -> list[dict[str, Any]]:
         """One request's packed values from every rank, fetched together with whatever other
         requests are waiting (a cancelled caller's values are dropped in the worker all the same)."""
-        future: asyncio.Future[list[bytes]] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[list[dict[str, Any]]] = asyncio.get_running_loop().create_future()
         self._fetch_queue.append((rid, future))
         if self._fetch_task is None or self._fetch_task.done():
             self._fetch_task = asyncio.ensure_future(self._fetch_batches(engine))
@@ -339,26 +332,24 @@ class VllmModel(TokenizerMixin):
             if self._closed:
                 raise ModelClosed("the model was shut down while this call was in flight") from exc
             raise BackendError(f"the workers could not return this request's values: {exc}") from exc
-        ranks = [_unpack(blob) for blob in blobs]
+        ranks = [Fetched.decode(blob) for blob in blobs]
         for rank in ranks:
-            if ERROR_KEY in rank:
-                raise BackendError(bytes(rank[ERROR_KEY].tolist()).decode())
+            rank.raise_error()
         values: dict[Address, torch.Tensor] = {}
         for address in points:
-            key = str(address)
-            if any(key not in rank for rank in ranks):
+            if any(address not in rank.values for rank in ranks):
                 raise BackendError(
                     f"the taps for {address} did not fire for this request (is the interp-vllm "
                     "plugin active in every worker, with the V1 model runner?)"
                 )
-            positions = ranks[0][f"{key}@positions"]
+            positions = ranks[0].values[address][0]
             if positions.shape[0] < n or not torch.equal(positions[:n], torch.arange(n)):
                 raise BackendError(
                     f"the taps for {address} saw {positions.shape[0]} of the {n} positions of this request"
                 )
-            axis = _SHARDED.get(address.kind)
-            value = torch.cat([r[key] for r in ranks], dim=axis) if axis is not None else ranks[0][key]
-            value = value[:n]
+            site = SITES[address.kind]
+            total = self.info.n_kv_heads if site.shard == "kv_heads" else self.info.n_heads
+            value = merge_ranks(address, [rank.values[address][1] for rank in ranks], total)[:n]
             if address.kind == "attn_pattern":  # [q, heads, k] -> [heads, q, k]
                 value = value[:, :, :n].permute(1, 0, 2).contiguous()
             values[address] = value
@@ -388,7 +379,7 @@ class VllmModel(TokenizerMixin):
         engine = await self._ready()
         rid = f"interp-{uuid.uuid4().hex}"
         resolved = list(dict.fromkeys(mapping.values()))
-        params = self._sampling(1, {}, extra_args=self._payload(rid, resolved, writes, len(ids), len(ids)))
+        params = self._sampling(1, {}, extra_args=self._payload(rid, resolved, writes, len(ids), len(ids)).extra_args())
         fetched = False
         try:
             async for _ in self._outputs(engine, ids, params, rid, rid):
@@ -431,7 +422,7 @@ class VllmModel(TokenizerMixin):
         params = self._sampling(
             limit,
             {**sampling, "ignore_eos": True},
-            extra_args=self._payload(rid, resolved, writes, n, n + max_tokens + 1),
+            extra_args=self._payload(rid, resolved, writes, n, n + max_tokens + 1).extra_args(),
             output_kind=RequestOutputKind.DELTA,
         )
         tokens: list[int] = []
@@ -504,7 +495,7 @@ class VllmModel(TokenizerMixin):
         if n_logprobs:
             extra["logprobs"] = n_logprobs
         if writes:
-            extra["extra_args"] = self._payload(rid, [], writes, len(ids), len(ids) + max_tokens)
+            extra["extra_args"] = self._payload(rid, [], writes, len(ids), len(ids) + max_tokens).extra_args()
         params = self._sampling(max_tokens, dict(sampling), **extra)
         pieces = TextPieces(self.completion_text)
         # a steered request neither reuses cached KV (its writes must run on every prompt token)
@@ -545,8 +536,8 @@ class VllmModel(TokenizerMixin):
         check_residuals(acts, self.info)
         engine = await self._ready()
         flat = acts.detach().to("cpu", torch.float32).reshape(-1, self.info.d_model).contiguous()
-        blobs = await engine.collective_rpc("interp_decode", args=(_pack({"residuals": flat}),))
-        logits: torch.Tensor = _unpack(blobs[0])["logits"]
+        blobs = await engine.collective_rpc("interp_decode", args=(pack({"residuals": flat}),))
+        logits: torch.Tensor = unpack(blobs[0])["logits"]
         return logits.reshape(*acts.shape[:-1], logits.shape[-1])
 
     # -- lifecycle ---------------------------------------------------------------------------

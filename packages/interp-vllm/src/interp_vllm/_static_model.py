@@ -13,7 +13,8 @@ values are fetched or released, and waits here (not in vLLM) while the tables ar
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterable, Sequence
+import dataclasses
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -33,7 +34,7 @@ from interp_engine.validation import requested_points
 from ._model import ENGINE_DEFAULTS, VllmModel
 from ._static import plan_writes
 from ._static_worker import CONFIG_KEY, STATIC_POINT_KINDS, STATIC_WRITE_KINDS
-from ._worker import PAYLOAD_KEY
+from ._wire import RequestPayload
 
 DEFAULT_SLOTS = 256
 STATIC_OPTIONS = ("static_points", "static_writes", "static_write_slots")
@@ -62,9 +63,9 @@ class StaticVllmModel(VllmModel):
         self._points: list[Address] | None = None
         self._writes: list[Address] = []
         self._frozen = False
-        self._slots_used: dict[str, int] = {}  # per write address: slots held by requests in flight
+        self._slots_used: dict[Address, int] = {}  # per write address: slots held by requests in flight
         self._slots_free: asyncio.Condition | None = None
-        self._held: dict[str, dict[str, int]] = {}
+        self._held: dict[str, Mapping[Address, int]] = {}
         if writes is not None:
             self._writes = self._declare_writes(writes)
         if points != "auto":
@@ -175,7 +176,9 @@ class StaticVllmModel(VllmModel):
                 )
         return ids, mapping, writes
 
-    def _payload(self, rid: str, points: Iterable[Address], writes: list[Write], n_prompt: int, n_total: int) -> Any:
+    def _payload(
+        self, rid: str, points: Iterable[Address], writes: list[Write], n_prompt: int, n_total: int
+    ) -> RequestPayload:
         payload = super()._payload(rid, points, writes, n_prompt, n_total)
         if writes:
             if self.tp_size > 1 and any(w.op == "ablate" and w.address.kind == "mlp_post" for w in writes):
@@ -183,7 +186,7 @@ class StaticVllmModel(VllmModel):
                     "ablate at mlp_post is not available under tensor parallelism on vllm-static "
                     "(the neurons are split across ranks); use add or set there"
                 )
-            needs = {str(a): len(plan.ops) for a, plan in plan_writes(writes, n_prompt, n_total).items()}
+            needs = {a: len(plan.ops) for a, plan in plan_writes(writes, n_prompt, n_total).items()}
             for address, need in needs.items():
                 if need > self.static_write_slots:
                     raise InvalidSteering(
@@ -191,19 +194,19 @@ class StaticVllmModel(VllmModel):
                         f"vector row), but the engine has {self.static_write_slots}; load it with "
                         "a larger static_write_slots"
                     )
-            payload[PAYLOAD_KEY]["slots"] = needs  # what the request holds in the workers' tables
+            payload = dataclasses.replace(payload, slots=needs)  # what it holds in the workers' tables
         return payload
 
     async def _outputs(
         self, engine: Any, ids: list[int], params: Any, rid: str, salt: str | None
     ) -> AsyncIterator[Any]:
-        payload = (getattr(params, "extra_args", None) or {}).get(PAYLOAD_KEY) or {}
-        if payload.get("slots"):
-            await self._reserve(rid, payload["slots"])
+        payload = RequestPayload.of(params)
+        if payload is not None and payload.slots:
+            await self._reserve(rid, payload.slots)
         async for output in super()._outputs(engine, ids, params, rid, salt):
             yield output
 
-    async def _reserve(self, rid: str, needs: dict[str, int]) -> None:
+    async def _reserve(self, rid: str, needs: Mapping[Address, int]) -> None:
         if self._slots_free is None:
             self._slots_free = asyncio.Condition()
         cap = self.static_write_slots

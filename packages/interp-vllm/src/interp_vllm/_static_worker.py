@@ -30,7 +30,8 @@ from torch import nn
 from interp_engine import Address, SteeringSpec
 
 from ._static import StaticTap, StaticWrites, plan_writes
-from ._worker import ERROR_KEY, RequestTaps, TapManager, _arg, _get, _set_arg, _Slice
+from ._wire import Fetched, RequestPayload
+from ._worker import RequestTaps, TapManager, _arg, _get, _Hook, _set_arg, _Slice
 
 logger = logging.getLogger(__name__)
 
@@ -261,9 +262,10 @@ class StaticTapManager(TapManager):
         return hook
 
     # -- host side ---------------------------------------------------------------------------
-    def _admit(self, rid: str, payload: dict[str, Any]) -> RequestTaps:
+    def _admit(self, payload: RequestPayload) -> RequestTaps:
         taps = RequestTaps(payload)
-        spec = SteeringSpec.from_dict(payload.get("writes") or [])
+        rid = payload.rid
+        spec = SteeringSpec(payload.writes)
         held: dict[Address, tuple[list[int], torch.Tensor, torch.Tensor]] = {}
         try:
             for address, plan in plan_writes(list(spec.writes), taps.n_prompt, taps.n_total).items():
@@ -321,9 +323,13 @@ class StaticTapManager(TapManager):
                     self._pattern(sl, address.layer or 0, q.buffer[sl.start : sl.end], k.buffer[sl.start : sl.end])
                 elif address.kind not in OUTPUT_KINDS:
                     sl.taps.values[address].append((sl.positions, self.taps[address].read(sl.start, sl.end)))
-        readers = [sl for sl in slices if any(a.kind in OUTPUT_KINDS for a in sl.taps.points)]
-        if readers:
-            self._read_output(output, readers)
+        hook = _Hook()
+        for sl in slices:
+            for address in sl.taps.points:
+                if address.kind in OUTPUT_KINDS:
+                    hook.add(address, sl)
+        if hook.members:
+            self._read_output(output, hook)
 
     # -- after the request -------------------------------------------------------------------
     def _forget(self, rid: str) -> str | None:
@@ -331,12 +337,11 @@ class StaticTapManager(TapManager):
             self.tables[address].release(slots)
         return self.failed.pop(rid, None)
 
-    def fetch(self, rid: str) -> dict[str, torch.Tensor]:
+    def fetch(self, rid: str) -> Fetched:
         error = self._forget(rid)
         values = super().fetch(rid)
         if error is not None:  # reported to the caller, not raised here: vLLM would log it as a crash
-            message = f"this request could not be steered in the compiled graph: {error}"
-            return {ERROR_KEY: torch.tensor(list(message.encode()), dtype=torch.uint8)}
+            return Fetched(error=f"this request could not be steered in the compiled graph: {error}")
         return values
 
     def release(self, rid: str) -> None:

@@ -33,18 +33,6 @@ def _after_load(runner: Any) -> None:
         runner._interp_taps = StaticTapManager(runner, config)
 
 
-def _pack(tensors: dict[str, Any]) -> bytes:
-    from safetensors.torch import save
-
-    return save(tensors) if tensors else b""
-
-
-def _unpack(data: bytes) -> dict[str, Any]:
-    from safetensors.torch import load
-
-    return load(data) if data else {}
-
-
 def interp_ping(self: Any) -> dict[str, Any]:
     """Which runner serves this worker, and whether it carries the taps."""
     runner = self.model_runner
@@ -52,17 +40,23 @@ def interp_ping(self: Any) -> dict[str, Any]:
     return {
         "runner": type(runner).__qualname__,
         "patched": bool(getattr(type(runner), PATCHED, False)),
-        "static": type(taps).__name__ == "StaticTapManager",
+        "static": _is_static(taps),
         "rank": taps.rank,
         "tp_size": taps.tp_size,
     }
 
 
-def interp_fetch_many(self: Any, rids: list[str]) -> list[bytes]:
-    """Finished requests' captured values, safetensors bytes each (empty if none): one
-    engine-core round trip for every request the front end is waiting on."""
+def _is_static(taps: Any) -> bool:
+    from ._static_worker import StaticTapManager
+
+    return isinstance(taps, StaticTapManager)
+
+
+def interp_fetch_many(self: Any, rids: list[str]) -> list[dict[str, Any]]:
+    """Finished requests' captured values (``Fetched.encode()`` each): one engine-core round
+    trip for every request the front end is waiting on."""
     taps = _taps(self.model_runner)
-    return [_pack(taps.fetch(rid)) for rid in rids]
+    return [taps.fetch(rid).encode() for rid in rids]
 
 
 def interp_release(self: Any, rid: str) -> None:
@@ -72,8 +66,10 @@ def interp_release(self: Any, rid: str) -> None:
 
 def interp_decode(self: Any, data: bytes) -> bytes:
     """Final norm + unembedding of residuals sent as safetensors bytes."""
-    residuals = _unpack(data)["residuals"]
-    return _pack({"logits": _taps(self.model_runner).decode(residuals)})
+    from ._wire import pack, unpack
+
+    residuals = unpack(data)["residuals"]
+    return pack({"logits": _taps(self.model_runner).decode(residuals)})
 
 
 def interp_stats(self: Any) -> dict[str, int]:

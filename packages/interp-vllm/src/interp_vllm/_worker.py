@@ -3,10 +3,10 @@
 Runs in vLLM's worker process(es). Before each forward, the runner's own batch state says which
 requests are in the step and which rows of the flattened token batch are theirs
 (``input_batch.req_ids`` and ``query_start_loc``); the positions tensor gives each token's
-absolute position. Requests that carry an interp payload in ``SamplingParams.extra_args`` get
-hooks for exactly their points for that forward: reads are copied out per request, writes
-change only that request's rows. Values wait in the worker until the front end fetches them
-(``interp_fetch_many``), once the request is done.
+absolute position. Requests that carry a :class:`~._wire.RequestPayload` get hooks for exactly
+their addresses for that forward, placed by the site table (:mod:`._sites`): reads are copied
+out per request, writes change only that request's rows. Values wait in the worker until the
+front end fetches them (``interp_fetch_many``), once the request is done.
 
 vLLM's decoder layers defer the residual add: a layer returns ``(hidden, residual)`` and the
 true residual stream is their sum. Reads take the sum; a write replaces the pair by
@@ -25,14 +25,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from interp_engine import Address, SteeringSpec, Write
+from interp_engine import Address, Write
 from interp_engine.validation import write_positions
 
 from ._families import VllmFamily, family_for
-
-PAYLOAD_KEY = "interp_engine"
-ERROR_KEY = "__error__"
-"""In a fetched request's values: why the worker could not serve it (UTF-8 bytes)."""
+from ._sites import SITES, VllmSite, Where, hook_key, local_write
+from ._wire import Fetched, RequestPayload
 
 
 def _get(root: Any, path: str) -> Any:
@@ -74,35 +72,26 @@ class _WriteTable:
     write: Write
     mask: torch.Tensor  # [n_total] bool: positions the write touches
     row: torch.Tensor  # [n_total] long: the vector row for each touched position
-    local: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = field(default_factory=dict)
-
-    def vector(self, width: int, rank: int, like: torch.Tensor) -> torch.Tensor:
-        key = (width, like.device, like.dtype)
-        if key not in self.local:
-            vec = self.write.vector
-            if vec.shape[-1] != width:  # a tensor-parallel shard (mlp_post): this rank's slice
-                vec = vec[..., rank * width : (rank + 1) * width]
-            self.local[key] = vec.to(device=like.device, dtype=like.dtype)
-        return self.local[key]
+    local: dict[tuple[int, torch.device, torch.dtype], tuple[Write, torch.Tensor] | None] = field(default_factory=dict)
 
 
 class RequestTaps:
     """One request's points, writes and captured values, for its whole life in the worker."""
 
-    def __init__(self, payload: dict[str, Any]) -> None:
-        self.rid = str(payload["id"])
-        self.points = [Address.parse(p) for p in payload["points"]]
-        self.n_prompt = int(payload["n_prompt"])
-        self.n_total = int(payload["n_total"])
-        spec = SteeringSpec.from_dict(payload.get("writes") or [])
+    def __init__(self, payload: RequestPayload) -> None:
+        self.payload = payload
+        self.rid = payload.rid
+        self.points = list(payload.points)
+        self.n_prompt = payload.n_prompt
+        self.n_total = payload.n_total
         self.writes: dict[Address, list[_WriteTable]] = defaultdict(list)
-        for write in spec.writes:
+        for write in payload.writes:
             positions = write_positions(write, self.n_prompt, self.n_total)
             mask = torch.zeros(self.n_total, dtype=torch.bool)
             row = torch.zeros(self.n_total, dtype=torch.long)
-            index = torch.tensor(positions, dtype=torch.long)
+            index = torch.tensor([p for p in positions if p < self.n_total], dtype=torch.long)
             mask[index] = True
-            row[index] = torch.arange(len(positions))
+            row[index] = torch.arange(len(index))
             self.writes[write.address].append(_WriteTable(write, mask, row))
         self.values: dict[Address, list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
         self.keys: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -123,17 +112,27 @@ class _Slice:
     stash: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
-def _site_of(address: Address) -> tuple[str, int]:
-    layer = address.layer if address.layer is not None else 0
-    return {
-        "embed": ("layer_pre", 0),
-        "resid_pre": ("layer_pre", layer),
-        "resid_post": ("layer_post", layer),
-        "attn_out": ("attn", layer),
-        "mlp_out": ("mlp", layer),
-        "mlp_post": ("down", layer),
-        "attn_pattern": ("kernel", layer),
-    }.get(address.kind, ("output", 0))
+HookKey = tuple[Where, str | None, int]
+
+
+@dataclass
+class _Hook:
+    """Everything one hook does this step: per address, the requests that read or write it."""
+
+    members: dict[Address, list[_Slice]] = field(default_factory=lambda: defaultdict(list))
+    stash_for: list[_Slice] = field(default_factory=list)  # resid_mid needs this layer's resid_pre
+
+    def add(self, address: Address, sl: _Slice) -> None:
+        if sl not in self.members[address]:
+            self.members[address].append(sl)
+
+    def ordered(self) -> list[tuple[Address, VllmSite, list[_Slice]]]:
+        """The hook's addresses in the order their values are computed (the site table's)."""
+        order = {kind: i for i, kind in enumerate(SITES)}
+        return [
+            (address, SITES[address.kind], members)
+            for address, members in sorted(self.members.items(), key=lambda kv: order[kv[0].kind])
+        ]
 
 
 class TapManager:
@@ -145,6 +144,10 @@ class TapManager:
         self.family: VllmFamily = family_for(runner.model_config.hf_config)
         self.layers = _get(self.model, self.family.layers)
         self.rank, self.tp_size = _tp()
+        config = runner.model_config.hf_config
+        self.n_heads = int(config.num_attention_heads)
+        self.n_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.n_heads)
+        self.d_head = int(_get(self.layers[0], self.family.attn_kernel).head_size)
         self.requests: dict[str, RequestTaps] = {}
         self.step_tokens = 0  # rows of the flattened batch in the current step
         # ids already fetched or released: a step scheduled before an abort landed must not
@@ -153,6 +156,18 @@ class TapManager:
         # where the worker's time goes (nanoseconds), reported by stats(): the whole of each
         # forward call with taps, the forward alone, and answering fetches
         self.timing = {"steps": 0, "step_ns": 0, "forward_ns": 0, "fetch_ns": 0, "fetches": 0}
+
+    def total_heads(self, site: VllmSite) -> int:
+        return self.n_kv_heads if site.shard == "kv_heads" else self.n_heads
+
+    def module(self, key: HookKey) -> nn.Module:
+        """The module a hook attaches to."""
+        _, attr, layer = key
+        block: nn.Module = self.layers[layer]
+        if attr is None:
+            return block
+        module: nn.Module = _get(block, getattr(self.family, attr))
+        return module
 
     def _timed_forward(self, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         began = time.perf_counter_ns()
@@ -170,15 +185,16 @@ class TapManager:
             return []
         wanted: list[tuple[int, RequestTaps]] = []
         for index, req_id in enumerate(batch.req_ids[:num_reqs]):
-            payload = self._payload(req_id)
-            if payload is None:
-                continue
-            rid = str(payload["id"])
-            if rid in self.retired:
+            params = self._params(req_id)
+            rid = RequestPayload.rid_of(params)
+            if rid is None or rid in self.retired:
                 continue
             taps = self.requests.get(rid)
             if taps is None:
-                taps = self.requests[rid] = self._admit(rid, payload)
+                payload = RequestPayload.of(params)
+                if payload is None:  # pragma: no cover - rid_of just found it
+                    continue
+                taps = self.requests[rid] = self._admit(payload)
             wanted.append((index, taps))
         if not wanted:
             return []
@@ -195,26 +211,21 @@ class TapManager:
                 slices.append(_Slice(taps, start, end, flat_positions[start:end]))
         return slices
 
-    def _payload(self, req_id: str) -> dict[str, Any] | None:
-        """The interp payload a live vLLM request carries in ``SamplingParams.extra_args``."""
-        state = self.runner.requests.get(req_id)
-        params = getattr(state, "sampling_params", None)
-        payload: dict[str, Any] | None = (getattr(params, "extra_args", None) or {}).get(PAYLOAD_KEY)
-        return payload
+    def _params(self, req_id: str) -> Any:
+        """The ``SamplingParams`` of a live vLLM request."""
+        return getattr(self.runner.requests.get(req_id), "sampling_params", None)
 
     def finished(self, req_ids: Any) -> None:
         """vLLM finished or aborted these requests (its own ids). A request that captured
         nothing (steering only) is forgotten now, with no round trip from the front end;
         captured values wait for their fetch."""
         for req_id in req_ids:
-            payload = self._payload(req_id)
-            if payload is None:
-                continue
-            taps = self.requests.get(str(payload["id"]))
+            rid = RequestPayload.rid_of(self._params(req_id))
+            taps = self.requests.get(rid) if rid is not None else None
             if taps is not None and not taps.points:
                 self.release(taps.rid)
 
-    def _admit(self, rid: str, payload: dict[str, Any]) -> RequestTaps:
+    def _admit(self, payload: RequestPayload) -> RequestTaps:
         """The state of a request seen for the first time."""
         return RequestTaps(payload)
 
@@ -231,55 +242,64 @@ class TapManager:
         slices = self._slices(kwargs.get("positions"))
         if not slices:
             return self._timed_forward(forward, args, kwargs)
-        sites: dict[tuple[str, int], list[_Slice]] = defaultdict(list)
+        hooks: dict[HookKey, _Hook] = defaultdict(_Hook)
         for sl in slices:
             for address in sl.taps.addresses():
-                if address.kind == "resid_mid":
-                    for site in (("layer_pre", address.layer or 0), ("attn", address.layer or 0)):
-                        if sl not in sites[site]:
-                            sites[site].append(sl)
-                    continue
-                site = _site_of(address)
-                if sl not in sites[site]:
-                    sites[site].append(sl)
-        handles = [self._install(site, members) for site, members in sites.items() if site[0] != "output"]
+                hooks[hook_key(address)].add(address, sl)
+                if address.kind == "resid_mid":  # needs this layer's resid_pre
+                    stash = hooks[("layer_in", None, address.layer or 0)]
+                    if sl not in stash.stash_for:
+                        stash.stash_for.append(sl)
+        handles = [self._install(key, hook) for key, hook in hooks.items() if key[0] != "model_out"]
         try:
             output = self._timed_forward(forward, args, kwargs)
         finally:
             for handle in handles:
                 handle.remove()
-        if ("output", 0) in sites:
-            self._read_output(output, sites[("output", 0)])
+        out_hook = hooks.get(("model_out", None, 0))
+        if out_hook is not None:
+            self._read_output(output, out_hook)
         return output
 
-    def _install(self, site: tuple[str, int], members: list[_Slice]) -> Any:
-        kind, layer = site
-        block = self.layers[layer]
-        if kind == "layer_pre":
-            return block.register_forward_pre_hook(self._layer_pre(layer, members), with_kwargs=True)
-        if kind == "layer_post":
-            return block.register_forward_hook(self._layer_post(layer, members))
-        if kind == "attn":
-            return _get(block, self.family.attn).register_forward_hook(self._block_out("attn_out", layer, members))
-        if kind == "mlp":
-            return _get(block, self.family.mlp).register_forward_hook(self._block_out("mlp_out", layer, members))
-        if kind == "down":
-            return _get(block, self.family.mlp_down).register_forward_pre_hook(self._down_in(layer, members))
-        return _get(block, self.family.attn_kernel).register_forward_pre_hook(self._kernel_in(layer, members))
+    def _install(self, key: HookKey, hook: _Hook) -> Any:
+        where, _, layer = key
+        module = self.module(key)
+        if where == "layer_in":
+            return module.register_forward_pre_hook(self._layer_in(layer, hook), with_kwargs=True)
+        if where == "layer_out":
+            return module.register_forward_hook(self._layer_out(hook))
+        if where == "input":
+            return module.register_forward_pre_hook(self._input(layer, hook))
+        return module.register_forward_hook(self._output(layer, hook))
 
     # -- applying a request's writes and reads to one value -------------------------------
     def _visit(self, value: torch.Tensor, members: list[_Slice], address: Address) -> bool:
         """Apply each member's writes at ``address`` to ``value`` (in place), then record its
         reads. Returns whether anything was written."""
+        site = SITES[address.kind]
         changed = False
         for sl in members:
             for table in sl.taps.writes.get(address, ()):
-                changed |= self._apply(value, sl, table)
+                changed |= self._apply(value, sl, table, site)
             if address in sl.taps.points:
-                sl.taps.values[address].append((sl.positions, _copy(value[sl.start : sl.end])))
+                rows = value[sl.start : sl.end]
+                if site.per_head:
+                    rows = rows.reshape(rows.shape[0], -1, self.d_head)
+                sl.taps.values[address].append((sl.positions, _copy(rows)))
         return changed
 
-    def _apply(self, value: torch.Tensor, sl: _Slice, table: _WriteTable) -> bool:
+    def _local(self, table: _WriteTable, site: VllmSite, value: torch.Tensor) -> tuple[Write, torch.Tensor] | None:
+        """This rank's part of a write and its vector on ``value``'s device (cached)."""
+        key = (int(value.shape[-1]), value.device, value.dtype)
+        if key not in table.local:
+            write = local_write(table.write, site, self.rank, self.tp_size, self.total_heads(site), key[0])
+            table.local[key] = None if write is None else (write, write.vector.to(value.device, value.dtype))
+        return table.local[key]
+
+    def _apply(self, value: torch.Tensor, sl: _Slice, table: _WriteTable, site: VllmSite) -> bool:
+        local = self._local(table, site, value)
+        if local is None:
+            return False
         positions = sl.positions
         inside = positions < sl.taps.n_total
         picked = inside.clone()
@@ -288,39 +308,32 @@ class TapManager:
             return False
         local_rows = torch.nonzero(picked).flatten()
         rows = (local_rows + sl.start).to(value.device)
-        vec = table.vector(value.shape[-1], self.rank, value)
-        if vec.dim() == 2:
+        write, vec = local
+        if write.per_position:
             vec = vec[table.row[positions[local_rows]].to(value.device)]
         current = value[rows]
-        write = table.write
-        if write.op == "add":
-            new = current + write.scale * vec
-        elif write.op == "set":
-            new = (write.scale * vec).expand_as(current)
-        else:
-            direction = vec / vec.norm()
-            new = current - write.scale * (current @ direction).unsqueeze(-1) * direction
-        value[rows] = new.to(value.dtype)
+        if site.per_head:
+            current = current.reshape(len(rows), -1, self.d_head)
+        value[rows] = write.apply(current, vec).reshape(len(rows), -1).to(value.dtype)
         return True
 
     # -- hooks ----------------------------------------------------------------------------
     def _stream(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         return hidden + residual if residual is not None else hidden.clone()
 
-    def _layer_pre(self, layer: int, members: list[_Slice]) -> Callable[..., Any]:
+    def _layer_in(self, layer: int, hook: _Hook) -> Callable[..., Any]:
         deferred = self.family.deferred_residual
 
-        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        def pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             # vLLM layers are called (positions, hidden, residual), or (hidden,) without deferral
             hidden_at = (1, "hidden_states") if deferred else (0, "hidden_states")
             hidden = _arg(args, kwargs, *hidden_at)
             residual = _arg(args, kwargs, 2, "residual") if deferred else None
             stream = self._stream(hidden, residual)
             changed = False
-            points = [Address("embed")] if layer == 0 else []
-            for address in [*points, Address("resid_pre", layer)]:
+            for address, _, members in hook.ordered():
                 changed |= self._visit(stream, members, address)
-            for sl in members:
+            for sl in hook.stash_for:
                 sl.stash[layer] = stream[sl.start : sl.end].clone()
             if not changed:
                 return None
@@ -329,54 +342,70 @@ class TapManager:
                 args, kwargs = _set_arg(args, kwargs, 2, "residual", torch.zeros_like(residual))
             return args, kwargs
 
-        return hook
+        return pre
 
-    def _layer_post(self, layer: int, members: list[_Slice]) -> Callable[..., Any]:
-        def hook(module: nn.Module, args: Any, output: Any) -> Any:
-            if isinstance(output, tuple):
-                hidden, residual = output[0], output[1]
-                stream = self._stream(hidden, residual)
-                if self._visit(stream, members, Address("resid_post", layer)):
-                    return (stream, torch.zeros_like(residual), *output[2:])
+    def _layer_out(self, hook: _Hook) -> Callable[..., Any]:
+        def post(module: nn.Module, args: Any, output: Any) -> Any:
+            stream = self._stream(output[0], output[1]) if isinstance(output, tuple) else output.clone()
+            changed = False
+            for address, _, members in hook.ordered():
+                changed |= self._visit(stream, members, address)
+            if not changed:
                 return None
-            stream = output.clone()
-            return stream if self._visit(stream, members, Address("resid_post", layer)) else None
+            if isinstance(output, tuple):
+                return (stream, torch.zeros_like(output[1]), *output[2:])
+            return stream
 
-        return hook
+        return post
 
-    def _block_out(self, kind: str, layer: int, members: list[_Slice]) -> Callable[..., Any]:
-        def hook(module: nn.Module, args: Any, output: Any) -> Any:
+    def _input(self, layer: int, hook: _Hook) -> Callable[..., Any]:
+        def pre(module: nn.Module, args: tuple[Any, ...]) -> Any:
+            items = list(args)
+            changed = False
+            for address, site, members in hook.ordered():
+                if site.kind == "attn_pattern":
+                    for sl in members:
+                        if address in sl.taps.points:
+                            self._pattern(sl, layer, items[0][sl.start : sl.end], items[1][sl.start : sl.end])
+                    continue
+                value = items[site.arg]
+                writes = any(address in sl.taps.writes for sl in members)
+                if writes:
+                    value = value.clone()  # never write into vLLM's own (possibly shared) tensors
+                if self._visit(value, members, address):
+                    items[site.arg] = value
+                    changed = True
+            return tuple(items) if changed else None
+
+        return pre
+
+    def _output(self, layer: int, hook: _Hook) -> Callable[..., Any]:
+        def post(module: nn.Module, args: Any, output: Any) -> Any:
             value = output[0] if isinstance(output, tuple) else output
             value = value.clone()  # the next fused norm works in place on this tensor
-            changed = self._visit(value, members, Address(kind, layer))
-            if kind == "attn_out":
-                changed |= self._mid(value, members, layer)
+            changed = False
+            for address, site, members in hook.ordered():
+                if site.kind == "resid_mid":
+                    changed |= self._mid(value, members, layer)
+                else:
+                    changed |= self._visit(value, members, address)
             if not changed:
                 return None
             return (value, *output[1:]) if isinstance(output, tuple) else value
 
-        return hook
+        return post
 
     def _mid(self, attn_out: torch.Tensor, members: list[_Slice], layer: int) -> bool:
         """resid_mid = resid_pre + attn_out; a write there moves attn_out by the same amount."""
         address = Address("resid_mid", layer)
         changed = False
         for sl in members:
-            if address not in sl.taps.addresses():
-                continue
             mid = torch.zeros_like(attn_out)
             mid[sl.start : sl.end] = sl.stash[layer].to(attn_out.dtype) + attn_out[sl.start : sl.end]
             if self._visit(mid, [sl], address):
                 attn_out[sl.start : sl.end] = mid[sl.start : sl.end] - sl.stash[layer].to(attn_out.dtype)
                 changed = True
         return changed
-
-    def _down_in(self, layer: int, members: list[_Slice]) -> Callable[..., Any]:
-        def hook(module: nn.Module, args: tuple[Any, ...]) -> Any:
-            value = args[0].clone()
-            return (value, *args[1:]) if self._visit(value, members, Address("mlp_post", layer)) else None
-
-        return hook
 
     def _kernel_geometry(self, layer: int) -> tuple[int, float, float | None, int | None]:
         kernel = _get(self.layers[layer], self.family.attn_kernel)
@@ -385,18 +414,6 @@ class TapManager:
         cap = getattr(kernel.impl, "logits_soft_cap", None)
         window = getattr(kernel, "sliding_window", None)
         return head, scale, cap, window
-
-    def _kernel_in(self, layer: int, members: list[_Slice]) -> Callable[..., Any]:
-        address = Address("attn_pattern", layer)
-
-        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
-            query, key = args[0], args[1]
-            for sl in members:
-                if address in sl.taps.points:
-                    self._pattern(sl, layer, query[sl.start : sl.end], key[sl.start : sl.end])
-            return None
-
-        return hook
 
     def _pattern(self, sl: _Slice, layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
         """Record the attention probabilities of ``sl``'s queries (post-rotary ``query`` and
@@ -427,20 +444,18 @@ class TapManager:
         full[:, :, key_pos] = pattern.cpu()
         sl.taps.values[Address("attn_pattern", layer)].append((sl.positions, full.permute(1, 0, 2)))
 
-    def _read_output(self, output: Any, members: list[_Slice]) -> None:
+    def _read_output(self, output: Any, hook: _Hook) -> None:
         hidden = output[0] if isinstance(output, tuple) else output
-        for sl in members:
-            if Address("final_norm") in sl.taps.points:
-                sl.taps.values[Address("final_norm")].append((sl.positions, _copy(hidden[sl.start : sl.end])))
-        for sl in members:  # every rank computes logits (a collective under tensor parallelism)
-            if Address("logits") in sl.taps.points:
-                logits = self.model.compute_logits(hidden[sl.start : sl.end])  # type: ignore[operator]
-                sl.taps.values[Address("logits")].append((sl.positions, _copy(logits)))
+        for sl in hook.members.get(Address("final_norm"), ()):
+            sl.taps.values[Address("final_norm")].append((sl.positions, _copy(hidden[sl.start : sl.end])))
+        for sl in hook.members.get(Address("logits"), ()):  # every rank computes logits (a TP collective)
+            logits = self.model.compute_logits(hidden[sl.start : sl.end])  # type: ignore[operator]
+            sl.taps.values[Address("logits")].append((sl.positions, _copy(logits)))
 
     # -- after the request ------------------------------------------------------------------
-    def fetch(self, rid: str) -> dict[str, torch.Tensor]:
+    def fetch(self, rid: str) -> Fetched:
         """A request's values, ordered by position (a recomputed position keeps its last
-        value), as ``{"<address>": values, "<address>@positions": positions}``; then forget it."""
+        value); then forget it."""
         began = time.perf_counter_ns()
         try:
             return self._collect(rid)
@@ -448,12 +463,12 @@ class TapManager:
             self.timing["fetches"] += 1
             self.timing["fetch_ns"] += time.perf_counter_ns() - began
 
-    def _collect(self, rid: str) -> dict[str, torch.Tensor]:
+    def _collect(self, rid: str) -> Fetched:
         taps = self.requests.pop(rid, None)
         self._retire(rid)
         if taps is None:
-            return {}
-        out: dict[str, torch.Tensor] = {}
+            return Fetched()
+        out: dict[Address, tuple[torch.Tensor, torch.Tensor]] = {}
         for address, chunks in taps.values.items():
             positions = torch.cat([p for p, _ in chunks])
             if address.kind == "attn_pattern":
@@ -465,9 +480,8 @@ class TapManager:
             positions, values = positions[order], values[order]
             last = torch.ones_like(positions, dtype=torch.bool)
             last[:-1] = positions[1:] != positions[:-1]
-            out[str(address)] = values[last].contiguous()
-            out[f"{address}@positions"] = positions[last].contiguous()
-        return out
+            out[address] = (positions[last], values[last])
+        return Fetched(out)
 
     def release(self, rid: str) -> None:
         self.requests.pop(rid, None)

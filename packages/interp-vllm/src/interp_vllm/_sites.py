@@ -1,0 +1,139 @@
+"""Where each address kind lives in vLLM's modules, and how tensor parallelism splits it.
+
+One table, read by the dynamic worker (:mod:`._worker`), the static worker
+(:mod:`._static_worker`) and the front end (which merges ranks): a new address kind on vLLM is
+one :class:`VllmSite` entry (plus its shard rule), not edits in each of them.
+
+A site names a hook:
+
+- ``layer_in`` / ``layer_out``: the decoder layer's input / output residual stream. vLLM's
+  layers defer the residual add (they take and return ``(hidden, residual)``), so the value is
+  ``hidden + residual`` and a write hands the layer ``(new_stream, 0)`` instead;
+- ``input``: positional argument ``arg`` of a module (e.g. the attention kernel's ``q, k, v``,
+  the output projection's input);
+- ``output``: a module's output (its first element when it returns a tuple);
+- ``model_out``: the model's final hidden states (``final_norm``; ``logits`` through the served
+  unembedding).
+
+``derived`` kinds are computed from other values at the same hook instead of read: ``resid_mid``
+is the stashed ``resid_pre`` plus ``attn_out`` (a write there moves ``attn_out``);
+``attn_pattern`` is the softmax of the post-rotary queries and keys the kernel receives.
+Per-head kinds are ``[tokens, heads * d_head]`` in vLLM and ``[tokens, heads, d_head]`` to us.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import torch
+
+from interp_engine import KINDS, Address, Write
+
+Where = Literal["layer_in", "layer_out", "input", "output", "model_out"]
+Shard = Literal["last", "heads", "kv_heads"]
+
+
+@dataclass(frozen=True)
+class VllmSite:
+    """One address kind in vLLM's modules."""
+
+    kind: str
+    where: Where
+    module: str | None = None
+    """The :class:`~interp_vllm._families.VllmFamily` field naming the module (``None``: the layer)."""
+    arg: int = 0
+    """For ``input`` sites: which positional argument."""
+    shard: Shard | None = None
+    """How tensor parallelism splits the value: ``last`` (columns), ``heads``, ``kv_heads``
+    (split, or replicated when there are fewer key/value heads than ranks), ``None`` (whole)."""
+    derived: bool = False
+    """Computed at the hook from other values (see the module docstring), not read directly."""
+    static_write: bool = True
+    """Whether vllm-static can apply writes here in-graph."""
+
+    @property
+    def per_head(self) -> bool:
+        return KINDS[self.kind].per_head
+
+
+SITES: dict[str, VllmSite] = {
+    site.kind: site
+    for site in (
+        # in the order values are computed at a shared hook
+        VllmSite("embed", "layer_in"),
+        VllmSite("resid_pre", "layer_in"),
+        VllmSite("attn_q", "input", "attn_kernel", arg=0, shard="heads", static_write=False),
+        VllmSite("attn_k", "input", "attn_kernel", arg=1, shard="kv_heads", static_write=False),
+        VllmSite("attn_v", "input", "attn_kernel", arg=2, shard="kv_heads"),
+        VllmSite("attn_pattern", "input", "attn_kernel", shard="heads", derived=True, static_write=False),
+        VllmSite("attn_z", "input", "attn_o_proj", shard="heads"),
+        VllmSite("attn_out", "output", "attn"),
+        VllmSite("resid_mid", "output", "attn", derived=True),
+        VllmSite("mlp_post", "input", "mlp_down", shard="last"),
+        VllmSite("mlp_out", "output", "mlp"),
+        VllmSite("resid_post", "layer_out"),
+        VllmSite("final_norm", "model_out"),
+        VllmSite("logits", "model_out", static_write=False),
+    )
+}
+"""Every kind the vLLM backends serve."""
+
+POINT_KINDS = tuple(SITES)
+WRITE_KINDS = tuple(kind for kind, site in SITES.items() if KINDS[kind].writable)
+STATIC_WRITE_KINDS = tuple(kind for kind in WRITE_KINDS if SITES[kind].static_write)
+
+
+def site_of(address: Address) -> VllmSite:
+    return SITES[address.kind]
+
+
+def hook_key(address: Address) -> tuple[Where, str | None, int]:
+    """The hook an address is served at: addresses with equal keys share one hook."""
+    site = SITES[address.kind]
+    return site.where, site.module, address.layer or 0
+
+
+# -- tensor parallelism --------------------------------------------------------------------------
+
+
+def owned_heads(rank: int, tp_size: int, total: int) -> list[int]:
+    """The global head indices rank ``rank`` holds, in its local order. vLLM splits heads
+    evenly; with fewer key/value heads than ranks each rank holds one, replicated."""
+    if total >= tp_size:
+        per = total // tp_size
+        return list(range(rank * per, (rank + 1) * per))
+    return [rank * total // tp_size]
+
+
+def local_write(write: Write, site: VllmSite, rank: int, tp_size: int, total_heads: int, width: int) -> Write | None:
+    """This rank's part of ``write`` (``None``: nothing of it lives on this rank).
+
+    Per-head writes keep the heads this rank holds, renumbered locally, with their vector rows;
+    ``last``-sharded writes (``mlp_post``) keep this rank's columns (``width`` of them)."""
+    if site.per_head:
+        heads = list(write.heads) if write.heads is not None else list(range(total_heads))
+        owned = owned_heads(rank, tp_size, total_heads) if tp_size > 1 else list(range(total_heads))
+        pairs = [(owned.index(h), i) for i, h in enumerate(heads) if h in owned]
+        if not pairs:
+            return None
+        vector = write.vector
+        if write.head_rows is not None:
+            vector = vector[..., [i for _, i in pairs], :]
+        return replace(write, vector=vector, heads=tuple(local for local, _ in pairs))
+    if site.shard == "last" and write.vector.shape[-1] != width:
+        return replace(write, vector=write.vector[..., rank * width : (rank + 1) * width])
+    return write
+
+
+def merge_ranks(address: Address, values: list[torch.Tensor], total_heads: int) -> torch.Tensor:
+    """One value from every rank's part (``[tokens, ...]`` each)."""
+    site = SITES[address.kind]
+    if site.shard is None or len(values) == 1:
+        return values[0]
+    if site.shard == "last":
+        return torch.cat(values, dim=-1)
+    tp_size = len(values)
+    if total_heads < tp_size:  # replicated key/value heads: one copy of each
+        return torch.cat([values[h * tp_size // total_heads] for h in range(total_heads)], dim=1)
+    return torch.cat(values, dim=1)  # [tokens, heads, ...] split on heads
