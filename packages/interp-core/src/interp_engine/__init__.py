@@ -8,6 +8,7 @@ cache = run_with_cache(model, model.to_tokens("Hello"), ["resid_post.5"])
 
 from ._address import KINDS, Address, KindInfo, LayerTypeError
 from ._api import capture_attention, capture_generation, generate_stream, run_with_cache
+from ._base import CheckedRequest, ModelBase, SamplingOptions
 from ._cache import Cache
 from ._errors import (
     BackendError,
@@ -31,7 +32,15 @@ from ._errors import (
     UnsupportedArchitecture,
 )
 from ._plugins import installed_backends, load_model
-from ._protocol import Completion, InterpModel, ModelInfo, StreamStep
+from ._protocol import (
+    BatchCapture,
+    Completion,
+    InterpModel,
+    ModelInfo,
+    StaticTaps,
+    StreamStep,
+    WorkerStats,
+)
 from ._shipped import shipped_models, tiny_model_path
 from ._steering import SteeringSpec, Write
 from ._sync import SyncModel, sync_model
@@ -44,7 +53,9 @@ __all__ = [
     "Address",
     "BackendError",
     "BackendNotFound",
+    "BatchCapture",
     "Cache",
+    "CheckedRequest",
     "Completion",
     "ContextTooLong",
     "ForeignEventLoop",
@@ -58,11 +69,14 @@ __all__ = [
     "KindInfo",
     "LayerOutOfRange",
     "LayerTypeError",
+    "ModelBase",
     "ModelClosed",
     "ModelInfo",
     "ModelLoadError",
     "RunningLoopError",
+    "SamplingOptions",
     "StaticConfigError",
+    "StaticTaps",
     "SteeringSpec",
     "StreamStep",
     "SyncModel",
@@ -70,6 +84,7 @@ __all__ = [
     "UnknownKind",
     "UnsupportedAddress",
     "UnsupportedArchitecture",
+    "WorkerStats",
     "Write",
     "capture_attention",
     "capture_generation",

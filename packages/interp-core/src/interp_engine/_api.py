@@ -11,7 +11,7 @@ import torch
 from ._address import Address
 from ._cache import Cache
 from ._errors import InvalidTokens
-from ._protocol import Activations, Completion, InterpModel, Points, StreamStep
+from ._protocol import Activations, BatchCapture, Completion, InterpModel, Points, StreamStep
 from ._steering import SteeringSpec
 from ._sync import SyncModel, sync_model
 
@@ -68,10 +68,8 @@ async def capture_rows(
     """Batched activations for several prompts: the model's own batch path if it has one,
     else one ``capture`` per prompt, gathered concurrently and padded."""
     points = list(points)
-    batch = getattr(model, "capture_batch", None)
-    if batch is not None:
-        result: dict[Address, torch.Tensor] = await batch(rows, points, steering_spec=steering_spec)
-        return result
+    if isinstance(model, BatchCapture):
+        return await model.capture_batch(rows, points, steering_spec=steering_spec)
     per_row = await asyncio.gather(*(model.capture(r, points, steering_spec=steering_spec) for r in rows))
     return pad_rows(per_row, [len(r) for r in rows])
 

@@ -1,4 +1,23 @@
-"""The async model protocol every backend implements, and the values it returns."""
+"""The async model protocol every backend implements, the values it returns, and the optional
+capabilities some backends add.
+
+:class:`InterpModel` is what every backend's model offers (SPEC §5). What only some offer is a
+protocol of its own, declared here and checked with ``isinstance`` where it is used (never with
+``getattr``, ``hasattr`` or a class name), so a third-party backend gains a capability by
+implementing its methods, nothing else:
+
+- :class:`BatchCapture` (``capture_batch``): one batched forward over several prompts.
+  ``run_with_cache`` uses it when present, else runs one ``capture`` per prompt concurrently and
+  pads. The eager backend has it.
+- :class:`StaticTaps` (``static_points``, ``static_writes``, ``configure_static``): a fixed tap
+  set declared before the engine is built (``vllm-static``). The server reports the declared
+  set in ``GET /v1/model``.
+- :class:`WorkerStats` (``worker_stats``): per-worker counters of a backend that runs its model
+  in worker processes (``vllm``, ``vllm-static``), for leak and recompilation checks.
+
+All are ``@runtime_checkable``: ``isinstance`` checks that the members exist, not their
+signatures; the signatures here are the contract.
+"""
 
 from __future__ import annotations
 
@@ -133,4 +152,47 @@ class InterpModel(Protocol):
 
     async def shutdown(self) -> None:
         """Release the model; idempotent, callable from any loop or thread."""
+        ...
+
+
+@runtime_checkable
+class BatchCapture(Protocol):
+    """A model that captures several prompts in one batched forward."""
+
+    async def capture_batch(
+        self, rows: Sequence[Sequence[int]], points: Points, *, steering_spec: SteeringSpec | None = None
+    ) -> Activations:
+        """Activations ``[batch, n_max, width]`` (head addresses ``[batch, n_max, heads,
+        d_head]``) over prompts of any lengths, right-padded with zeros; each row equals its
+        solo ``capture``."""
+        ...
+
+
+@runtime_checkable
+class StaticTaps(Protocol):
+    """A model whose capture and write points are fixed before its engine is built
+    (``vllm-static``): requests outside the declared set raise ``UndeclaredAddress``."""
+
+    @property
+    def static_points(self) -> list[Address]:
+        """The declared capture points."""
+        ...
+
+    @property
+    def static_writes(self) -> list[Address]:
+        """The declared write points (where a steering spec may write)."""
+        ...
+
+    def configure_static(self, points: Iterable[Any] | str, static_writes: Iterable[Any] | None = None) -> None:
+        """Declare the points (and write points) of the engine to build; raises
+        ``StaticConfigError`` once the engine exists."""
+        ...
+
+
+@runtime_checkable
+class WorkerStats(Protocol):
+    """A model served by worker processes that report counters."""
+
+    async def worker_stats(self) -> list[dict[str, int]]:
+        """One dict of counters per worker (e.g. ``live_requests``: request state still held)."""
         ...

@@ -63,7 +63,7 @@ class SyncModel:
         self._thread = threading.Thread(
             target=_serve_forever,
             args=(self._loop,),
-            name=f"interp-sync-{getattr(model, 'backend', 'model')}",
+            name=f"interp-sync-{model.backend}",
             daemon=True,
         )
         self._thread.start()

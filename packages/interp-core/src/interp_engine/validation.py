@@ -72,7 +72,11 @@ def requested_points(
             )
         mapping[requested] = address
     if not mapping:
-        raise UnsupportedAddress("no capture points given", address=None, valid=tuple(supported))
+        raise UnsupportedAddress(
+            "no capture points given: pass at least one address (an Address or a string such as 'resid_post.0')",
+            address=None,
+            valid=tuple(supported),
+        )
     return mapping
 
 

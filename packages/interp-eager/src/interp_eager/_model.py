@@ -7,7 +7,7 @@ import contextlib
 import inspect
 import os
 import threading
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -16,28 +16,22 @@ from torch import nn
 
 from interp_engine import (
     Address,
+    CheckedRequest,
     Completion,
     InvalidOption,
-    ModelClosed,
+    ModelBase,
     ModelInfo,
     ModelLoadError,
+    SamplingOptions,
     SteeringSpec,
     StreamStep,
     UnsupportedAddress,
     Write,
 )
 from interp_engine.tokens import TextPieces, TokenizerMixin, pad_rows
-from interp_engine.validation import (
-    check_max_tokens,
-    check_residuals,
-    check_spec,
-    check_token_ids,
-    check_write_shapes,
-    requested_points,
-)
 
 from ._families import family_for
-from ._generate import Sampling, top_logprobs
+from ._generate import choose, generator_for, top_logprobs
 from ._plan import Architecture, Chunk, Plan
 
 T = TypeVar("T")
@@ -123,7 +117,7 @@ def _in_width(module: nn.Module) -> int:
     raise UnsupportedAddress("cannot read the MLP width of this model", address="mlp_post")
 
 
-class EagerModel(TokenizerMixin):
+class EagerModel(TokenizerMixin, ModelBase):
     """A HuggingFace causal LM served through the interp-engine async protocol.
 
     Forwards run on a worker thread (the event loop stays free) one at a time, each with only
@@ -140,7 +134,7 @@ class EagerModel(TokenizerMixin):
         self.family = family_for(config)
         self.arch = Architecture(hf_model, self.family)
         embed = hf_model.get_input_embeddings()  # type: ignore[operator]
-        self.info = ModelInfo(
+        info = ModelInfo(
             architecture=str(config.model_type),
             n_layers=len(self.arch.layers),
             d_model=int(config.hidden_size),
@@ -152,16 +146,13 @@ class EagerModel(TokenizerMixin):
             parallel_attn=self.arch.parallel,
             d_head=self.arch.d_head,
         )
+        generation_config = getattr(hf_model, "generation_config", None)
+        super().__init__(info, eos_ids=ModelBase.eos_ids_of(generation_config, config))
         parameters = inspect.signature(hf_model.forward).parameters
         self._cache_arg = "past_key_values" if "past_key_values" in parameters else "cache"
         self._can_trim_logits = "logits_to_keep" in parameters
-        eos = getattr(getattr(hf_model, "generation_config", None), "eos_token_id", None)
-        if eos is None:
-            eos = getattr(config, "eos_token_id", None)
-        self._eos = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="interp-eager")
-        self._closed = False
 
     @classmethod
     def from_hf(cls, hf_model: nn.Module, tokenizer: Any) -> EagerModel:
@@ -177,15 +168,12 @@ class EagerModel(TokenizerMixin):
     def hf_model(self) -> nn.Module:
         """The underlying ``transformers`` model (eval mode)."""
         if self._hf is None:
-            raise ModelClosed("this model was shut down; load it again")
+            raise self._closed_error()
         return self._hf
 
     @property
     def device(self) -> torch.device:
         return next(self.hf_model.parameters()).device
-
-    def _check_open(self) -> nn.Module:
-        return self.hf_model
 
     async def _run(self, fn: Callable[[], T]) -> T:
         self._check_open()
@@ -193,7 +181,7 @@ class EagerModel(TokenizerMixin):
         try:
             future = loop.run_in_executor(self._executor, fn)
         except RuntimeError:  # the executor was shut down between the check and the call
-            raise ModelClosed("this model was shut down; load it again") from None
+            raise self._closed_error() from None
         return await future
 
     # -- one forward --------------------------------------------------------------------
@@ -244,16 +232,13 @@ class EagerModel(TokenizerMixin):
         return output
 
     # -- capture ------------------------------------------------------------------------
-    def _prepare(
-        self, rows: Sequence[Sequence[int]], points: Iterable[Any], spec: SteeringSpec | None
-    ) -> tuple[list[list[int]], dict[Address, Address], list[Write]]:
-        self._check_open()
-        checked = [check_token_ids(r, self.info) for r in rows]
-        mapping = requested_points(points, self.info)
-        writes = check_spec(spec, self.info)
-        for row in checked:
-            check_write_shapes(writes, len(row), len(row))
-        return checked, mapping, writes
+    def _check_request(self, request: CheckedRequest) -> None:
+        if request.max_tokens and _LOGITS in request.points.values():
+            raise UnsupportedAddress(
+                "logits are not captured during generation; use stream(n_logprobs=...) or "
+                "decode_residuals on a captured final_norm/resid_post",
+                address=_LOGITS,
+            )
 
     def _capture_sync(
         self, rows: list[list[int]], addresses: list[Address], writes: list[Write]
@@ -287,31 +272,25 @@ class EagerModel(TokenizerMixin):
         """One batched forward over prompts of any lengths: ``[batch, n_max, width]`` (head
         addresses ``[batch, n_max, heads, d_head]``), right-padded with zeros; each row equals
         its solo run."""
-        checked, mapping, writes = self._prepare(rows, points, steering_spec)
-        values = await self._run(lambda: self._capture_sync(checked, list(dict.fromkeys(mapping.values())), writes))
-        return {requested: values[address] for requested, address in mapping.items()}
-
-    async def capture_attention(
-        self, token_ids: Sequence[int], layers: Iterable[int], *, steering_spec: SteeringSpec | None = None
-    ) -> dict[Address, torch.Tensor]:
-        """Attention probabilities ``[heads, q, k]`` of ``layers`` (HF eager attention), under
-        ``steering_spec`` if given (e.g. one head zero-ablated at ``attn_z``)."""
-        points = [Address("attn_pattern", layer) for layer in layers]
-        return await self.capture(token_ids, points, steering_spec=steering_spec)
+        requests = self._check_capture_batch(rows, points, steering_spec)
+        first = requests[0]
+        checked = [r.token_ids for r in requests]
+        values = await self._run(lambda: self._capture_sync(checked, first.addresses, first.writes))
+        return first.keyed(values)
 
     # -- generation ---------------------------------------------------------------------
     async def _decode(
         self,
         token_ids: Sequence[int],
         max_tokens: int,
-        sampling: Sampling,
+        sampling: SamplingOptions,
         plan_for: Callable[[int], Plan] | None,
     ) -> AsyncIterator[tuple[int, torch.Tensor, Plan]]:
         """Yield ``(token, logits, plan)`` per generated token; after the last, the plan has
         also seen the last token's forward (so activations cover every generated token)."""
         prompt = list(token_ids)
         plan = plan_for(len(prompt)) if plan_for else Plan(self.arch, [], [], [len(prompt)])
-        generator = sampling.generator(self.device)
+        generator = generator_for(sampling, self.device)
         state: dict[str, Any] = {"past": None}
 
         def step(ids: list[int], offset: int) -> torch.Tensor:
@@ -331,8 +310,8 @@ class EagerModel(TokenizerMixin):
         ids, offset = prompt, 0
         for index in range(max_tokens):
             logits = await self._run(lambda ids=ids, offset=offset: step(ids, offset))  # type: ignore[misc]
-            token = sampling.choose(logits, generator)
-            last = index == max_tokens - 1 or (token in self._eos and not sampling.ignore_eos)
+            token = choose(sampling, logits, generator)
+            last = index == max_tokens - 1 or self._stops(token, sampling)
             if last and plan.wanted:
                 after = offset + len(ids)
                 await self._run(lambda token=token, after=after: step([token], after))  # type: ignore[misc]
@@ -348,34 +327,6 @@ class EagerModel(TokenizerMixin):
             return Plan(self.arch, points, writes, [n_prompt], n_prompt=[n_prompt], total=[total])
 
         return make
-
-    def _prepare_generation(
-        self,
-        token_ids: Sequence[int],
-        points: Iterable[Any],
-        max_tokens: int,
-        spec: SteeringSpec | None,
-        sampling: dict[str, Any],
-    ) -> tuple[list[int], Sampling, dict[Address, Address], Callable[[int], Plan]]:
-        self._check_open()
-        max_tokens = check_max_tokens(max_tokens)
-        prompt = check_token_ids(token_ids, self.info, extra=max_tokens)
-        chosen = Sampling.from_kwargs(sampling)
-        mapping = requested_points(points, self.info) if points else {}
-        addresses = list(dict.fromkeys(mapping.values()))
-        if _LOGITS in addresses:
-            raise UnsupportedAddress(
-                "logits are not captured during generation; use stream(n_logprobs=...) or "
-                "decode_residuals on a captured final_norm/resid_post",
-                address=_LOGITS,
-            )
-        writes = check_spec(spec, self.info)
-        check_write_shapes(writes, len(prompt), len(prompt) + max_tokens)
-        return prompt, chosen, mapping, self._plan_for(addresses, writes, max_tokens)
-
-    def _completion(self, tokens: list[int], sampling: Sampling) -> Completion:
-        stopped = bool(tokens) and tokens[-1] in self._eos and not sampling.ignore_eos
-        return Completion(list(tokens), self.completion_text(tokens), "stop" if stopped else "length")
 
     async def generate(
         self,
@@ -402,17 +353,18 @@ class EagerModel(TokenizerMixin):
     ) -> tuple[Completion, dict[Address, torch.Tensor]]:
         """A completion and activations ``[n_prompt + n_generated, width]`` (head addresses
         ``[n_prompt + n_generated, heads, d_head]``) over prompt and every generated token."""
-        prompt, chosen, mapping, plan_for = self._prepare_generation(
-            token_ids, points, max_tokens, steering_spec, sampling
+        request = self._check_generation(
+            token_ids, points, max_tokens=max_tokens, steering_spec=steering_spec, sampling=sampling
         )
+        plan_for = self._plan_for(request.addresses, request.writes, request.max_tokens)
         tokens: list[int] = []
         plan: Plan | None = None
-        async for token, _, used in self._decode(prompt, max_tokens, chosen, plan_for):
+        async for token, _, used in self._decode(request.token_ids, request.max_tokens, request.sampling, plan_for):
             tokens.append(token)
             plan = used
         values = plan.result() if plan is not None else {}
-        acts = {requested: _to_cpu(values[address])[0] for requested, address in mapping.items()}
-        return self._completion(tokens, chosen), acts
+        acts = request.keyed({a: _to_cpu(values[a])[0] for a in request.addresses})
+        return self._completion(tokens, request.sampling), acts
 
     async def stream(
         self,
@@ -424,27 +376,27 @@ class EagerModel(TokenizerMixin):
         **sampling: Any,
     ) -> AsyncIterator[StreamStep]:
         """Generated tokens one by one with their top-``n_logprobs`` ``(token, logprob)`` pairs."""
-        if isinstance(n_logprobs, bool) or not isinstance(n_logprobs, int) or n_logprobs < 0:
-            raise InvalidOption(f"n_logprobs must be an int >= 0, got {n_logprobs!r}")
-        prompt, chosen, _, plan_for = self._prepare_generation(token_ids, [], max_tokens, steering_spec, sampling)
+        request = self._check_generation(
+            token_ids,
+            [],
+            max_tokens=max_tokens,
+            steering_spec=steering_spec,
+            sampling=sampling,
+            n_logprobs=n_logprobs,
+        )
+        plan_for = self._plan_for([], request.writes, request.max_tokens)
         pieces = TextPieces(self.completion_text)
         count = 0
-        async for token, logits, _ in self._decode(prompt, max_tokens, chosen, plan_for):
+        async for token, logits, _ in self._decode(request.token_ids, request.max_tokens, request.sampling, plan_for):
             count += 1
-            last = count == max_tokens or (token in self._eos and not chosen.ignore_eos)
-            yield StreamStep(token, pieces.add(token, last=last), top_logprobs(logits, n_logprobs))
+            last = count == request.max_tokens or self._stops(token, request.sampling)
+            yield StreamStep(token, pieces.add(token, last=last), top_logprobs(logits, request.n_logprobs))
 
     # -- logit lens ---------------------------------------------------------------------
-    async def decode_residuals(
-        self, acts: torch.Tensor | Mapping[Address, torch.Tensor]
-    ) -> torch.Tensor | dict[Address, torch.Tensor]:
-        """Final norm + unembedding of residual vectors ``[..., d_model]`` (a dict is decoded
-        value by value); on the last layer's ``resid_post`` this is the model's own logits."""
-        if isinstance(acts, Mapping):
-            checked_map = {a: check_residuals(t, self.info) for a, t in acts.items()}
-            return await self._run(lambda: {a: self._decode_sync(t) for a, t in checked_map.items()})
-        checked = check_residuals(acts, self.info)
-        return await self._run(lambda: self._decode_sync(checked))
+    async def _decode_residuals(self, residuals: torch.Tensor) -> torch.Tensor:
+        """The final norm and unembedding of the served weights; on the last layer's
+        ``resid_post`` this is the model's own logits."""
+        return await self._run(lambda: self._decode_sync(residuals))
 
     def _decode_sync(self, acts: torch.Tensor) -> torch.Tensor:
         param = next(self.hf_model.parameters())
@@ -457,15 +409,8 @@ class EagerModel(TokenizerMixin):
         """Run one tiny forward so the first real request does not pay for kernel set-up."""
         await self.capture([0], [Address("resid_pre", 0)])
 
-    async def shutdown(self) -> None:
-        """Release the weights; idempotent, from any loop or thread. Waits (off the event loop)
-        for a forward in progress to finish."""
-        await asyncio.to_thread(self.close)
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+    def _close_resources(self) -> None:
+        """Release the weights, after a forward in progress (``shutdown()`` waits off the loop)."""
         with self._lock:
             self._hf = None
         self._executor.shutdown(wait=False)

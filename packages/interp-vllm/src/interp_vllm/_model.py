@@ -13,9 +13,8 @@ import contextlib
 import dataclasses
 import gc
 import os
-import threading
 import uuid
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -23,33 +22,27 @@ import torch
 from interp_engine import (
     Address,
     BackendError,
+    CheckedRequest,
     Completion,
     ForeignEventLoop,
     InvalidOption,
     InvalidTokens,
+    ModelBase,
     ModelClosed,
     ModelInfo,
     ModelLoadError,
+    SamplingOptions,
     SteeringSpec,
     StreamStep,
     UnsupportedArchitecture,
     Write,
 )
 from interp_engine.tokens import TextPieces, TokenizerMixin
-from interp_engine.validation import (
-    check_max_tokens,
-    check_residuals,
-    check_spec,
-    check_token_ids,
-    check_write_shapes,
-    requested_points,
-)
 
 from ._families import family_for
 from ._sites import SITES, merge_ranks
 from ._wire import Fetched, RequestPayload, pack, unpack
 
-SAMPLING_OPTIONS = ("ignore_eos", "seed", "temperature", "top_k", "top_p")
 FRONT_END_OPTIONS = ("tokenizer_path",)
 
 CPU_ENV_DEFAULTS = {
@@ -88,13 +81,24 @@ def _check_cpu_head_size(config: Any) -> None:
         )
 
 
-def _engine_fields() -> set[str]:
+def _engine_fields() -> dict[str, Any]:
+    """``AsyncEngineArgs`` field names and their defaults."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    return {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+    return {f.name: f.default for f in dataclasses.fields(AsyncEngineArgs)}
 
 
-class VllmModel(TokenizerMixin):
+def _generation_config(name_or_path: str, trust: bool) -> Any:
+    """The checkpoint's generation config (its end-of-sequence ids), or ``None`` if it has none."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(name_or_path, trust_remote_code=trust)
+    except (OSError, ValueError):
+        return None
+
+
+class VllmModel(TokenizerMixin, ModelBase):
     """A model served by vLLM with interp-engine taps in its model runner.
 
     The engine is built on the first ``warmup()`` or request, on the running event loop, and
@@ -108,7 +112,8 @@ class VllmModel(TokenizerMixin):
         from transformers import AutoConfig, AutoTokenizer
 
         options = dict(options)
-        known = _engine_fields() | set(FRONT_END_OPTIONS)
+        fields = _engine_fields()
+        known = set(fields) | set(FRONT_END_OPTIONS)
         unknown = sorted(set(options) - known - {"model"})
         if unknown:
             raise InvalidOption(
@@ -143,7 +148,7 @@ class VllmModel(TokenizerMixin):
                 f"max_model_len must be a positive int no larger than the model's {model_max} positions, "
                 f"got {max_len!r}"
             )
-        self.info = ModelInfo(
+        info = ModelInfo(
             architecture=str(config.model_type),
             n_layers=int(config.num_hidden_layers),
             d_model=d_model,
@@ -153,13 +158,14 @@ class VllmModel(TokenizerMixin):
             vocab_size=int(config.vocab_size),
             n_ctx=int(max_len or 2**31 - 1),
         )
-        eos = getattr(config, "eos_token_id", None)
-        self._eos = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+        super().__init__(info, eos_ids=ModelBase.eos_ids_of(_generation_config(name_or_path, trust), config))
+        max_logprobs = self.engine_kwargs.get("max_logprobs", fields.get("max_logprobs"))  # -1: the vocabulary
+        self._logprobs_limit: int = info.vocab_size
+        if isinstance(max_logprobs, int) and not isinstance(max_logprobs, bool) and max_logprobs >= 0:
+            self._logprobs_limit = min(max_logprobs, info.vocab_size)
         self._engine: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._building: asyncio.Future[Any] | None = None
-        self._closed = False
-        self._close_lock = threading.Lock()
         self.tp_size = 1
         # fetches wait here and go to the workers together: one engine-core round trip for
         # every request that finished while the previous batch was on its way
@@ -172,8 +178,7 @@ class VllmModel(TokenizerMixin):
 
     # -- the engine ------------------------------------------------------------------------
     async def _ready(self) -> Any:
-        if self._closed:
-            raise ModelClosed("this model was shut down; load it again")
+        self._check_open()
         loop = asyncio.get_running_loop()
         if self._loop is not None and loop is not self._loop:
             raise ForeignEventLoop(
@@ -249,17 +254,15 @@ class VllmModel(TokenizerMixin):
         await self.generate([0], max_tokens=1)
 
     # -- requests ----------------------------------------------------------------------------
-    def _sampling(self, max_tokens: int, sampling: dict[str, Any], **extra: Any) -> Any:
-        from vllm import SamplingParams
+    def _max_logprobs(self) -> int:
+        return self._logprobs_limit  # the engine's max_logprobs: vLLM refuses more
 
-        unknown = sorted(set(sampling) - set(SAMPLING_OPTIONS))
-        if unknown:
-            raise InvalidOption(
-                f"unknown generation option(s) {', '.join(unknown)}; valid: {', '.join(SAMPLING_OPTIONS)}"
-            )
-        values = {"temperature": 0.0, **sampling}
+    def _sampling(self, max_tokens: int, sampling: SamplingOptions, **extra: Any) -> Any:
+        """vLLM's ``SamplingParams`` for options the core has checked."""
+        from vllm import SamplingParams
         from vllm.exceptions import VLLMClientError
 
+        values = {"temperature": 0.0, **sampling.given()}
         try:
             return SamplingParams(max_tokens=max_tokens, **values, **extra)
         except (TypeError, ValueError, VLLMClientError) as exc:
@@ -360,26 +363,17 @@ class VllmModel(TokenizerMixin):
             with contextlib.suppress(Exception):  # the engine is going away; nothing left to free
                 await engine.collective_rpc("interp_release", args=(rid,))
 
-    def _prepare(
-        self, token_ids: Sequence[int], points: Iterable[Any], spec: SteeringSpec | None, extra: int
-    ) -> tuple[list[int], dict[Address, Address], list[Write]]:
-        ids = check_token_ids(token_ids, self.info, extra=extra)
-        mapping = requested_points(points, self.info) if points else {}
-        writes = check_spec(spec, self.info)
-        check_write_shapes(writes, len(ids), len(ids) + extra)
-        return ids, mapping, writes
-
     async def capture(
         self, token_ids: Sequence[int], points: Iterable[Any], *, steering_spec: SteeringSpec | None = None
     ) -> dict[Address, torch.Tensor]:
-        """Activations ``[n_tokens, width]`` (attention ``[heads, q, k]``) over the prompt."""
-        ids, mapping, writes = self._prepare(token_ids, points, steering_spec, 0)
-        if not mapping:
-            raise InvalidOption("capture needs at least one point")
+        """Activations ``[n_tokens, width]`` (attention ``[heads, q, k]``, computed from the
+        post-rotary queries and keys vLLM's kernels receive) over the prompt."""
+        request = self._check_capture(token_ids, points, steering_spec)
+        ids, writes, resolved = request.token_ids, request.writes, request.addresses
         engine = await self._ready()
         rid = f"interp-{uuid.uuid4().hex}"
-        resolved = list(dict.fromkeys(mapping.values()))
-        params = self._sampling(1, {}, extra_args=self._payload(rid, resolved, writes, len(ids), len(ids)).extra_args())
+        payload = self._payload(rid, resolved, writes, len(ids), len(ids))
+        params = self._sampling(1, SamplingOptions(), extra_args=payload.extra_args())
         fetched = False
         try:
             async for _ in self._outputs(engine, ids, params, rid, rid):
@@ -389,12 +383,7 @@ class VllmModel(TokenizerMixin):
         finally:
             if not fetched:
                 await self._release(engine, rid)
-        return {requested: values[address] for requested, address in mapping.items()}
-
-    async def capture_attention(self, token_ids: Sequence[int], layers: Iterable[int]) -> dict[Address, torch.Tensor]:
-        """Attention probabilities ``[heads, q, k]``, computed from the post-rotary queries and
-        keys vLLM's kernels receive (the kernels never form the pattern)."""
-        return await self.capture(token_ids, [Address("attn_pattern", layer) for layer in layers])
+        return request.keyed(values)
 
     async def capture_generation(
         self,
@@ -409,19 +398,19 @@ class VllmModel(TokenizerMixin):
 
         vLLM never runs the forward of the last token it samples, so the request asks for one
         token more than it returns and is aborted as soon as that token exists."""
-        max_tokens = check_max_tokens(max_tokens)
-        ids, mapping, writes = self._prepare(token_ids, points, steering_spec, max_tokens)
-        stop_at_eos = not sampling.pop("ignore_eos", False)
+        request = self._check_generation(
+            token_ids, points, max_tokens=max_tokens, steering_spec=steering_spec, sampling=sampling
+        )
+        ids, writes, resolved, max_tokens = request.token_ids, request.writes, request.addresses, request.max_tokens
         engine = await self._ready()
         rid = f"interp-{uuid.uuid4().hex}"
-        resolved = list(dict.fromkeys(mapping.values()))
         n = len(ids)
         limit = min(max_tokens + 1, self.info.n_ctx + 1 - n)
         from vllm.sampling_params import RequestOutputKind
 
         params = self._sampling(
             limit,
-            {**sampling, "ignore_eos": True},
+            dataclasses.replace(request.sampling, ignore_eos=True),  # the stop is found here
             extra_args=self._payload(rid, resolved, writes, n, n + max_tokens + 1).extra_args(),
             output_kind=RequestOutputKind.DELTA,
         )
@@ -431,9 +420,7 @@ class VllmModel(TokenizerMixin):
         try:
             async for output in self._outputs(engine, ids, params, rid, rid):
                 tokens.extend(output.outputs[0].token_ids)
-                if stop_at_eos:
-                    stops = [i for i, t in enumerate(tokens[:max_tokens]) if t in self._eos]
-                    keep = stops[0] + 1 if stops else max_tokens
+                keep = self._stop_index(tokens, max_tokens, request.sampling)
                 if len(tokens) > keep or output.finished:
                     break
             keep = min(keep, len(tokens))
@@ -444,10 +431,7 @@ class VllmModel(TokenizerMixin):
                 await self._done(engine, rid)
             elif not fetched:
                 await self._release(engine, rid)
-        kept = tokens[:keep]
-        stopped = stop_at_eos and bool(kept) and kept[-1] in self._eos
-        completion = Completion(kept, self.completion_text(kept), "stop" if stopped else "length")
-        return completion, {requested: values[address] for requested, address in mapping.items()}
+        return self._completion(tokens[:keep], request.sampling), request.keyed(values)
 
     async def generate(
         self,
@@ -458,9 +442,11 @@ class VllmModel(TokenizerMixin):
         **sampling: Any,
     ) -> Completion:
         """A completion (greedy unless ``temperature``/``top_k``/``top_p``/``seed`` say otherwise)."""
-        kept = [step.token_id async for step in self._steps(token_ids, max_tokens, 0, steering_spec, sampling)]
-        stopped = not sampling.get("ignore_eos", False) and bool(kept) and kept[-1] in self._eos
-        return Completion(kept, self.completion_text(kept), "stop" if stopped else "length")
+        request = self._check_generation(
+            token_ids, [], max_tokens=max_tokens, steering_spec=steering_spec, sampling=sampling
+        )
+        kept = [step.token_id async for step in self._steps(request)]
+        return self._completion(kept, request.sampling)
 
     async def stream(
         self,
@@ -472,21 +458,19 @@ class VllmModel(TokenizerMixin):
         **sampling: Any,
     ) -> AsyncIterator[StreamStep]:
         """Generated tokens one by one, with the top-``n_logprobs`` pairs from vLLM's sampler."""
-        async for step in self._steps(token_ids, max_tokens, n_logprobs, steering_spec, sampling):
+        request = self._check_generation(
+            token_ids,
+            [],
+            max_tokens=max_tokens,
+            steering_spec=steering_spec,
+            sampling=sampling,
+            n_logprobs=n_logprobs,
+        )
+        async for step in self._steps(request):
             yield step
 
-    async def _steps(
-        self,
-        token_ids: Sequence[int],
-        max_tokens: int,
-        n_logprobs: int,
-        spec: SteeringSpec | None,
-        sampling: dict[str, Any],
-    ) -> AsyncIterator[StreamStep]:
-        if isinstance(n_logprobs, bool) or not isinstance(n_logprobs, int) or n_logprobs < 0:
-            raise InvalidOption(f"n_logprobs must be an int >= 0, got {n_logprobs!r}")
-        max_tokens = check_max_tokens(max_tokens)
-        ids, _, writes = self._prepare(token_ids, [], spec, max_tokens)
+    async def _steps(self, request: CheckedRequest) -> AsyncIterator[StreamStep]:
+        ids, writes, max_tokens, n_logprobs = request.token_ids, request.writes, request.max_tokens, request.n_logprobs
         engine = await self._ready()
         from vllm.sampling_params import RequestOutputKind
 
@@ -496,7 +480,7 @@ class VllmModel(TokenizerMixin):
             extra["logprobs"] = n_logprobs
         if writes:
             extra["extra_args"] = self._payload(rid, [], writes, len(ids), len(ids) + max_tokens).extra_args()
-        params = self._sampling(max_tokens, dict(sampling), **extra)
+        params = self._sampling(max_tokens, request.sampling, **extra)
         pieces = TextPieces(self.completion_text)
         # a steered request neither reuses cached KV (its writes must run on every prompt token)
         # nor leaves its steered KV behind for others: a unique salt keeps it out of the cache
@@ -523,34 +507,25 @@ class VllmModel(TokenizerMixin):
         return stats
 
     # -- logit lens ------------------------------------------------------------------------
-    async def decode_residuals(
-        self, acts: torch.Tensor | Mapping[Address, torch.Tensor]
-    ) -> torch.Tensor | dict[Address, torch.Tensor]:
-        """Final norm + unembedding with the served weights; on the last layer's ``resid_post``
-        this is the model's own logits."""
-        if isinstance(acts, Mapping):
-            return {a: await self._decode_one(t) for a, t in acts.items()}
-        return await self._decode_one(acts)
-
-    async def _decode_one(self, acts: Any) -> torch.Tensor:
-        check_residuals(acts, self.info)
+    async def _decode_residuals(self, residuals: torch.Tensor) -> torch.Tensor:
+        """Final norm + unembedding with the served weights, in the workers; on the last layer's
+        ``resid_post`` this is the model's own logits."""
         engine = await self._ready()
-        flat = acts.detach().to("cpu", torch.float32).reshape(-1, self.info.d_model).contiguous()
+        flat = residuals.detach().to("cpu", torch.float32).reshape(-1, self.info.d_model).contiguous()
         blobs = await engine.collective_rpc("interp_decode", args=(pack({"residuals": flat}),))
         logits: torch.Tensor = unpack(blobs[0])["logits"]
-        return logits.reshape(*acts.shape[:-1], logits.shape[-1])
+        return logits.reshape(*residuals.shape[:-1], logits.shape[-1])
 
     # -- lifecycle ---------------------------------------------------------------------------
-    async def shutdown(self) -> None:
-        """Stop the engine and its processes; idempotent, from any loop or thread."""
-        await asyncio.to_thread(self.close)
-
-    def close(self) -> None:
-        with self._close_lock:
-            if self._closed:
-                return
-            self._closed = True
-            engine, self._engine = self._engine, None
+    def _close_resources(self) -> None:
+        """Stop the engine and reap its processes (once, on the first ``shutdown()``)."""
+        engine, self._engine = self._engine, None
+        building = self._building
+        if building is not None and building.done() and not building.cancelled() and building.exception() is None:
+            # the finished build task's result is the engine: it would keep the AsyncLLM alive
+            # until interpreter teardown, whose AsyncLLM.__del__ then fails on vLLM's cleared
+            # module globals ("TypeError: 'NoneType' object is not callable")
+            self._building = None
         if engine is not None:
             _fail_in_flight(engine, self._loop)
             _stop_output_handler(engine, self._loop)

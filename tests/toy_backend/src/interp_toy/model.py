@@ -3,48 +3,45 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from interp_engine import (
     Address,
+    CheckedRequest,
     Completion,
-    InvalidActivations,
-    ModelClosed,
+    ModelBase,
     ModelInfo,
     SteeringSpec,
     StreamStep,
     Write,
 )
-from interp_engine.validation import (
-    check_max_tokens,
-    check_spec,
-    check_token_ids,
-    check_write_shapes,
-    resolve_points,
-    write_positions,
-)
+from interp_engine.validation import write_positions
 
 SUPPORTED = ("embed", "resid_pre", "resid_post", "final_norm", "logits")
 WRITABLE = ("embed", "resid_pre", "resid_post", "final_norm")
 VOCAB = 128
 
 
-class ToyModel:
-    """A real (tiny) model implementing interp-engine's async protocol; it has no ``capture_batch``."""
+class ToyModel(ModelBase):
+    """A real (tiny) model implementing interp-engine's async protocol on the core's
+    ``ModelBase``; it has no ``capture_batch`` and no end-of-sequence token, and decodes
+    greedily (its only generation option is ``ignore_eos``)."""
 
     backend = "toy"
+    supported_points = SUPPORTED
+    writable_points = WRITABLE
+    sampling_options = ("ignore_eos",)
 
     def __init__(self, name: str = "toy", *, seed: int = 0, n_layers: int = 3, d_model: int = 16) -> None:
+        super().__init__(ModelInfo("ToyTanh", n_layers, d_model, d_model, 1, 1, VOCAB, n_ctx=64))
         self.name = name
-        self.info = ModelInfo("ToyTanh", n_layers, d_model, d_model, 1, 1, VOCAB, n_ctx=64)
         gen = torch.Generator().manual_seed(seed)
         self.embedding = torch.randn(VOCAB, d_model, generator=gen)
         self.weights = torch.randn(n_layers, d_model, d_model, generator=gen) / d_model**0.5
         self.unembed = torch.randn(d_model, VOCAB, generator=gen)
-        self.closed = False
 
     def __repr__(self) -> str:
         return f"<ToyModel {self.name!r} {'closed' if self.closed else 'open'}>"
@@ -66,11 +63,10 @@ class ToyModel:
         ids = self.to_tokens(tokens)[0] if isinstance(tokens, str) else torch.as_tensor(tokens).reshape(-1)
         return [chr(int(t)) for t in ids]
 
-    # -- the forward pass -----------------------------------------------------------------
-    def _check_open(self) -> None:
-        if self.closed:
-            raise ModelClosed(f"{self!r} was shut down; load a new model")
+    def completion_text(self, tokens: Sequence[int]) -> str:
+        return "".join(map(chr, tokens))
 
+    # -- the forward pass -----------------------------------------------------------------
     def _forward(
         self, ids: list[int], points: Iterable[Address], writes: Sequence[Write] = (), n_prompt: int | None = None
     ) -> tuple[dict[Address, torch.Tensor], torch.Tensor]:
@@ -96,6 +92,18 @@ class ToyModel:
         logits = tap(Address("logits"), x @ self.unembed)
         return acts, logits
 
+    def _generated(self, request: CheckedRequest) -> Iterator[tuple[int, torch.Tensor]]:
+        """Each greedy token and the logits it was chosen from."""
+        ids, n_prompt = list(request.token_ids), len(request.token_ids)
+        for _ in range(request.max_tokens):
+            self._check_open()
+            _, logits = self._forward(ids, (), request.writes, n_prompt)
+            token = int(logits[-1].argmax())
+            ids.append(token)
+            yield token, logits[-1]
+            if self._stops(token, request.sampling):
+                return
+
     # -- the async protocol ---------------------------------------------------------------
     async def warmup(self) -> None:
         self._check_open()
@@ -103,13 +111,9 @@ class ToyModel:
     async def capture(
         self, token_ids: Sequence[int], points: Iterable[Any], *, steering_spec: SteeringSpec | None = None
     ) -> dict[Address, torch.Tensor]:
-        self._check_open()
-        ids = check_token_ids(token_ids, self.info)
-        addresses = resolve_points(points, self.info, SUPPORTED)
-        writes = check_spec(steering_spec, self.info, WRITABLE)
-        check_write_shapes(writes, len(ids), len(ids))
-        acts, _ = self._forward(ids, addresses, writes)
-        return {a: acts[a] for a in addresses}
+        request = self._check_capture(token_ids, points, steering_spec)
+        acts, _ = self._forward(request.token_ids, request.addresses, request.writes)
+        return request.keyed(acts)
 
     async def stream(
         self,
@@ -118,26 +122,23 @@ class ToyModel:
         max_tokens: int,
         n_logprobs: int = 0,
         steering_spec: SteeringSpec | None = None,
+        **sampling: Any,
     ) -> AsyncIterator[StreamStep]:
-        self._check_open()
-        n = check_max_tokens(max_tokens)
-        ids = check_token_ids(token_ids, self.info, extra=n)
-        writes = check_spec(steering_spec, self.info, WRITABLE)
-        check_write_shapes(writes, len(ids), len(ids) + n)
-        n_prompt = len(ids)
-        for _ in range(n):
-            self._check_open()
-            _, logits = self._forward(ids, (), writes, n_prompt)
-            logprobs = torch.log_softmax(logits[-1], dim=-1)
-            top = torch.topk(logprobs, n_logprobs) if n_logprobs else None
-            token = int(logits[-1].argmax())
-            ids.append(token)
-            pairs = [] if top is None else [(int(i), float(v)) for v, i in zip(top.values, top.indices, strict=True)]
+        request = self._check_generation(
+            token_ids, [], max_tokens=max_tokens, steering_spec=steering_spec, sampling=sampling, n_logprobs=n_logprobs
+        )
+        for token, logits in self._generated(request):
+            top = torch.topk(torch.log_softmax(logits, dim=-1), request.n_logprobs)
+            pairs = [(int(i), float(v)) for v, i in zip(top.values, top.indices, strict=True)]
             yield StreamStep(token, chr(token), pairs)
 
-    async def generate(self, token_ids: Sequence[int], *, max_tokens: int) -> Completion:
-        tokens = [step.token_id async for step in self.stream(token_ids, max_tokens=max_tokens)]
-        return Completion(tokens, "".join(map(chr, tokens)), "length")
+    async def generate(
+        self, token_ids: Sequence[int], *, max_tokens: int, steering_spec: SteeringSpec | None = None, **sampling: Any
+    ) -> Completion:
+        request = self._check_generation(
+            token_ids, [], max_tokens=max_tokens, steering_spec=steering_spec, sampling=sampling
+        )
+        return self._completion([token for token, _ in self._generated(request)], request.sampling)
 
     async def capture_generation(
         self,
@@ -146,39 +147,20 @@ class ToyModel:
         *,
         max_tokens: int,
         steering_spec: SteeringSpec | None = None,
+        **sampling: Any,
     ) -> tuple[Completion, dict[Address, torch.Tensor]]:
-        self._check_open()
-        points = resolve_points(points, self.info, SUPPORTED)  # before any compute
-        steps = self.stream(token_ids, max_tokens=max_tokens, steering_spec=steering_spec)
-        tokens = [step.token_id async for step in steps]
-        ids = check_token_ids(token_ids, self.info) + tokens
-        acts, _ = self._forward(ids, points, check_spec(steering_spec, self.info, WRITABLE), len(ids) - len(tokens))
-        return Completion(tokens, "".join(map(chr, tokens)), "length"), {a: acts[a] for a in points}
+        request = self._check_generation(
+            token_ids, points, max_tokens=max_tokens, steering_spec=steering_spec, sampling=sampling
+        )
+        tokens = [token for token, _ in self._generated(request)]
+        n_prompt = len(request.token_ids)
+        acts, _ = self._forward(request.token_ids + tokens, request.addresses, request.writes, n_prompt)
+        return self._completion(tokens, request.sampling), request.keyed(acts)
 
-    async def capture_attention(
-        self, token_ids: Sequence[int], layers: Iterable[int], *, steering_spec: SteeringSpec | None = None
-    ) -> dict[Address, torch.Tensor]:
-        points = [Address("attn_pattern", layer) for layer in layers]
-        return await self.capture(token_ids, points, steering_spec=steering_spec)
-
-    async def decode_residuals(
-        self, acts: torch.Tensor | Mapping[Address, torch.Tensor]
-    ) -> torch.Tensor | dict[Address, torch.Tensor]:
-        self._check_open()
-        if isinstance(acts, Mapping):
-            return {a: self._lens(t) for a, t in acts.items()}
-        return self._lens(acts)
-
-    def _lens(self, acts: Any) -> torch.Tensor:
-        if not isinstance(acts, torch.Tensor) or acts.shape[-1:] != (self.info.d_model,):
-            shape = list(acts.shape) if isinstance(acts, torch.Tensor) else type(acts).__name__
-            raise InvalidActivations(f"decode_residuals takes [..., {self.info.d_model}] tensors, got {shape}")
-        x = acts.float()
+    async def _decode_residuals(self, residuals: torch.Tensor) -> torch.Tensor:
+        x = residuals.float()
         logits: torch.Tensor = (x / x.norm(dim=-1, keepdim=True)) @ self.unembed
         return logits
-
-    async def shutdown(self) -> None:
-        self.closed = True
 
 
 def _apply(write: Write, x: torch.Tensor, n_prompt: int) -> torch.Tensor:

@@ -35,7 +35,7 @@ from .._errors import (
     UnsupportedAddress,
 )
 from .._plugins import load_model
-from .._protocol import Completion, InterpModel, StreamStep
+from .._protocol import Completion, InterpModel, StaticTaps, StreamStep
 from .._steering import SteeringSpec, Write
 from ..validation import check_spec, value_shape
 from ._asgi import BodyLimit, ClientGone, EventStream, Slots, unless_gone
@@ -259,7 +259,7 @@ def create_app(
                 f"got a model object and {sorted(load_options) + (['backend'] if backend else [])}"
             )
         given = model_or_path
-        served.name = f"{type(given).__name__} ({getattr(given, 'backend', '?')})"
+        served.name = f"{type(given).__name__} ({given.backend})"
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -386,10 +386,9 @@ def _add_routes(app: FastAPI, served: _Served) -> None:
             "addresses": addresses,
             "limits": asdict(served.limits),
         }
-        for name in ("static_points", "static_writes"):  # vllm-static: the declared taps
-            declared = getattr(model, name, None)
-            if declared is not None:
-                out[name] = [str(a) for a in declared]
+        if isinstance(model, StaticTaps):  # vllm-static: the declared taps
+            out["static_points"] = [str(a) for a in model.static_points]
+            out["static_writes"] = [str(a) for a in model.static_writes]
         return out
 
     @app.post("/v1/tokenize", response_model=TokenizeResponse, responses=_ERRORS)

@@ -1,0 +1,396 @@
+"""The shared base of every backend's model: the glue that does no compute and no I/O.
+
+:class:`ModelBase` is to the backends what httpx's ``BaseClient`` is to its two clients. It holds,
+once, what each backend would otherwise write again (and get subtly different):
+
+- the checks at the top of every request, in one order: closed model, ``n_logprobs``,
+  ``max_tokens``, token ids, sampling options, points, steering spec, write shapes
+  (:meth:`~ModelBase._check_capture`, :meth:`~ModelBase._check_generation`), each raising the
+  core's typed error before any compute;
+- the end-of-sequence ids (:meth:`~ModelBase.eos_ids_of`) and what they mean for a completion
+  (where it stops, ``finish_reason`` ``"stop"`` or ``"length"``);
+- the shapes ``decode_residuals`` takes (one tensor, or a mapping of them, all checked first);
+- ``capture_attention`` as a capture of ``attn_pattern`` addresses;
+- the lifecycle: ``shutdown()`` is idempotent and callable from any loop or thread, and every
+  call after it raises :class:`ModelClosed`.
+
+A backend subclasses it and supplies the forward passes::
+
+    class MyModel(ModelBase):
+        backend = "mine"
+
+        def __init__(self, path: str) -> None:
+            config = read_config(path)
+            super().__init__(ModelInfo(...), eos_ids=ModelBase.eos_ids_of(config))
+
+        async def capture(self, token_ids, points, *, steering_spec=None):
+            request = self._check_capture(token_ids, points, steering_spec)
+            values = run(request.token_ids, request.addresses, request.writes)  # resolved addresses
+            return request.keyed(values)  # keyed as the caller asked
+
+        # generate / capture_generation / stream: self._check_generation(...), then
+        # self._stop_index / self._completion for where the completion ends and why
+        async def _decode_residuals(self, residuals): ...  # one checked tensor [..., d_model]
+        def _close_resources(self) -> None: ...  # once, on the first shutdown()
+
+Backend-specific limits go in the class attributes ``supported_points``, ``writable_points`` and
+``sampling_options``, or in an override of :meth:`ModelBase._check_request`.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import dataclasses
+import math
+import threading
+from collections.abc import AsyncIterator, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from ._address import KINDS, Address, AddressLike
+from ._errors import InvalidAddress, InvalidOption, InvalidTokens, ModelClosed, UnsupportedAddress
+from ._protocol import Activations, Completion, ModelInfo, StreamStep
+from ._steering import SteeringSpec, Write
+from .validation import (
+    check_max_tokens,
+    check_residuals,
+    check_spec,
+    check_token_ids,
+    check_write_shapes,
+    requested_points,
+)
+
+SAMPLING_OPTIONS = ("ignore_eos", "seed", "temperature", "top_k", "top_p")
+"""The generation options every built-in backend takes (vLLM's names)."""
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """How each generated token is chosen, in vLLM's names. The defaults are greedy decoding that
+    stops at an end-of-sequence token."""
+
+    temperature: float = 0.0
+    """``0``: greedy (the default)."""
+    top_k: int = 0
+    """Keep the ``k`` most likely tokens; ``0``: off."""
+    top_p: float = 1.0
+    """Keep the smallest set of tokens whose probability reaches ``p``; ``1``: off."""
+    seed: int | None = None
+    """Seed of this request's sampling (``None``: unseeded)."""
+    ignore_eos: bool = False
+    """``True``: generate exactly ``max_tokens``, past any end-of-sequence token."""
+
+    @classmethod
+    def from_kwargs(cls, kwargs: Mapping[str, Any], allowed: Collection[str] = SAMPLING_OPTIONS) -> SamplingOptions:
+        """Checked options from a call's ``**sampling``; a name outside ``allowed`` (a subset of
+        :data:`SAMPLING_OPTIONS`) or a bad value raises ``InvalidOption`` (never silently dropped)."""
+        allowed = set(allowed) & set(SAMPLING_OPTIONS)
+        unknown = sorted(set(kwargs) - allowed)
+        if unknown:
+            raise InvalidOption(
+                f"unknown generation option(s) {', '.join(unknown)}; valid: {', '.join(sorted(allowed)) or '(none)'}"
+            )
+        options = cls(**kwargs)
+        if not _is_number(options.temperature) or options.temperature < 0:
+            raise InvalidOption(f"temperature must be a number >= 0 (0 = greedy), got {options.temperature!r}")
+        if isinstance(options.top_k, bool) or not isinstance(options.top_k, int) or options.top_k < 0:
+            raise InvalidOption(f"top_k must be an int >= 0 (0 = off), got {options.top_k!r}")
+        if not _is_number(options.top_p) or not 0 < options.top_p <= 1:
+            raise InvalidOption(f"top_p must be in (0, 1], got {options.top_p!r}")
+        if options.seed is not None and (isinstance(options.seed, bool) or not isinstance(options.seed, int)):
+            raise InvalidOption(f"seed must be an int or None, got {options.seed!r}")
+        if not isinstance(options.ignore_eos, bool):
+            raise InvalidOption(f"ignore_eos must be True or False, got {options.ignore_eos!r}")
+        return options
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def given(self) -> dict[str, Any]:
+        """The options that differ from the defaults (what the caller asked for)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) != f.default}
+
+
+@dataclass(frozen=True)
+class CheckedRequest:
+    """A request that passed the checks: what a backend runs."""
+
+    token_ids: list[int]
+    """The prompt, validated against the vocabulary and the context window."""
+    points: dict[Address, Address]
+    """Each address as the caller spelled it (strings parsed) → its resolved form."""
+    writes: list[Write]
+    """The steering spec's writes, addresses resolved, widths and shapes checked."""
+    max_tokens: int = 0
+    """Tokens to generate (``0``: a capture over the prompt only)."""
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    n_logprobs: int = 0
+
+    @property
+    def addresses(self) -> list[Address]:
+        """The resolved addresses to read, in request order, without repeats."""
+        return list(dict.fromkeys(self.points.values()))
+
+    def keyed(self, values: Mapping[Address, torch.Tensor]) -> dict[Address, torch.Tensor]:
+        """``values`` (keyed by resolved address) keyed by the addresses as requested."""
+        return {requested: values[address] for requested, address in self.points.items()}
+
+
+class ModelBase(abc.ABC):
+    """The glue every backend's model shares (module docstring); subclass it to write a backend.
+
+    Subclasses call ``super().__init__(info, eos_ids=...)``, implement the protocol's compute
+    (``warmup``, ``capture``, ``generate``, ``capture_generation``, ``stream``, the tokenizer
+    methods), ``_decode_residuals`` and, if they hold resources, ``_close_resources``.
+    """
+
+    backend: str
+    info: ModelInfo
+
+    supported_points: ClassVar[Collection[str]] = tuple(KINDS)
+    """The address kinds this backend can read."""
+    writable_points: ClassVar[Collection[str] | None] = None
+    """The address kinds a steering spec may write (``None``: every writable kind)."""
+    sampling_options: ClassVar[Collection[str]] = SAMPLING_OPTIONS
+    """The generation options this backend takes."""
+
+    def __init__(self, info: ModelInfo, *, eos_ids: Iterable[int] = ()) -> None:
+        self.info = info
+        self.eos_ids: frozenset[int] = frozenset(eos_ids)
+        self._closed = False
+        self._lifecycle_lock = threading.Lock()
+
+    # -- the end of a sequence --------------------------------------------------------------------
+    @staticmethod
+    def eos_ids_of(*sources: Any) -> frozenset[int]:
+        """The end-of-sequence ids of the first source that names any: pass the generation
+        config first, then the model config (an int, a list of ints or ``None`` in each)."""
+        for source in sources:
+            eos = getattr(source, "eos_token_id", None)
+            if eos is None:
+                continue
+            ids = eos if isinstance(eos, (list, tuple)) else [eos]
+            return frozenset(int(i) for i in ids)
+        return frozenset()
+
+    def _stops(self, token: int, sampling: SamplingOptions) -> bool:
+        """Whether generation ends at ``token`` (an end-of-sequence id, unless ``ignore_eos``)."""
+        return not sampling.ignore_eos and token in self.eos_ids
+
+    def _stop_index(self, tokens: Sequence[int], max_tokens: int, sampling: SamplingOptions) -> int:
+        """How many of ``tokens`` the completion keeps: through the first end-of-sequence id,
+        at most ``max_tokens``."""
+        for i, token in enumerate(tokens[:max_tokens]):
+            if self._stops(token, sampling):
+                return i + 1
+        return min(len(tokens), max_tokens)
+
+    def _finish_reason(self, tokens: Sequence[int], sampling: SamplingOptions) -> str:
+        """``"stop"`` if the completion ends at an end-of-sequence id, else ``"length"``."""
+        return "stop" if tokens and self._stops(tokens[-1], sampling) else "length"
+
+    def _completion(self, tokens: Sequence[int], sampling: SamplingOptions) -> Completion:
+        return Completion(list(tokens), self.completion_text(tokens), self._finish_reason(tokens, sampling))
+
+    @abc.abstractmethod
+    def completion_text(self, tokens: Sequence[int]) -> str:
+        """The text of generated ids (special tokens skipped)."""
+
+    # -- request checks ---------------------------------------------------------------------------
+    def _check_n_logprobs(self, n_logprobs: Any) -> int:
+        limit = self._max_logprobs()
+        if isinstance(n_logprobs, bool) or not isinstance(n_logprobs, int) or not 0 <= n_logprobs <= limit:
+            raise InvalidOption(f"n_logprobs must be an int from 0 to {limit} on this model, got {n_logprobs!r}")
+        return n_logprobs
+
+    def _max_logprobs(self) -> int:
+        """The most ``(token, logprob)`` pairs a stream step may carry (default: the vocabulary)."""
+        return self.info.vocab_size
+
+    def _check_sampling(self, sampling: Mapping[str, Any]) -> SamplingOptions:
+        return SamplingOptions.from_kwargs(sampling, self.sampling_options)
+
+    def _check_points(self, points: Iterable[AddressLike], *, required: bool) -> dict[Address, Address]:
+        if isinstance(points, (str, Address)):
+            points = [points]
+        try:
+            listed = list(points)
+        except TypeError:
+            raise InvalidAddress(
+                f"points must be a list of addresses (Address or strings such as 'resid_post.0'), "
+                f"got {type(points).__name__}",
+                address=points,
+            ) from None
+        if not listed and not required:
+            return {}
+        return requested_points(listed, self.info, self.supported_points)
+
+    def _check_capture(
+        self, token_ids: Any, points: Iterable[AddressLike], steering_spec: SteeringSpec | None
+    ) -> CheckedRequest:
+        """The checks at the top of a capture over the prompt (at least one point)."""
+        return self._check_capture_batch([token_ids], points, steering_spec)[0]
+
+    def _check_capture_batch(
+        self, rows: Iterable[Any], points: Iterable[AddressLike], steering_spec: SteeringSpec | None
+    ) -> list[CheckedRequest]:
+        """:meth:`_check_capture` for several prompts sharing the points and the spec."""
+        self._check_open()
+        checked = [check_token_ids(row, self.info) for row in rows]
+        if not checked:
+            raise InvalidTokens("no prompts given; a batch needs at least one row of token ids")
+        mapping = self._check_points(points, required=True)
+        writes = check_spec(steering_spec, self.info, self.writable_points)
+        requests = []
+        for ids in checked:
+            check_write_shapes(writes, len(ids), len(ids))
+            request = CheckedRequest(ids, mapping, writes)
+            self._check_request(request)
+            requests.append(request)
+        return requests
+
+    def _check_generation(
+        self,
+        token_ids: Any,
+        points: Iterable[AddressLike],
+        *,
+        max_tokens: Any,
+        steering_spec: SteeringSpec | None,
+        sampling: Mapping[str, Any],
+        n_logprobs: Any = 0,
+    ) -> CheckedRequest:
+        """The checks at the top of ``generate`` / ``capture_generation`` / ``stream`` (points
+        may be empty: then nothing is captured)."""
+        self._check_open()
+        n_logprobs = self._check_n_logprobs(n_logprobs)
+        max_tokens = check_max_tokens(max_tokens)
+        ids = check_token_ids(token_ids, self.info, extra=max_tokens)
+        options = self._check_sampling(sampling)
+        mapping = self._check_points(points, required=False)
+        writes = check_spec(steering_spec, self.info, self.writable_points)
+        check_write_shapes(writes, len(ids), len(ids) + max_tokens)
+        request = CheckedRequest(ids, mapping, writes, max_tokens, options, n_logprobs)
+        self._check_request(request)
+        return request
+
+    def _check_request(self, request: CheckedRequest) -> None:  # noqa: B027 (an optional hook)
+        """A backend's own limits on a request that passed the shared checks (raise to refuse)."""
+
+    # -- the protocol: what each backend computes -------------------------------------------------
+    @abc.abstractmethod
+    def to_tokens(self, text: str | Sequence[str]) -> torch.Tensor:
+        """Token ids ``[1, n]`` (a list of texts: ``[batch, n_max]``, right-padded)."""
+
+    @abc.abstractmethod
+    def to_string(self, tokens: Any) -> str | list[str]:
+        """Text of ids (a 2-D input gives one string per row)."""
+
+    @abc.abstractmethod
+    def to_str_tokens(self, tokens: Any) -> list[str]:
+        """One string per token, of a text or of ids."""
+
+    @abc.abstractmethod
+    async def warmup(self) -> None:
+        """Build the engine now, on the running loop."""
+
+    @abc.abstractmethod
+    async def capture(
+        self, token_ids: Sequence[int], points: Iterable[AddressLike], *, steering_spec: SteeringSpec | None = None
+    ) -> Activations:
+        """Activations at ``points`` over the prompt tokens."""
+
+    @abc.abstractmethod
+    async def generate(self, token_ids: Sequence[int], *, max_tokens: int, **sampling: Any) -> Completion:
+        """A completion, greedy unless sampling options are given."""
+
+    @abc.abstractmethod
+    async def capture_generation(
+        self,
+        token_ids: Sequence[int],
+        points: Iterable[AddressLike],
+        *,
+        max_tokens: int,
+        steering_spec: SteeringSpec | None = None,
+        **sampling: Any,
+    ) -> tuple[Completion, Activations]:
+        """A completion and activations over prompt + every generated token."""
+
+    @abc.abstractmethod
+    def stream(
+        self,
+        token_ids: Sequence[int],
+        *,
+        max_tokens: int,
+        n_logprobs: int = 0,
+        steering_spec: SteeringSpec | None = None,
+        **sampling: Any,
+    ) -> AsyncIterator[StreamStep]:
+        """Generated tokens one at a time, each with its top-n logprobs."""
+
+    async def capture_attention(
+        self, token_ids: Sequence[int], layers: Iterable[int], *, steering_spec: SteeringSpec | None = None
+    ) -> Activations:
+        """Attention probabilities ``[heads, q, k]`` keyed by ``Address("attn_pattern", L)``,
+        under ``steering_spec`` if given."""
+        self._check_open()
+        if isinstance(layers, int):
+            layers = [layers]
+        points = [Address("attn_pattern", layer) for layer in layers]
+        if not points:
+            raise UnsupportedAddress(
+                "capture_attention needs at least one layer", address=None, valid=f"0..{self.info.n_layers - 1}"
+            )
+        return await self.capture(token_ids, points, steering_spec=steering_spec)
+
+    async def decode_residuals(
+        self, acts: torch.Tensor | Mapping[Address, torch.Tensor]
+    ) -> torch.Tensor | dict[Address, torch.Tensor]:
+        """Final norm + unembedding of residual-stream vectors ``[..., d_model]`` (the logit
+        lens); a mapping is decoded value by value, every value checked before any is decoded."""
+        self._check_open()
+        if isinstance(acts, Mapping):
+            checked = {address: check_residuals(value, self.info) for address, value in acts.items()}
+            return {address: await self._decode_residuals(value) for address, value in checked.items()}
+        return await self._decode_residuals(check_residuals(acts, self.info))
+
+    @abc.abstractmethod
+    async def _decode_residuals(self, residuals: torch.Tensor) -> torch.Tensor:
+        """Logits ``[..., vocab]`` (float32, CPU) of one checked tensor ``[..., d_model]``."""
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        """Whether the model was shut down."""
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise self._closed_error()
+
+    def _closed_error(self) -> ModelClosed:
+        return ModelClosed(f"this {self.backend} model was shut down; load it again")
+
+    async def shutdown(self) -> None:
+        """Release the model; idempotent, callable from any loop or thread (the release runs
+        off the event loop)."""
+        await asyncio.to_thread(self.close)
+
+    def close(self) -> None:
+        """Release the model now, blocking; idempotent and thread-safe. Every later call on the
+        model raises ``ModelClosed``."""
+        with self._lifecycle_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._close_resources()
+
+    def _close_resources(self) -> None:  # noqa: B027 (an optional hook)
+        """Free what the model holds (weights, engine, processes); runs once, on the first close."""
