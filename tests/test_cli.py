@@ -242,7 +242,7 @@ def test_demo_defaults_to_the_shipped_model_and_writes_plots(
     status, out, err = interp(capsys, "demo", "--out", str(tmp_path), "--max-tokens", "2", "--induction-length", "6")
     assert status == 0, err
     assert asked == ["interp:tiny"]
-    for heading in ("1. capture", "2. logit lens", "3. attention", "4. steering", "strongest: layer"):
+    for heading in ("1. capture", "2. logit lens", "3. attention", "4. heads", "5. steering", "strongest: layer"):
         assert heading in out
     assert "steered prompt" in out and "plain:" in out
     assert is_png(tmp_path / "lens.png") and is_png(tmp_path / "induction.png")
@@ -329,7 +329,7 @@ def test_commands_on_a_third_party_backend(capsys: pytest.CaptureFixture[str], t
     assert "resid_post.2" in out
     status, out, err = interp(capsys, "demo", "toy", *toy, "--prompt", "abc", "--contrast", "xyz")
     assert status == 0, err
-    assert "skipped:" in out and "4. steering" in out
+    assert "skipped:" in out and "5. steering" in out
     status, _, err = interp(capsys, "attention", "toy", "hello", "--layer", "0", *toy)
     assert status == 1 and "attn_pattern.0" in our_lines(err)[0]
     out_file = tmp_path / "toy.safetensors"

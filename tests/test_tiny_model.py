@@ -280,5 +280,15 @@ def test_the_tiny_model_on_vllm_answers_and_steers_like_eager() -> None:
         spec = SteeringSpec([Write(point, germany - france[point][-1], op="add", positions=[-1])])
         assert model.generate(_ids(FRANCE), max_tokens=1).text == " Paris"
         assert model.generate(_ids(FRANCE), max_tokens=1, steering_spec=spec).text == " Berlin"
+        # the circuit on vLLM too: zero-ablating the previous-token head 0.0 silences induction head 1.0
+        from interp_engine.cli._demo import head_scores, repeated_random
+
+        ids, start = repeated_random(model, 16, 0)
+        plain, _ = head_scores(model, ids, start, [1])
+        off = SteeringSpec([Write("attn_z.0", torch.zeros(model.info.d_head), op="set", heads=[0])])
+        ablated, _ = head_scores(model, ids, start, [1], off)
+        eager_ablated, _ = head_scores(tiny(), ids, start, [1], off)
+        assert float(plain[0, 0]) > 0.5 and float(ablated[0, 0]) < 0.2
+        assert torch.allclose(ablated, eager_ablated, atol=1e-4)
     finally:
         model.shutdown()

@@ -29,22 +29,40 @@ PROMPT = "The capital of France is"
 CONTRAST = "The capital of Germany is"
 
 
-def induction_scores(sync: SyncModel, length: int, seed: int) -> tuple[torch.Tensor, list[int], int]:
-    """Attention of every head from each token of a repeated random sequence to the token after
-    its earlier copy (an induction head's signature): ``[layers, heads]``, the ids, the offset."""
+def repeated_random(sync: SyncModel, length: int, seed: int) -> tuple[list[int], int]:
+    """A random block of ``length`` tokens shown twice (after any BOS), and where it starts."""
     info = sync.model.info
     prefix: list[int] = sync.to_tokens("")[0].tolist()  # the tokenizer's BOS, if it adds one
     generator = torch.Generator().manual_seed(seed)
     low = min(100, info.vocab_size // 2)
     block = torch.randint(low, info.vocab_size, (length,), generator=generator).tolist()
-    ids = prefix + block + block
-    start = len(prefix)
-    acts = sync.capture_attention(ids, list(range(info.n_layers)))
+    return prefix + block + block, len(prefix)
+
+
+def head_scores(
+    sync: SyncModel, ids: list[int], start: int, layers: list[int], spec: SteeringSpec | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per head of ``layers``, ``[len(layers), heads]`` each: the induction score (mean attention
+    from each token of the second copy to the token after its earlier copy) and the
+    previous-token score (mean attention to the previous token), under an optional steering spec."""
+    length = (len(ids) - start) // 2
+    acts = sync.capture_attention(ids, layers, steering_spec=spec)
     queries = torch.arange(start + length, start + 2 * length)
-    keys = queries - length + 1
-    scores = torch.stack(
-        [acts[Address("attn_pattern", layer)][:, queries, keys].mean(-1) for layer in range(info.n_layers)]
+    everyone = torch.arange(start + 1, start + 2 * length)
+    induction = torch.stack(
+        [acts[Address("attn_pattern", layer)][:, queries, queries - length + 1].mean(-1) for layer in layers]
     )
+    previous = torch.stack(
+        [acts[Address("attn_pattern", layer)][:, everyone, everyone - 1].mean(-1) for layer in layers]
+    )
+    return induction, previous
+
+
+def induction_scores(sync: SyncModel, length: int, seed: int) -> tuple[torch.Tensor, list[int], int]:
+    """Every head's induction score on a repeated random sequence (an induction head's
+    signature): ``[layers, heads]``, the ids, the offset."""
+    ids, start = repeated_random(sync, length, seed)
+    scores, _ = head_scores(sync, ids, start, list(range(sync.model.info.n_layers)))
     return scores, ids, start
 
 
@@ -67,13 +85,13 @@ def section_capture(sync: SyncModel, ids: list[int]) -> list[Address]:
     return points
 
 
-def section_attention(sync: SyncModel, length: int, seed: int) -> tuple[list[int], tuple[int, int], float] | None:
+def section_attention(sync: SyncModel, length: int, seed: int) -> tuple[list[int], int, tuple[int, int], float] | None:
     print(
         f"\n3. attention: induction score of each head on {length} random tokens repeated "
         "(mean attention from a token to the one after its earlier copy; 1.0 is a perfect induction head)\n"
     )
     try:
-        scores, rand_ids, _ = induction_scores(sync, length, seed)
+        scores, rand_ids, start = induction_scores(sync, length, seed)
     except UnsupportedAddress as exc:
         print(f"   skipped: {exc}")
         return None
@@ -81,7 +99,38 @@ def section_attention(sync: SyncModel, length: int, seed: int) -> tuple[list[int
     rows = [[f"layer {i}", *[f"{float(s):.2f}" for s in scores[i]]] for i in range(scores.shape[0])]
     print(table(["", *[f"head {h}" for h in range(scores.shape[1])]], rows))
     print(f"\n   strongest: layer {best[0]} head {best[1]} ({float(scores[best]):.2f})")
-    return rand_ids, best, float(scores[best])
+    return rand_ids, start, best, float(scores[best])
+
+
+def section_heads(
+    sync: SyncModel, rand_ids: list[int], start: int, best: tuple[int, int], score: float, n_ablate: int
+) -> None:
+    """Zero-ablate the strongest previous-token heads below the induction head, one at a time,
+    and show what is left of its induction score (the circuit: a previous-token head feeds it)."""
+    layer, head = best
+    print(
+        f"\n4. heads: zero-ablate one earlier head at a time (attn_z set to 0 for that head) and measure "
+        f"layer {layer} head {head}'s induction score again ({score:.2f} unablated)\n"
+    )
+    if layer == 0:
+        print("   skipped: the strongest induction head is in layer 0; no earlier head can feed it")
+        return
+    info = sync.model.info
+    _, previous = head_scores(sync, rand_ids, start, list(range(layer)))
+    order = previous.flatten().argsort(descending=True)[:n_ablate].tolist()
+    rows = []
+    for index in order:
+        src_layer, src_head = divmod(index, info.n_heads)
+        off = SteeringSpec([Write(Address("attn_z", src_layer), torch.zeros(info.d_head), op="set", heads=[src_head])])
+        after, _ = head_scores(sync, rand_ids, start, [layer], off)
+        rows.append(
+            [
+                f"layer {src_layer} head {src_head}",
+                f"{float(previous[src_layer, src_head]):.2f}",
+                f"{float(after[0, head]):.2f}",
+            ]
+        )
+    print(table(["ablated head", "previous-token score", f"induction score of {layer}.{head}"], rows))
 
 
 def section_steering(sync: SyncModel, ids: list[int], contrast: str, layer: int, scale: float, max_tokens: int) -> None:
@@ -94,7 +143,7 @@ def section_steering(sync: SyncModel, ids: list[int], contrast: str, layer: int,
     plain = sync.capture(ids, [logits])[logits][-1]
     steered = sync.capture(ids, [logits], steering_spec=spec)[logits][-1]
     print(
-        f"\n4. steering: add {scale:g} x (resid_post.{layer} of {contrast!r} - resid_post.{layer} of the prompt), "
+        f"\n5. steering: add {scale:g} x (resid_post.{layer} of {contrast!r} - resid_post.{layer} of the prompt), "
         "at the prompt's last token\n"
     )
     target = sync.capture(other, [logits])[logits][-1]
@@ -132,6 +181,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(lens_top_k(sync, lens, len(ids) - 1, 3))
 
         induction = section_attention(sync, args.induction_length, args.seed)
+        if induction is not None:
+            section_heads(sync, *induction, args.ablate_heads)
 
         section_steering(sync, ids, args.contrast, layer, args.scale, args.max_tokens)
 
@@ -139,7 +190,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             print()
             plot_lens(figure, sync, lens, list(range(len(ids))), args.out, "lens.png")
             if induction is not None:
-                rand_ids, (layer_, head), score = induction
+                rand_ids, _, (layer_, head), score = induction
                 pattern = sync.capture_attention(rand_ids, [layer_])[Address("attn_pattern", layer_)]
                 title = f"layer {layer_} on repeated random tokens (head {head}: induction {score:.2f})"
                 plot_heads(figure, pattern, sync.to_str_tokens(rand_ids), title, args.out, "induction.png")
@@ -152,8 +203,8 @@ def add_demo(sub: Any) -> None:
         help="a tour: capture, logit lens, attention and steering, as tables and PNGs",
         description="A tour of one model: the residual stream's norm through the layers, the logit "
         "lens at the prompt's last token, each head's induction score on repeated random tokens, "
-        "and steering with the difference of two prompts' residuals. Writes lens.png and "
-        "induction.png to --out.",
+        "what zero-ablating the earlier previous-token heads leaves of the strongest one, and "
+        "steering with the difference of two prompts' residuals. Writes lens.png and induction.png to --out.",
         epilog="example: interp demo --out demo-plots   (or: interp demo path/to/model --prompt '...')",
     )
     parser.add_argument(
@@ -170,6 +221,9 @@ def add_demo(sub: Any) -> None:
         "--induction-length", type=int, default=16, help="random tokens repeated for the induction test"
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random tokens (0)")
+    parser.add_argument(
+        "--ablate-heads", type=int, default=3, help="earlier heads ablated one at a time against the induction head (3)"
+    )
     add_plot_options(parser, "interp-demo")
     add_model_options(parser)
     parser.set_defaults(func=cmd_demo)
