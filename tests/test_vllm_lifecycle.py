@@ -539,3 +539,47 @@ def test_decode_last_layer_resid_post_equals_hf_logits(seed_engine: Any) -> None
     assert isinstance(completion, Completion)
     full = ids + completion.token_ids
     assert hf_forward(path, full).logits[0, len(ids) - 1 : -1].argmax(-1).tolist() == completion.token_ids
+
+
+EXIT_SCRIPT = """
+import asyncio
+import sys
+
+from interp_engine import load_model, sync_model
+
+
+async def main(path):
+    model = load_model(path, backend="vllm")
+    completion = await model.generate(model.to_tokens("Hello there")[0].tolist(), max_tokens=3)
+    assert completion.token_ids
+    await model.shutdown()
+
+
+if __name__ == "__main__":
+    asyncio.run(main(sys.argv[1]))
+    facade = sync_model(load_model(sys.argv[1], backend="vllm"))
+    assert facade.generate(facade.to_tokens("Hello there")[0].tolist(), max_tokens=3).token_ids
+    facade.shutdown()
+    print("exiting")
+"""
+
+
+def test_a_script_that_shuts_down_exits_without_a_traceback(tmp_path: pathlib.Path) -> None:
+    """Load, generate, shut down (awaited, then through a sync facade) and exit: nothing on
+    stderr from vLLM's ``AsyncLLM.__del__`` at interpreter teardown (it used to print
+    ``TypeError: 'NoneType' object is not callable`` after every shutdown)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "generate_and_exit.py"
+    script.write_text(EXIT_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script), str(vllm_model_path("gpt2"))],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.rstrip().endswith("exiting")
+    for marker in ("Traceback", "TypeError", "Exception ignored"):
+        assert marker not in done.stderr, done.stderr[-4000:]

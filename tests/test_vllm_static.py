@@ -48,10 +48,25 @@ POINTS = [
     "mlp_out.2",
     "mlp_post.0",
     "attn_pattern.1",
+    "attn_q.1",
+    "attn_k.1",
+    "attn_v.0",
+    "attn_z.1",
+    "attn_z.2",
     "final_norm",
     "logits",
 ]
-WRITES = ["embed", "resid_pre.1", "resid_mid.1", "resid_post.1", "attn_out.1", "mlp_out.2", "mlp_post.0"]
+WRITES = [
+    "embed",
+    "resid_pre.1",
+    "resid_mid.1",
+    "resid_post.1",
+    "attn_out.1",
+    "mlp_out.2",
+    "mlp_post.0",
+    "attn_v.0",
+    "attn_z.1",
+]
 LONG = " ".join(["the quick brown fox jumps over the lazy dog"] * 12)  # > 64 tokens: chunked prefill
 
 
@@ -100,6 +115,19 @@ def _specs(info: Any) -> list[SteeringSpec]:
         SteeringSpec([Write("embed", vec(), op="add", scale=2.0), Write("attn_out.1", vec(), op="ablate")]),
         SteeringSpec([Write("resid_pre.1", vec(), op="add", positions="generated", scale=8.0)]),
         SteeringSpec([Write("mlp_out.2", vec(), op="add", scale=3.0, positions=[-1])]),
+        # heads: zero-ablation, per-head rows with an ablation on another head, a per-position
+        # patch of one head, and a value head (a key/value head under GQA)
+        SteeringSpec([Write("attn_z.1", torch.zeros(info.d_head), op="set", heads=[0])]),
+        SteeringSpec(
+            [
+                Write("attn_z.1", vec(info.d_head, rows=2), op="add", scale=2.0, heads=[1, 3]),
+                Write("attn_z.1", vec(info.d_head), op="ablate", heads=[0]),
+            ]
+        ),
+        SteeringSpec(
+            [Write("attn_z.1", vec(info.d_head, rows=3).unsqueeze(1), op="set", heads=[2], positions=[0, 1, 2])]
+        ),
+        SteeringSpec([Write("attn_v.0", vec(info.d_head), op="add", scale=3.0, heads=[info.n_kv_heads - 1])]),
     ]
 
 

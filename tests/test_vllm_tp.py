@@ -217,3 +217,35 @@ def test_tp2_stream_logprobs_equal_tp1(tp: tuple[Any, Any]) -> None:
         assert [t for t, _ in b.logprobs] == [t for t, _ in a.logprobs]
         for (_, x), (_, y) in zip(a.logprobs, b.logprobs, strict=True):
             assert abs(x - y) <= 1e-4
+
+
+def test_tp2_heads_equal_tp1(tp: tuple[Any, Any]) -> None:
+    """Head reads are gathered over the ranks that hold them; head writes go to the rank that
+    holds each head (2 query heads and 1 key/value head per rank here)."""
+    one, two = tp
+    ids = one.to_tokens(PROMPT)[0].tolist()
+    d_head = one.info.d_head
+    points = [Address(kind, layer) for layer in range(N_LAYERS) for kind in ("attn_q", "attn_k", "attn_v", "attn_z")]
+    ref, got = one.capture(ids, points), two.capture(ids, points)
+    for point in points:
+        assert got[point].shape == ref[point].shape, point
+        assert rel_diff(got[point], ref[point]) <= TOL, point
+    gen = torch.Generator().manual_seed(2)
+    donor = one.capture(LONG[:8], ["attn_z.1"])[Address("attn_z", 1)][:3, [3]]
+    specs = [
+        # heads on both ranks, one row per head, and an ablation on a third head
+        SteeringSpec(
+            [
+                Write("attn_z.1", torch.randn(2, d_head, generator=gen), op="add", scale=2.0, heads=[1, 2]),
+                Write("attn_z.1", torch.randn(d_head, generator=gen), op="ablate", heads=[3]),
+            ]
+        ),
+        SteeringSpec([Write("attn_z.2", torch.zeros(d_head), op="set", heads=[0])]),  # rank 0 only
+        SteeringSpec([Write("attn_z.1", donor, op="set", heads=[3], positions=[0, 1, 2])]),  # rank 1 only
+        SteeringSpec([Write("attn_v.0", torch.randn(d_head, generator=gen), op="add", scale=3.0, heads=[1])]),
+    ]
+    for spec in specs:
+        a = one.capture(ids, ["attn_z.2", "logits"], steering_spec=spec)
+        b = two.capture(ids, ["attn_z.2", "logits"], steering_spec=spec)
+        for point in a:
+            assert rel_diff(b[point], a[point]) <= TOL, (spec, point)

@@ -32,6 +32,8 @@ from interp_engine import KINDS, Address, Write
 
 Where = Literal["layer_in", "layer_out", "input", "output", "model_out"]
 Shard = Literal["last", "heads", "kv_heads"]
+HookKey = tuple[Where, str | None, int]
+"""``(where, module field, layer)``: addresses with equal keys are served by one hook."""
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,7 @@ def site_of(address: Address) -> VllmSite:
     return SITES[address.kind]
 
 
-def hook_key(address: Address) -> tuple[Where, str | None, int]:
+def hook_key(address: Address) -> HookKey:
     """The hook an address is served at: addresses with equal keys share one hook."""
     site = SITES[address.kind]
     return site.where, site.module, address.layer or 0

@@ -9,9 +9,11 @@ so everything that changes per request must live in tensors the host fills befor
   ``index[t]``, and ``x' = x * keep[s] - ablate[s] * (x . u[s]) u[s] + shift[s]``. Slot 0 is the
   identity and a token at slot 0 gets ``x`` itself back (a ``where``), bit for bit.
 
-Several writes at one address and token compose into one slot (:func:`compose`): ``add`` moves the
-shift, ``set`` makes the slot constant, ``ablate`` sets the direction (two ablations along
-different directions at one token cannot share a slot and are refused).
+Several writes at one address and token compose into one slot (:func:`compose`, the core's
+:class:`~interp_engine._writes.Affine`): ``add`` moves the shift, ``set`` makes the slot
+constant, ``ablate`` sets the direction (two ablations along different directions at one token
+cannot share a slot and are refused). At a head address a "token" is one head of one token: the
+table's rows are ``d_head`` wide and its index has one entry per (token, head).
 
 Both are ``nn.Module`` s whose ``forward`` is pure tensor work: the same objects serve vLLM's
 compiled runner and ``bench/gpu_static_taps.py`` (an HF model under ``torch.cuda.CUDAGraph``).
@@ -21,13 +23,14 @@ runs between steps.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from interp_engine import Address, InvalidSteering, Write
+from interp_engine._writes import Affine
 from interp_engine.validation import write_positions
 
 
@@ -53,82 +56,75 @@ class StaticTap(nn.Module):
         return self.buffer[start:end].to("cpu", torch.float32, copy=True)
 
 
-@dataclass
-class SlotOp:
-    """One slot's affine map ``x -> keep * x - ablate * (x . direction) direction + shift``."""
-
-    keep: float
-    ablate: float
-    direction: torch.Tensor  # unit, or zeros
-    shift: torch.Tensor
-
-    @classmethod
-    def identity(cls, width: int) -> SlotOp:
-        return cls(1.0, 0.0, torch.zeros(width), torch.zeros(width))
-
-
-def compose(steps: Sequence[tuple[Write, torch.Tensor]], width: int) -> SlotOp:
-    """The single slot equal to applying ``(write, vector)`` steps in order (float32, CPU)."""
-    op = SlotOp.identity(width)
+def compose(steps: Sequence[tuple[Write, torch.Tensor]], width: int) -> Affine:
+    """The single slot equal to applying ``(write, vector)`` steps in order (the core's algebra)."""
+    op = Affine.identity(width)
     for write, vector in steps:
-        v = vector.detach().to("cpu", torch.float32).reshape(width) * 1.0
-        if write.op == "add":
-            op.shift = op.shift + write.scale * v
-        elif write.op == "set":
-            op = SlotOp(0.0, 0.0, torch.zeros(width), write.scale * v)
-        else:
-            unit = v / v.norm()
-            c = float(write.scale)
-            if op.ablate == 0.0:
-                op = SlotOp(op.keep, c * op.keep, unit, op.shift - c * (op.shift @ unit) * unit)
-            elif abs(float(op.direction @ unit)) > 1 - 1e-6:  # the same line: ablations stack
-                u = op.direction
-                op = SlotOp(op.keep, op.ablate + c * (op.keep - op.ablate), u, op.shift - c * (op.shift @ u) * u)
-            else:
-                raise InvalidSteering(
-                    f"two ablations along different directions at {write.address} on the same token "
-                    "cannot be combined by vllm-static; apply them at different addresses or use the vllm backend"
-                )
+        op = op.then(write.op, write.scale, vector)
     return op
 
 
 @dataclass
 class SitePlan:
-    """A request's writes at one address: ``combo[p]`` is the slot op (1-based into ``ops``)
-    position ``p`` uses, 0 where no write touches it."""
+    """A request's writes at one address over its units (positions, or positions x heads at a
+    head address, unit ``p * heads + h``): ``combo[u]`` is the slot op (1-based into ``ops``)
+    unit ``u`` uses, 0 where no write touches it."""
 
-    combo: torch.Tensor  # [n_total] long
-    ops: list[SlotOp]
+    combo: torch.Tensor  # [n_total * heads] long
+    ops: list[Affine]
+    heads: int = 1
 
 
-def plan_writes(writes: Sequence[Write], n_prompt: int, n_total: int) -> dict[Address, SitePlan]:
-    """Group a request's writes by address and fold each position's writes into one slot op;
-    positions touched by the same writes with the same vector rows share a slot."""
+def _units(write: Write, n_prompt: int, n_total: int, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The units a write touches and, for each, the row of its vector (flattened to
+    ``[-1, width]``) that applies there."""
+    positions = torch.tensor([p for p in write_positions(write, n_prompt, n_total) if p < n_total], dtype=torch.long)
+    selected = torch.tensor(write.heads if write.heads is not None else range(heads), dtype=torch.long)
+    m, k = len(positions), len(selected)
+    units = positions[:, None] * heads + selected[None, :]
+    if write.per_position:
+        rows = torch.arange(m * k).view(m, k)
+    elif write.head_rows is not None:
+        rows = torch.arange(k)[None, :].expand(m, k)
+    else:
+        rows = torch.zeros(m, k, dtype=torch.long)
+    return units.flatten(), rows.flatten()
+
+
+def plan_writes(
+    writes: Sequence[Write], n_prompt: int, n_total: int, heads_of: Callable[[Address], int] | None = None
+) -> dict[Address, SitePlan]:
+    """Group a request's writes by address and fold each unit's writes into one slot op;
+    units touched by the same writes with the same vector rows share a slot. ``heads_of`` gives
+    the number of heads of a head address (per-head writes fold per head)."""
     plans: dict[Address, SitePlan] = {}
     for address in dict.fromkeys(w.address for w in writes):
         here = [w for w in writes if w.address == address]
-        rows = torch.full((len(here), n_total), -1, dtype=torch.long)
+        heads = heads_of(address) if address.info.per_head and heads_of is not None else 1
+        if address.info.per_head and heads_of is None:
+            raise ValueError("plan_writes needs heads_of for a head address")
+        rows = torch.full((len(here), n_total * heads), -1, dtype=torch.long)
         for i, write in enumerate(here):
-            positions = [p for p in write_positions(write, n_prompt, n_total) if p < n_total]
-            index = torch.tensor(positions, dtype=torch.long)
-            rows[i, index] = torch.arange(len(positions)) if write.vector.dim() == 2 else 0
+            units, vector_rows = _units(write, n_prompt, n_total, heads)
+            rows[i, units] = vector_rows
         keys, combo = torch.unique(rows, dim=1, return_inverse=True)
         untouched = (keys == -1).all(0)
         # renumber: untouched -> 0, the others 1..k in order of first use
         order = torch.cumsum((~untouched).long(), 0) * (~untouched).long()
+        width = here[0].width
+        flat = [write.vector.reshape(-1, width) for write in here]
         ops = []
-        width = here[0].vector.shape[-1]
         for column in range(keys.shape[1]):
             if untouched[column]:
                 continue
             steps = [
-                (write, write.vector[int(r)] if write.vector.dim() == 2 else write.vector)
-                for write, r in zip(here, keys[:, column].tolist(), strict=True)
+                (write, vectors[int(r)])
+                for write, vectors, r in zip(here, flat, keys[:, column].tolist(), strict=True)
                 if r >= 0
             ]
             ops.append(compose(steps, width))
         if ops:  # writes that touch no position of this sequence (e.g. "generated" in a capture) need nothing
-            plans[address] = SitePlan(order[combo], ops)
+            plans[address] = SitePlan(order[combo], ops, heads)
     return plans
 
 
@@ -181,10 +177,10 @@ class StaticWrites(nn.Module):
 
     def release(self, slots: Sequence[int]) -> None:
         for slot in slots:
-            self.fill(slot, SlotOp.identity(self.width))
+            self.fill(slot, Affine.identity(self.width))
             self._free.append(slot)
 
-    def fill(self, slot: int, op: SlotOp, part: slice | None = None) -> None:
+    def fill(self, slot: int, op: Affine, part: slice | None = None) -> None:
         """Write ``op`` into ``slot``; ``part`` picks this shard's columns of its vectors."""
         part = part or slice(None)
         self.keep[slot] = op.keep

@@ -21,19 +21,21 @@ import torch
 
 from interp_engine import (
     Address,
+    CheckedRequest,
     InvalidOption,
     InvalidSteering,
     StaticConfigError,
-    SteeringSpec,
     UndeclaredAddress,
     UnsupportedAddress,
     Write,
 )
-from interp_engine.validation import requested_points
+from interp_engine.validation import heads_of, requested_points
 
 from ._model import ENGINE_DEFAULTS, VllmModel
+from ._sites import POINT_KINDS as STATIC_POINT_KINDS
+from ._sites import STATIC_WRITE_KINDS
 from ._static import plan_writes
-from ._static_worker import CONFIG_KEY, STATIC_POINT_KINDS, STATIC_WRITE_KINDS
+from ._static_worker import CONFIG_KEY
 from ._wire import RequestPayload
 
 DEFAULT_SLOTS = 256
@@ -152,12 +154,10 @@ class StaticVllmModel(VllmModel):
         return problem
 
     # -- requests: checked against the declaration ------------------------------------------------
-    def _prepare(
-        self, token_ids: Sequence[int], points: Iterable[Any], spec: SteeringSpec | None, extra: int
-    ) -> tuple[list[int], dict[Address, Address], list[Write]]:
-        ids, mapping, writes = super()._prepare(token_ids, points, spec, extra)
+    def _check_request(self, request: CheckedRequest) -> None:
+        super()._check_request(request)
         declared = set(self.static_points)
-        for requested, address in mapping.items():
+        for requested, address in request.points.items():
             if address not in declared:
                 raise UndeclaredAddress(
                     f"{requested} is not a capture point of this vllm-static engine; declared: "
@@ -166,7 +166,7 @@ class StaticVllmModel(VllmModel):
                     address=requested,
                     valid=tuple(str(a) for a in self.static_points),
                 )
-        for write in writes:
+        for write in request.writes:
             if write.address not in self._writes:
                 raise UndeclaredAddress(
                     f"cannot write at {write.address}: not a write point of this vllm-static engine; "
@@ -174,7 +174,6 @@ class StaticVllmModel(VllmModel):
                     address=write.address,
                     valid=tuple(str(a) for a in self.static_writes),
                 )
-        return ids, mapping, writes
 
     def _payload(
         self, rid: str, points: Iterable[Address], writes: list[Write], n_prompt: int, n_total: int
@@ -186,7 +185,8 @@ class StaticVllmModel(VllmModel):
                     "ablate at mlp_post is not available under tensor parallelism on vllm-static "
                     "(the neurons are split across ranks); use add or set there"
                 )
-            needs = {a: len(plan.ops) for a, plan in plan_writes(writes, n_prompt, n_total).items()}
+            plans = plan_writes(writes, n_prompt, n_total, lambda a: heads_of(a, self.info))
+            needs = {a: len(plan.ops) for a, plan in plans.items()}
             for address, need in needs.items():
                 if need > self.static_write_slots:
                     raise InvalidSteering(

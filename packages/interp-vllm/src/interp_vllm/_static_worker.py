@@ -2,11 +2,13 @@
 
 Installed right after the model runner loads the model (before ``warming_up_model()`` traces
 and compiles it, and before CUDA graphs are captured), so the taps are part of the compiled
-graph. Every hook is pure tensor work on buffers registered on the hooked modules:
+graph. They are placed by the same site table as the dynamic backend's (:mod:`._sites`), one
+hook per site, and every hook is pure tensor work on buffers registered on the hooked modules:
 
 - a capture point copies its rows into a :class:`StaticTap` buffer every step;
-- a write point runs a :class:`StaticWrites` table whose per-token index the host fills
-  before each step (slot 0 everywhere for tokens of unsteered requests: bit-identical);
+- a write point runs a :class:`StaticWrites` table whose per-token index (per token and head,
+  at a head address) the host fills before each step (slot 0 for tokens of unsteered requests:
+  bit-identical);
 - ``attn_pattern`` taps the post-rotary queries and keys; ``final_norm`` and ``logits`` are read
   from the forward's output, as in the dynamic backend.
 
@@ -16,19 +18,28 @@ run the compiled forward, read each capturing request's rows out of the buffers.
 
 vLLM's deferred residual is handled in-graph: a write on ``resid_pre``/``resid_post`` gives
 ``(where(steered, new_stream, hidden), where(steered, 0, residual))``.
+
+Invariant: :func:`keep_inductor_mutation_order` runs in the worker before vLLM compiles the model
+(here, when the :class:`StaticTapManager` is built). The hooks read tensors that opaque ops wrote
+in place (on CPU every vLLM linear is ``onednn_mm(out, ...)`` into a preallocated buffer; the
+``resid_mid`` stash is our own buffer); without it torch 2.13's Inductor may schedule such a read
+before the write, silently.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from interp_engine import Address, SteeringSpec
+from interp_engine import Address
 
+from ._sites import SITES, HookKey, VllmSite, hook_key, owned_heads
 from ._static import StaticTap, StaticWrites, plan_writes
 from ._wire import Fetched, RequestPayload
 from ._worker import RequestTaps, TapManager, _arg, _get, _Hook, _set_arg, _Slice
@@ -38,20 +49,38 @@ logger = logging.getLogger(__name__)
 CONFIG_KEY = "interp_engine_static"
 """The ``additional_config`` entry that declares the static taps (part of vLLM's compile hash)."""
 
-# where each kind lives: (site, the module hooked relative to the decoder layer)
-_SITE = {
-    "embed": "layer_pre",
-    "resid_pre": "layer_pre",
-    "resid_post": "layer_post",
-    "attn_out": "attn",
-    "resid_mid": "attn",
-    "mlp_out": "mlp",
-    "mlp_post": "down",
-    "attn_pattern": "kernel",
-}
-OUTPUT_KINDS = ("final_norm", "logits")
-STATIC_WRITE_KINDS = ("embed", "resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "mlp_post")
-STATIC_POINT_KINDS = (*_SITE, *OUTPUT_KINDS)
+
+def keep_inductor_mutation_order() -> None:
+    """Make Inductor keep every read of a buffer after the op that mutated it (pytorch#185509).
+
+    Inductor orders a read of a buffer that an earlier node mutated through the reading node's
+    ``mutation_renames``. In torch 2.13 (fixed upstream by pytorch#185873) a scheduler node that
+    re-derives its loop body (``SchedulerNode._compute_attrs``: the CPU backend does it in
+    ``recompute_size_and_body`` to fuse nodes with different loop ranges) re-extracts its reads
+    under the buffers' original names and re-applies the renames only if it also has fake
+    dependencies. The read then no longer depends on the mutation and can be fused into a kernel
+    that runs before it. In a vllm-static graph on CPU that is the hook's ``hidden + residual``
+    read before ``onednn_mm`` has written ``hidden`` (the MLP's down projection): stale or
+    uninitialised memory in the tap and in every write, with no error. This re-applies the
+    renames whenever the reads are re-derived, as ``refresh_dependencies`` does; idempotent, and
+    harmless where torch already does it."""
+    try:
+        from torch._inductor.scheduler import SchedulerNode
+    except ImportError:  # no Inductor: nothing is compiled
+        return
+    compute = getattr(SchedulerNode, "_compute_attrs", None)
+    if compute is None or getattr(compute, "_interp_keeps_mutation_order", False):
+        return
+
+    @functools.wraps(compute)
+    def _compute_attrs(self: Any, *args: Any, **kwargs: Any) -> None:
+        compute(self, *args, **kwargs)
+        renames = getattr(self, "mutation_renames", None)  # empty (or unset) while the node is built
+        if renames:
+            self.set_read_writes(self.read_writes.rename(renames))
+
+    _compute_attrs._interp_keeps_mutation_order = True  # type: ignore[attr-defined]
+    SchedulerNode._compute_attrs = _compute_attrs  # type: ignore[method-assign]
 
 
 def static_config(runner: Any) -> dict[str, Any] | None:
@@ -64,29 +93,24 @@ def _tap(module: nn.Module, name: str) -> StaticTap:
     return tap
 
 
-def _table(module: nn.Module, name: str) -> StaticWrites:
-    table: StaticWrites = getattr(module, name)
-    return table
-
-
 Names = list[tuple[str | None, str | None]]
-"""Per address at a site: the attribute names of its write table and of its tap (or None)."""
+"""Per address at a hook: the attribute names of its write table and of its tap (or None)."""
 
 
 def _chain(module: nn.Module, names: Names, x: torch.Tensor) -> torch.Tensor:
     """Apply each address's writes, then copy it into its tap (in-graph)."""
     for write, tap in names:
         if write is not None:
-            x = _table(module, write)(x)
+            x = getattr(module, write)(x)
         if tap is not None:
-            _tap(module, tap)(x)
+            getattr(module, tap)(x)
     return x
 
 
 def _steered(module: nn.Module, names: Names, n: Any) -> torch.Tensor:
-    """``[n, 1]``: tokens any write at this site touches this step (in-graph)."""
-    masks = [_table(module, write).steered(n) for write, _ in names if write is not None]
-    mask = masks[0]
+    """``[n, 1]``: tokens any write at this hook touches this step (in-graph)."""
+    masks = [getattr(module, write).steered(n) for write, _ in names if write is not None]
+    mask: torch.Tensor = masks[0]
     for other in masks[1:]:
         mask = mask | other
     return mask
@@ -109,50 +133,64 @@ class StaticTapManager(TapManager):
         self.qk: dict[int, tuple[StaticTap, StaticTap]] = {}
         self.held: dict[str, dict[Address, tuple[list[int], torch.Tensor, torch.Tensor]]] = {}
         self.failed: dict[str, str] = {}
+        keep_inductor_mutation_order()  # before warm-up compiles the graph with the hooks in it
         self._install_static()
 
     # -- installation (before compilation) ------------------------------------------------
     def _install_static(self) -> None:
-        by_layer: dict[int, set[str]] = {}
-        for address in [*self.points, *self.write_addresses]:
-            if address.kind in OUTPUT_KINDS:
+        hooks: dict[HookKey, list[Address]] = defaultdict(list)
+        for address in dict.fromkeys([*self.points, *self.write_addresses]):
+            if SITES[address.kind].where == "model_out":
                 continue
-            by_layer.setdefault(address.layer or 0, set()).add(address.kind)
-        for layer, kinds in sorted(by_layer.items()):
-            block = self.layers[layer]
-            if kinds & {"embed", "resid_pre", "resid_mid"}:
-                block.register_forward_pre_hook(self._layer_pre_hook(block, layer, kinds), with_kwargs=True)
-            if "resid_post" in kinds:
-                block.register_forward_hook(self._layer_post_hook(block, layer))
-            if kinds & {"attn_out", "resid_mid"}:
-                attn = _get(block, self.family.attn)
-                attn.register_forward_hook(self._attn_hook(attn, layer, kinds))
-            if "mlp_out" in kinds:
-                mlp = _get(block, self.family.mlp)
-                mlp.register_forward_hook(self._block_hook(mlp, Address("mlp_out", layer)))
-            if "mlp_post" in kinds:
-                down = _get(block, self.family.mlp_down)
-                width = int(getattr(down, "input_size_per_partition", 0) or down.weight.shape[1])
-                down.register_forward_pre_hook(self._down_hook(down, Address("mlp_post", layer), width))
-            if "attn_pattern" in kinds:
-                kernel = _get(block, self.family.attn_kernel)
-                head = int(kernel.head_size)
-                q = self._new_tap(kernel, "interp_q", int(kernel.num_heads) * head)
-                k = self._new_tap(kernel, "interp_k", int(kernel.num_kv_heads) * head)
-                self.qk[layer] = (q, k)
-                kernel.register_forward_pre_hook(self._kernel_hook())
+            hooks[hook_key(address)].append(address)
+            if address.kind == "resid_mid":  # its resid_pre is stashed at the layer's input
+                hooks[("layer_in", None, address.layer or 0)]
+        order = {kind: i for i, kind in enumerate(SITES)}
+        for key in sorted(hooks, key=lambda k: (k[2], min((order[a.kind] for a in hooks[k]), default=0))):
+            addresses = sorted(hooks[key], key=lambda a: order[a.kind])
+            where, _, layer = key
+            module = self.module(key)
+            if where == "layer_in":
+                module.register_forward_pre_hook(self._layer_in_hook(module, layer, addresses), with_kwargs=True)
+            elif where == "layer_out":
+                module.register_forward_hook(self._layer_out_hook(module, addresses))
+            elif where == "input":
+                module.register_forward_pre_hook(self._input_hook(module, layer, addresses))
+            else:
+                module.register_forward_hook(self._output_hook(module, layer, addresses))
 
     def _new_tap(self, module: nn.Module, name: str, width: int) -> StaticTap:
         tap = StaticTap(self.max_tokens, width, dtype=self.dtype, device=self.device)
         setattr(module, name, tap)  # a submodule: its buffer is part of the traced model
         return tap
 
-    def _site(self, module: nn.Module, address: Address, width: int) -> tuple[str | None, str | None]:
+    def _local_heads(self, site: VllmSite) -> int:
+        return (
+            len(owned_heads(self.rank, self.tp_size, self.total_heads(site)))
+            if self.tp_size > 1
+            else (self.total_heads(site))
+        )
+
+    def _width(self, module: nn.Module, site: VllmSite) -> int:
+        """Values per token at a site on this rank."""
+        if site.per_head:
+            return self._local_heads(site) * self.d_head
+        if site.shard == "last":  # mlp_post: the down projection's (possibly sharded) input
+            return int(getattr(module, "input_size_per_partition", 0) or getattr(module, "weight").shape[1])  # noqa: B009
+        return self.d_model
+
+    def _names(self, module: nn.Module, address: Address) -> tuple[str | None, str | None]:
         """Register the table and tap of ``address`` on ``module``; their attribute names."""
+        site = SITES[address.kind]
+        width = self._width(module, site)
         write = tap = None
         if address in self.write_addresses:
             write = f"interp_w_{address.kind}"
-            table = StaticWrites(self.slots, width, self.max_tokens, dtype=self.dtype, device=self.device)
+            if site.per_head:  # one row per (token, head), d_head wide
+                rows = self.max_tokens * self._local_heads(site)
+                table = StaticWrites(self.slots, self.d_head, rows, dtype=self.dtype, device=self.device)
+            else:
+                table = StaticWrites(self.slots, width, self.max_tokens, dtype=self.dtype, device=self.device)
             setattr(module, write, table)
             self.tables[address] = table
         if address in self.points:
@@ -161,11 +199,13 @@ class StaticTapManager(TapManager):
         return write, tap
 
     # -- the hooks: tensor work only, traced into the compiled graph ------------------------
-    def _layer_pre_hook(self, block: nn.Module, layer: int, kinds: set[str]) -> Callable[..., Any]:
-        kinds_here = (["embed"] if layer == 0 and "embed" in kinds else []) + ["resid_pre"]
-        names = [self._site(block, Address(k, None if k == "embed" else layer), self.d_model) for k in kinds_here]
+    def _layer_in_hook(self, block: nn.Module, layer: int, addresses: list[Address]) -> Callable[..., Any]:
+        names = [self._names(block, a) for a in addresses]
         attn_path = self.family.attn
-        stash = self._new_tap(_get(block, attn_path), "interp_stash", self.d_model) if "resid_mid" in kinds else None
+        mid = Address("resid_mid", layer)
+        stash = mid in self.points or mid in self.write_addresses
+        if stash:
+            self._new_tap(_get(block, attn_path), "interp_stash", self.d_model)
         deferred = self.family.deferred_residual
         hidden_at = (1, "hidden_states") if deferred else (0, "hidden_states")
         writes = any(w is not None for w, _ in names)
@@ -175,7 +215,7 @@ class StaticTapManager(TapManager):
             residual = _arg(args, kwargs, 2, "residual") if deferred else None
             stream = hidden if residual is None else hidden + residual
             new = _chain(module, names, stream)
-            if stash is not None:
+            if stash:
                 _tap(_get(module, attn_path), "interp_stash")(new)
             if not writes:
                 return None
@@ -187,9 +227,9 @@ class StaticTapManager(TapManager):
 
         return hook
 
-    def _layer_post_hook(self, block: nn.Module, layer: int) -> Callable[..., Any]:
-        names = [self._site(block, Address("resid_post", layer), self.d_model)]
-        writes = names[0][0] is not None
+    def _layer_out_hook(self, block: nn.Module, addresses: list[Address]) -> Callable[..., Any]:
+        names = [self._names(block, a) for a in addresses]
+        writes = any(w is not None for w, _ in names)
 
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
             if isinstance(output, tuple):
@@ -207,9 +247,34 @@ class StaticTapManager(TapManager):
 
         return hook
 
-    def _attn_hook(self, attn: nn.Module, layer: int, kinds: set[str]) -> Callable[..., Any]:
-        out_names = [self._site(attn, Address("attn_out", layer), self.d_model)] if "attn_out" in kinds else []
-        mid_names = [self._site(attn, Address("resid_mid", layer), self.d_model)] if "resid_mid" in kinds else []
+    def _input_hook(self, module: nn.Module, layer: int, addresses: list[Address]) -> Callable[..., Any]:
+        steps: list[tuple[int, Names]] = []  # (argument, names) in order
+        pattern = False
+        for address in addresses:
+            site = SITES[address.kind]
+            if site.kind == "attn_pattern":
+                q = self._new_tap(module, "interp_q", int(getattr(module, "num_heads")) * self.d_head)  # noqa: B009
+                k = self._new_tap(module, "interp_k", int(getattr(module, "num_kv_heads")) * self.d_head)  # noqa: B009
+                self.qk[layer] = (q, k)
+                pattern = True
+            else:
+                steps.append((site.arg, [self._names(module, address)]))
+        writes = any(w is not None for _, names in steps for w, _ in names)
+
+        def hook(module: nn.Module, args: tuple[Any, ...]) -> Any:
+            items = list(args)
+            for arg, names in steps:
+                items[arg] = _chain(module, names, items[arg])
+            if pattern:
+                _tap(module, "interp_q")(items[0])
+                _tap(module, "interp_k")(items[1])
+            return tuple(items) if writes else None
+
+        return hook
+
+    def _output_hook(self, module: nn.Module, layer: int, addresses: list[Address]) -> Callable[..., Any]:
+        out_names = [self._names(module, a) for a in addresses if not SITES[a.kind].derived]
+        mid_names = [self._names(module, a) for a in addresses if SITES[a.kind].derived]  # resid_mid
         out_writes = any(w is not None for w, _ in out_names)
         mid_writes = any(w is not None for w, _ in mid_names)
 
@@ -230,45 +295,16 @@ class StaticTapManager(TapManager):
 
         return hook
 
-    def _block_hook(self, module: nn.Module, address: Address) -> Callable[..., Any]:
-        names = [self._site(module, address, self.d_model)]
-        writes = names[0][0] is not None
-
-        def hook(module: nn.Module, args: Any, output: Any) -> Any:
-            value = output[0] if isinstance(output, tuple) else output
-            new = _chain(module, names, value)
-            if not writes:
-                return None
-            return (new, *output[1:]) if isinstance(output, tuple) else new
-
-        return hook
-
-    def _down_hook(self, module: nn.Module, address: Address, width: int) -> Callable[..., Any]:
-        names = [self._site(module, address, width)]
-        writes = names[0][0] is not None
-
-        def hook(module: nn.Module, args: tuple[Any, ...]) -> Any:
-            new = _chain(module, names, args[0])
-            return (new, *args[1:]) if writes else None
-
-        return hook
-
-    @staticmethod
-    def _kernel_hook() -> Callable[..., Any]:
-        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
-            _tap(module, "interp_q")(args[0])
-            _tap(module, "interp_k")(args[1])
-
-        return hook
-
     # -- host side ---------------------------------------------------------------------------
+    def heads_of(self, address: Address) -> int:
+        return self.total_heads(SITES[address.kind])
+
     def _admit(self, payload: RequestPayload) -> RequestTaps:
         taps = RequestTaps(payload)
         rid = payload.rid
-        spec = SteeringSpec(payload.writes)
         held: dict[Address, tuple[list[int], torch.Tensor, torch.Tensor]] = {}
         try:
-            for address, plan in plan_writes(list(spec.writes), taps.n_prompt, taps.n_total).items():
+            for address, plan in plan_writes(list(payload.writes), taps.n_prompt, taps.n_total, self.heads_of).items():
                 table = self.tables[address]
                 slots = table.allocate(len(plan.ops))
                 part = None
@@ -277,7 +313,13 @@ class StaticTapManager(TapManager):
                 for slot, op in zip(slots, plan.ops, strict=True):
                     table.fill(slot, op, part)
                 slot_of = torch.tensor([0, *slots], dtype=torch.long)
-                held[address] = (slots, slot_of, plan.combo)
+                combo = plan.combo
+                if address.info.per_head:  # [positions, this rank's heads]
+                    owned = owned_heads(self.rank, self.tp_size, plan.heads) if self.tp_size > 1 else None
+                    combo = combo.view(taps.n_total, plan.heads)
+                    if owned is not None:
+                        combo = combo[:, owned]
+                held[address] = (slots, slot_of, combo)
         except Exception as exc:  # never let one request's state stop the engine
             for address, (slots, _, _) in held.items():
                 self.tables[address].release(slots)
@@ -306,28 +348,31 @@ class StaticTapManager(TapManager):
             if not members:
                 table.set_index(None)
                 continue
-            index = torch.zeros(n, dtype=torch.long)
+            per_token = table.index.shape[0] // self.max_tokens  # heads per token at a head address
+            index = torch.zeros(n, per_token, dtype=torch.long)
             for sl, slot_of, combo in members:
                 positions = sl.positions
                 inside = positions < combo.shape[0]
-                rows = torch.zeros(len(positions), dtype=torch.long)
-                rows[inside] = slot_of[combo[positions[inside]]]
+                rows = torch.zeros(len(positions), per_token, dtype=torch.long)
+                rows[inside] = slot_of[combo[positions[inside]]].view(-1, per_token)
                 index[sl.start : sl.end] = rows
-            table.set_index(index.to(table.index.device))
+            table.set_index(index.flatten().to(table.index.device))
 
     def _read(self, slices: list[_Slice], output: Any) -> None:
-        for sl in slices:
-            for address in sl.taps.points:
-                if address.kind == "attn_pattern":
-                    q, k = self.qk[address.layer or 0]
-                    self._pattern(sl, address.layer or 0, q.buffer[sl.start : sl.end], k.buffer[sl.start : sl.end])
-                elif address.kind not in OUTPUT_KINDS:
-                    sl.taps.values[address].append((sl.positions, self.taps[address].read(sl.start, sl.end)))
         hook = _Hook()
         for sl in slices:
             for address in sl.taps.points:
-                if address.kind in OUTPUT_KINDS:
+                site = SITES[address.kind]
+                if site.where == "model_out":
                     hook.add(address, sl)
+                elif address.kind == "attn_pattern":
+                    q, k = self.qk[address.layer or 0]
+                    self._pattern(sl, address.layer or 0, q.buffer[sl.start : sl.end], k.buffer[sl.start : sl.end])
+                else:
+                    rows = self.taps[address].read(sl.start, sl.end)
+                    if site.per_head:
+                        rows = rows.view(rows.shape[0], -1, self.d_head)
+                    sl.taps.values[address].append((sl.positions, rows))
         if hook.members:
             self._read_output(output, hook)
 

@@ -29,7 +29,7 @@ from interp_engine import Address, Write
 from interp_engine.validation import write_positions
 
 from ._families import VllmFamily, family_for
-from ._sites import SITES, VllmSite, Where, hook_key, local_write
+from ._sites import SITES, HookKey, VllmSite, hook_key, local_write
 from ._wire import Fetched, RequestPayload
 
 
@@ -110,9 +110,6 @@ class _Slice:
     end: int
     positions: torch.Tensor  # [end - start] absolute positions, on the CPU
     stash: dict[int, torch.Tensor] = field(default_factory=dict)
-
-
-HookKey = tuple[Where, str | None, int]
 
 
 @dataclass
