@@ -19,7 +19,10 @@ each stage the reference's ``plain`` alternates round by round with the stage's 
    ``add`` there), ``static_capture_steer_1`` (both in one request) and ``static_untapped``
    (plain requests on the static engine: what the compiled-in taps cost everyone else);
 2. a vllm-static engine declaring every layer's ``resid_post``: ``static_capture_all``;
-3. the ``vllm`` backend (its default eager mode, hooks installed per step):
+3. a vllm-static engine declaring ``attn_z.6`` as its only point and write: ``static_capture_z_1``
+   (``capture_generation`` of every head's output there) and ``static_ablate_head_1``
+   (``generate`` with head 0 of layer 6 zero-ablated);
+4. the ``vllm`` backend (its default eager mode, hooks installed per step):
    ``dynamic_capture_1``, ``dynamic_steer_1`` and ``dynamic_untapped`` (plain requests: eager
    vLLM against compiled vLLM, the most static can gain over dynamic on this machine).
 
@@ -84,6 +87,8 @@ async def main(args: argparse.Namespace) -> int:
     every = [Address("resid_post", i) for i in range(info.n_layers)]
     prompts = make_prompts(args.prompts, info.vocab_size)
     spec = SteeringSpec([Write(middle, torch.randn(info.d_model), op="add", scale=2.0)])
+    z = Address("attn_z", info.n_layers // 2)
+    head_off = SteeringSpec([Write(z, torch.zeros(info.d_head), op="set", heads=[0])])
 
     def reference() -> Awaitable[int]:
         return plain_run(plain, prompts, salted=True)
@@ -103,6 +108,14 @@ async def main(args: argparse.Namespace) -> int:
             "static-all",
             lambda: load_model(path, backend="vllm-static", static_points=every, **common),
             lambda m: {"static_capture_all": lambda: capture_run(m, prompts, every)},
+        ),
+        (
+            "static-heads",
+            lambda: load_model(path, backend="vllm-static", static_points=[z], static_writes=[z], **common),
+            lambda m: {
+                "static_capture_z_1": lambda: capture_run(m, prompts, [z]),
+                "static_ablate_head_1": lambda: steer_run(m, prompts, head_off),
+            },
         ),
         (
             "dynamic",
@@ -130,9 +143,9 @@ async def main(args: argparse.Namespace) -> int:
     await plain.shutdown()
 
     print()
-    print(f"{'stage':<11} {'variant':<24} {'tok/s (median)':>15} {'vs plain':>9}")
+    print(f"{'stage':<13} {'variant':<24} {'tok/s (median)':>15} {'vs plain':>9}")
     for stage, name, rate, ratio in rows:
-        print(f"{stage:<11} {name:<24} {rate:>15.1f} {ratio:>9.3f}")
+        print(f"{stage:<13} {name:<24} {rate:>15.1f} {ratio:>9.3f}")
     print()
 
     def vs(a: str, b: str) -> float:
@@ -142,6 +155,8 @@ async def main(args: argparse.Namespace) -> int:
     print(f"RESULT static_steer_1_vs_plain {relative['static_steer_1']:.3f} (target 0.95)")
     print(f"RESULT static_capture_steer_1_vs_plain {relative['static_capture_steer_1']:.3f} (target 0.95)")
     print(f"RESULT static_untapped_vs_plain {relative['static_untapped']:.3f} (target 0.95)")
+    print(f"RESULT static_capture_z_1_vs_plain {relative['static_capture_z_1']:.3f} (target 0.95)")
+    print(f"RESULT static_ablate_head_1_vs_plain {relative['static_ablate_head_1']:.3f} (target 0.95)")
     print(f"RESULT static_capture_all_vs_plain {relative['static_capture_all']:.3f} (target -)")
     print(f"RESULT static_vs_dynamic_capture_1 {vs('static_capture_1', 'dynamic_capture_1'):.3f} (target 1.50)")
     print(f"RESULT static_vs_dynamic_steer_1 {vs('static_steer_1', 'dynamic_steer_1'):.3f} (target 1.50)")

@@ -13,7 +13,9 @@ variants alternating round by round:
   prompts would otherwise skip their prefill only here);
 - ``capture_1``: ``capture_generation`` of ``resid_post.6``;
 - ``capture_all``: ``capture_generation`` of every layer's ``resid_post``;
-- ``steer_1``: ``generate`` with an ``add`` at ``resid_post.6``.
+- ``steer_1``: ``generate`` with an ``add`` at ``resid_post.6``;
+- ``capture_z_1``: ``capture_generation`` of ``attn_z.6`` (every head's output, ``[tokens, heads, d_head]``);
+- ``ablate_head_1``: ``generate`` with head 0 of layer 6 zero-ablated (``set`` zeros at ``attn_z.6``).
 
 Throughput is generated tokens per second (median over rounds), reported relative to
 ``plain``. Then 32 prompt captures are run concurrently and one after another. Ends with
@@ -115,6 +117,7 @@ async def main(args: argparse.Namespace) -> int:
     prompts = make_prompts(args.prompts, info.vocab_size)
     middle = info.n_layers // 2
     spec = SteeringSpec([Write(Address("resid_post", middle), torch.randn(info.d_model), op="add", scale=2.0)])
+    head_off = SteeringSpec([Write(Address("attn_z", middle), torch.zeros(info.d_head), op="set", heads=[0])])
     variants: dict[str, Callable[[], Awaitable[int]]] = {
         # salted: captures and steered requests compute every prompt token, and with prefix
         # caching on (vLLM's default) the rounds' repeated prompts would otherwise skip their
@@ -123,6 +126,8 @@ async def main(args: argparse.Namespace) -> int:
         "capture_1": lambda: capture_run(model, prompts, [Address("resid_post", middle)]),
         "capture_all": lambda: capture_run(model, prompts, [Address("resid_post", i) for i in range(info.n_layers)]),
         "steer_1": lambda: steer_run(model, prompts, spec),
+        "capture_z_1": lambda: capture_run(model, prompts, [Address("attn_z", middle)]),
+        "ablate_head_1": lambda: steer_run(model, prompts, head_off),
     }
     if args.rounds:
         await timed(variants["plain"])  # warm-up of every path
@@ -144,15 +149,17 @@ async def main(args: argparse.Namespace) -> int:
 
     median = {name: statistics.median(values) if values else float("nan") for name, values in rates.items()}
     print()
-    print(f"{'variant':<12} {'tok/s (median)':>15} {'vs plain':>9}")
+    print(f"{'variant':<14} {'tok/s (median)':>15} {'vs plain':>9}")
     for name, rate in median.items():
-        print(f"{name:<12} {rate:>15.1f} {rate / median['plain']:>9.3f}")
+        print(f"{name:<14} {rate:>15.1f} {rate / median['plain']:>9.3f}")
     print(f"32 captures: concurrent {concurrent:.2f} s, sequential {sequential:.2f} s")
     print(f"32 plain vLLM prefills: concurrent {plain_concurrent:.2f} s, sequential {plain_sequential:.2f} s")
     print()
     print(f"RESULT capture_1_vs_plain {median['capture_1'] / median['plain']:.3f} (target 0.95)")
     print(f"RESULT capture_all_vs_plain {median['capture_all'] / median['plain']:.3f} (target 0.60)")
     print(f"RESULT steer_1_vs_plain {median['steer_1'] / median['plain']:.3f} (target 0.95)")
+    print(f"RESULT capture_z_1_vs_plain {median['capture_z_1'] / median['plain']:.3f} (target 0.95)")
+    print(f"RESULT ablate_head_1_vs_plain {median['ablate_head_1'] / median['plain']:.3f} (target 0.95)")
     print(f"RESULT concurrent_vs_sequential {sequential / concurrent:.2f} (target 8.00)")
     print(f"RESULT plain_vllm_concurrent_vs_sequential {plain_sequential / plain_concurrent:.2f} (target -)")
     return 0
