@@ -12,21 +12,30 @@ hook's ``hidden + residual`` when it re-derived that read's loop body to fuse it
 (pytorch#185509), and ran the read first. ``_static_worker.keep_inductor_mutation_order``
 repairs that in every worker before vLLM compiles.
 
-The engines: those two, and on Llama (deferred residual) and GPT-2 every capture kind at every
-layer with a write at every writable kind at every layer (writes at the same and at
-neighbouring layers, writes and taps on both sides of vLLM's deferred residual). On each:
-every unsteered capture against HF (forward hooks on HF's modules), then, for every declared
-write alone and for all of them at once, every capture and the logits against HF with the same
-edit made by hand-written HF forward hooks. A compiled engine start is ~50 s on a 2-core CPU,
-so the engines are few and each declares a lot.
+The engines: those two, and on Llama (deferred residual, grouped-query attention) and GPT-2
+every capture kind at every layer, the attention-head kinds included (``attn_q``, ``attn_k``,
+``attn_v``, ``attn_z``: the attention kernel's inputs and the output projection's input, per
+head), with a write at every writable kind at every layer (``attn_v`` and ``attn_z`` next to the
+residual-type kinds: writes at the same and at neighbouring layers, writes and taps on both
+sides of vLLM's deferred residual, head writes in the same hooks as head taps and the
+attention-pattern tap). On each: every unsteered capture against HF (forward hooks on HF's
+modules; queries, keys and values as HF's ``eager_attention_forward`` receives them, each head's
+output at the output projection's input), then every declared write alone (at a head address:
+zero-ablating one head, per-head rows on two heads, a direction ablated in one head, another
+run's head patched in at some positions; adding to one value head, a direction per value head)
+and all of them at once, each time every capture and the logits against HF with the same edit
+made by hand-written HF hooks (head edits at the output projection's input and at the value
+projection's output, GPT-2's fused ``c_attn`` included). A compiled engine start is ~50 s on a
+2-core CPU, so the engines are few and each declares a lot.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import pathlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -38,14 +47,34 @@ from .conftest import MODELS, PROMPT, hf_for, rel_diff, vllm_model_path
 
 TOL = 1e-4
 N_LAYERS = 3
-READ_KINDS = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "mlp_post", "attn_pattern")
-WRITE_KINDS = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "mlp_post")
+HEAD_READS = ("attn_q", "attn_k", "attn_v", "attn_z")
+HEAD_WRITES = ("attn_v", "attn_z")
+READ_KINDS = ("resid_pre", *HEAD_READS, "resid_mid", "resid_post", "attn_out", "mlp_out", "mlp_post", "attn_pattern")
+WRITE_KINDS = ("resid_pre", *HEAD_WRITES, "resid_mid", "resid_post", "attn_out", "mlp_out", "mlp_post")
 
-# HF module paths: (decoder layers, attention, MLP, MLP down projection, final norm)
+
+class HfParts(NamedTuple):
+    """Where things are in an HF model: module paths (``layers`` and ``norm`` in the model, the rest in a layer)."""
+
+    layers: str  # the decoder layers
+    attn: str  # a layer's attention
+    mlp: str
+    down: str  # the MLP's down projection (its input: mlp_post)
+    norm: str  # the final norm
+    o_proj: str  # the attention's output projection (its input: attn_z)
+    values: tuple[str, int, int]  # the module whose output holds the values: (path, part, of how many parts)
+
+
+_LLAMA_LIKE = HfParts(
+    "model.layers", "self_attn", "mlp", "mlp.down_proj", "model.norm", "self_attn.o_proj", ("self_attn.v_proj", 0, 1)
+)
 HF_PARTS = {
-    "llama": ("model.layers", "self_attn", "mlp", "mlp.down_proj", "model.norm"),
-    "qwen3": ("model.layers", "self_attn", "mlp", "mlp.down_proj", "model.norm"),
-    "gpt2": ("transformer.h", "attn", "mlp", "mlp.c_proj", "transformer.ln_f"),
+    "llama": _LLAMA_LIKE,
+    "qwen3": _LLAMA_LIKE,
+    # GPT-2's c_attn computes [q | k | v]
+    "gpt2": HfParts(
+        "transformer.h", "attn", "mlp", "mlp.c_proj", "transformer.ln_f", "attn.c_proj", ("attn.c_attn", 2, 3)
+    ),
 }
 
 EVERY_POINT = [
@@ -87,28 +116,56 @@ def _module(root: nn.Module, path: str) -> Any:
     return root
 
 
+def _positions(write: Write, n: int) -> list[int]:
+    """The rows of an ``n``-token prompt ``write`` touches (a capture generates nothing)."""
+    if isinstance(write.positions, str):
+        assert write.positions in ("all", "prompt")
+        return list(range(n))
+    return [p % n for p in write.positions]
+
+
 def _edit(x: torch.Tensor, writes: list[Write]) -> torch.Tensor:
     """``x`` ``[n, width]`` after ``writes`` in order (the Write semantics, written out by hand)."""
     x = x.detach().float().clone()
-    n = x.shape[0]
     for write in writes:
-        positions = list(range(n)) if write.positions in ("all", "prompt") else [p % n for p in write.positions]
-        rows = torch.tensor(positions)
+        rows = torch.tensor(_positions(write, x.shape[0]))
         vector = write.vector.float()
         if write.op == "add":
             x[rows] = x[rows] + write.scale * vector
         elif write.op == "set":
-            x[rows] = (write.scale * vector).expand(len(positions), -1)
+            x[rows] = (write.scale * vector).expand(len(rows), -1)
         else:
             unit = vector / vector.norm(dim=-1, keepdim=True)
             x[rows] = x[rows] - write.scale * (x[rows] * unit).sum(-1, keepdim=True) * unit
     return x
 
 
+def _edit_heads(x: torch.Tensor, writes: list[Write]) -> torch.Tensor:
+    """``x`` ``[n, heads, d_head]`` after head ``writes`` in order, one (position, head) at a time."""
+    x = x.detach().float().clone()
+    for write in writes:
+        heads = list(write.heads) if write.heads is not None else list(range(x.shape[1]))
+        vector = write.vector.float()
+        for i, p in enumerate(_positions(write, x.shape[0])):
+            for j, h in enumerate(heads):
+                # [d_head] for every head, [heads, d_head] per head, [positions, heads, d_head]
+                v = vector[i, j] if vector.dim() == 3 else vector[j] if vector.dim() == 2 else vector
+                if write.op == "add":
+                    x[p, h] = x[p, h] + write.scale * v
+                elif write.op == "set":
+                    x[p, h] = write.scale * v
+                else:
+                    unit = v / v.norm()
+                    x[p, h] = x[p, h] - write.scale * (x[p, h] @ unit) * unit
+    return x
+
+
 def hf_run(family: str, path: pathlib.Path, ids: list[int], writes: list[Write]) -> dict[Address, torch.Tensor]:
     """Every point of ``EVERY_POINT`` from HF, with ``writes`` made by forward hooks."""
     model = hf_for(path)
-    layers_at, attn_at, mlp_at, down_at, norm_at = HF_PARTS[family]
+    parts = HF_PARTS[family]
+    config = model.config
+    d_head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     by_address: dict[Address, list[Write]] = {}
     for write in writes:
         by_address.setdefault(write.address, []).append(write)
@@ -132,6 +189,38 @@ def hf_run(family: str, path: pathlib.Path, ids: list[int], writes: list[Write])
             if args:
                 return (hidden, *args[1:]), kwargs
             return args, {**kwargs, "hidden_states": hidden}
+
+        return hook
+
+    def values_post(layer: int) -> Callable[..., Any]:
+        """Edit the value heads in the output of the module that computes them (the kernel's
+        input; recorded there, by ``recording``)."""
+        address = Address("attn_v", layer)
+        _, part, of = parts.values
+
+        def hook(module: nn.Module, args: Any, output: torch.Tensor) -> Any:
+            if address not in by_address:
+                return None
+            width = output.shape[-1] // of
+            columns = slice(part * width, (part + 1) * width)
+            heads = output[0, :, columns].reshape(output.shape[1], -1, d_head)
+            out = output.clone()
+            out[0, :, columns] = _edit_heads(heads, by_address[address]).reshape(heads.shape[0], -1).to(out.dtype)
+            return out
+
+        return hook
+
+    def z_pre(layer: int) -> Callable[..., Any]:
+        """Edit and record each head's output at the output projection's input."""
+        address = Address("attn_z", layer)
+
+        def hook(module: nn.Module, args: tuple[Any, ...]) -> Any:
+            x = args[0]
+            heads = x[0].reshape(x.shape[1], -1, d_head)
+            if address in by_address:
+                heads = _edit_heads(heads, by_address[address]).to(x.dtype)
+            got[address] = heads.detach().clone()
+            return (heads.reshape(x.shape), *args[1:])
 
         return hook
 
@@ -160,18 +249,33 @@ def hf_run(family: str, path: pathlib.Path, ids: list[int], writes: list[Write])
 
         return hook
 
+    # queries, keys and values as HF's attention function receives them (after rotary, q/k norms
+    # and the value edits): [n, heads, d_head]
+    modeling: Any = importlib.import_module(type(model).__module__)
+    original = modeling.eager_attention_forward
+
+    def recording(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *a: Any, **k: Any) -> Any:
+        layer = int(module.layer_idx)
+        for kind, x in (("attn_q", query), ("attn_k", key), ("attn_v", value)):
+            got[Address(kind, layer)] = x[0].transpose(0, 1).detach().clone()
+        return original(module, query, key, value, *a, **k)
+
     handles = []
+    modeling.eager_attention_forward = recording
     try:
-        for layer, block in enumerate(_module(model, layers_at)):
+        for layer, block in enumerate(_module(model, parts.layers)):
             handles.append(block.register_forward_pre_hook(layer_pre(layer), with_kwargs=True))
-            handles.append(_module(block, attn_at).register_forward_hook(attn_post(layer)))
-            handles.append(_module(block, down_at).register_forward_pre_hook(down_pre(layer)))
-            handles.append(_module(block, mlp_at).register_forward_hook(output_hook(Address("mlp_out", layer))))
+            handles.append(_module(block, parts.values[0]).register_forward_hook(values_post(layer)))
+            handles.append(_module(block, parts.o_proj).register_forward_pre_hook(z_pre(layer)))
+            handles.append(_module(block, parts.attn).register_forward_hook(attn_post(layer)))
+            handles.append(_module(block, parts.down).register_forward_pre_hook(down_pre(layer)))
+            handles.append(_module(block, parts.mlp).register_forward_hook(output_hook(Address("mlp_out", layer))))
             handles.append(block.register_forward_hook(output_hook(Address("resid_post", layer))))
-        handles.append(_module(model, norm_at).register_forward_hook(output_hook(Address("final_norm"))))
+        handles.append(_module(model, parts.norm).register_forward_hook(output_hook(Address("final_norm"))))
         with torch.no_grad():
             out = model(torch.tensor([ids]), output_attentions=True)
     finally:
+        modeling.eager_attention_forward = original
         for handle in handles:
             handle.remove()
     for layer, pattern in enumerate(out.attentions):
@@ -181,24 +285,69 @@ def hf_run(family: str, path: pathlib.Path, ids: list[int], writes: list[Write])
 
 
 # -- the steering requests -----------------------------------------------------------------
-def _specs(writes: list[Address], d_model: int, d_mlp: int, n: int) -> list[SteeringSpec]:
-    """One spec per declared write (an add everywhere), then one with every write at once,
-    cycling through add, ablate and set at all, explicit and per-row positions."""
+def _specs(writes: list[Address], info: Any, n: int) -> list[SteeringSpec]:
+    """One spec per declared write (an add everywhere; at a head address, one per kind of head
+    edit), then one with every write at once: residual-type writes cycle through add, ablate and
+    set at all, explicit and per-row positions; head writes mix per-head rows, one-head and
+    every-head writes, and ablations in several heads (never two directions on one head and
+    token: vllm-static refuses those)."""
     gen = torch.Generator().manual_seed(7)
+    n_heads, n_kv, d_head = info.n_heads, info.n_kv_heads, info.d_head
 
-    def vec(address: Address, rows: int = 0) -> torch.Tensor:
-        width = d_mlp if address.kind == "mlp_post" else d_model
-        return torch.randn(*((rows,) if rows else ()), width, generator=gen)
+    def vec(address: Address, *rows: int) -> torch.Tensor:
+        width = d_head if address.info.per_head else info.d_mlp if address.kind == "mlp_post" else info.d_model
+        return torch.randn(*rows, width, generator=gen)
 
-    specs = [SteeringSpec([Write(address, vec(address), op="add", scale=2.0)]) for address in writes]
+    def alone(address: Address) -> list[Write]:
+        h = (address.layer or 0) % n_heads
+        if address.kind == "attn_z":
+            return [
+                Write(address, torch.zeros(d_head), op="set", heads=[h]),  # zero-ablate one head
+                Write(address, vec(address, 2), op="add", scale=2.0, heads=[0, n_heads - 1]),  # a row per head
+                Write(address, vec(address), op="ablate", heads=[(h + 1) % n_heads]),  # a direction in one head
+                # another run's head at three positions: [positions, 1 head, d_head]
+                Write(address, vec(address, 3, 1), op="set", heads=[(h + 2) % n_heads], positions=[0, 2, -1]),
+            ]
+        if address.kind == "attn_v":
+            return [
+                Write(address, vec(address), op="add", scale=3.0, heads=[n_kv - 1]),  # one value head
+                Write(address, vec(address, n_kv), op="ablate"),  # a direction per value head, every head
+            ]
+        return [Write(address, vec(address), op="add", scale=2.0)]
+
+    def together_heads(address: Address) -> list[Write]:
+        if address.kind == "attn_z":
+            assert n_heads >= 4, "the combined attn_z writes use heads 0, 1, 2 and the last"
+            last = n_heads - 1
+            return [
+                Write(address, vec(address, 2), op="add", scale=3.0, heads=[0, last]),
+                Write(address, vec(address), op="ablate", heads=[1], positions=[0, 2, -1]),
+                # heads 2 and the last each along their own direction (the last after its add)
+                Write(address, vec(address, 2), op="ablate", scale=0.5, heads=[2, last]),
+                Write(address, torch.zeros(d_head), op="set", heads=[2], positions=[1, n - 2]),  # after an ablation
+                Write(address, vec(address, 2, 1), op="set", heads=[1], positions=[1, -1]),
+                Write(address, vec(address), op="add", positions=[-1]),  # every head, after the sets
+            ]
+        return [
+            Write(address, vec(address), op="add", scale=3.0, heads=[n_kv - 1]),
+            Write(address, vec(address, n_kv), op="ablate", positions=[0, -1]),  # after the add on the last head
+            Write(address, vec(address, 2, 1), op="set", heads=[0], positions=[2, 3]),
+        ]
+
+    specs = [SteeringSpec([write]) for address in writes for write in alone(address)]
     every = []
-    for i, address in enumerate(writes):
+    residual = [address for address in writes if not address.info.per_head]
+    for address in writes:
+        if address.info.per_head:
+            every += together_heads(address)
+            continue
+        i = residual.index(address)
         if i % 4 == 0:
             every.append(Write(address, vec(address), op="add", scale=3.0))
         elif i % 4 == 1:
             every.append(Write(address, vec(address), op="ablate", positions=[0, 2, -1]))
         elif i % 4 == 2:
-            every.append(Write(address, vec(address, rows=2), op="set", positions=[1, n - 2]))
+            every.append(Write(address, vec(address, 2), op="set", positions=[1, n - 2]))
         else:
             every.append(Write(address, vec(address), op="ablate", scale=0.5))
             every.append(Write(address, vec(address), op="add", positions=[-1]))
@@ -226,6 +375,10 @@ def _compare(got: dict[Address, torch.Tensor], expected: dict[Address, torch.Ten
     assert not bad, f"{label}: {bad}"
 
 
+def _label(spec: SteeringSpec) -> list[Any]:
+    return [(str(w.address), w.op, w.positions, w.heads) for w in spec.writes]
+
+
 def test_unsteered_captures_equal_hf(engine: tuple[str, pathlib.Path, Any]) -> None:
     family, path, facade = engine
     for text in (PROMPT, "A cat sat on the mat, and then it looked at the dog for a long time."):
@@ -238,11 +391,10 @@ def test_unsteered_captures_equal_hf(engine: tuple[str, pathlib.Path, Any]) -> N
 def test_steered_captures_and_logits_equal_hf_with_the_same_edit(engine: tuple[str, pathlib.Path, Any]) -> None:
     family, path, facade = engine
     ids = facade.to_tokens(PROMPT)[0].tolist()
-    info = facade.info
     points = facade.model.static_points
     plain = hf_run(family, path, ids, [])[Address("logits")]
-    for spec in _specs(facade.model.static_writes, info.d_model, info.d_mlp, len(ids)):
+    for spec in _specs(facade.model.static_writes, facade.info, len(ids)):
         expected = hf_run(family, path, ids, list(spec.writes))
         assert not torch.allclose(expected[Address("logits")], plain)  # the edit changes the output
         got = facade.capture(ids, points, steering_spec=spec)
-        _compare(got, expected, f"steered by {[(str(w.address), w.op, w.positions) for w in spec.writes]}")
+        _compare(got, expected, f"steered by {_label(spec)}")
