@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from interp_engine import Address, SteeringSpec, Write
+from interp_engine import Address, InvalidSteering, SteeringSpec, Write
 
 from .conftest import PROMPT, hf_for, rel_diff, vllm_model_path
 
@@ -160,6 +160,18 @@ def test_tp2_steering_equals_tp1(tp: tuple[Any, Any]) -> None:
         assert rel_diff(both_steered[address], steered1[address]) <= TOL, address
         assert rel_diff(both_plain[address], plain[address]) <= TOL, address
         assert rel_diff(long_steered[address], long_alone[address]) <= TOL, address
+
+
+def test_tp2_refuses_ablation_across_split_neurons(tp: tuple[Any, Any]) -> None:
+    """A direction's projection needs every neuron, and each rank holds half: refused under TP
+    (TP=1 serves it), rather than ablating per shard."""
+    one, two = tp
+    ids = one.to_tokens(PROMPT)[0].tolist()
+    spec = SteeringSpec([Write(Address("mlp_post", 1), torch.ones(D_MLP), op="ablate")])
+    one.capture(ids, ["logits"], steering_spec=spec)
+    with pytest.raises(InvalidSteering, match="tensor parallelism"):
+        two.capture(ids, ["logits"], steering_spec=spec)
+    assert two.capture(ids, ["logits"])  # and the engine keeps serving
 
 
 def test_tp2_decode_residuals(tp: tuple[Any, Any]) -> None:

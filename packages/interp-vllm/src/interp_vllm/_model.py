@@ -26,6 +26,7 @@ from interp_engine import (
     Completion,
     ForeignEventLoop,
     InvalidOption,
+    InvalidSteering,
     InvalidTokens,
     ModelBase,
     ModelClosed,
@@ -271,6 +272,12 @@ class VllmModel(TokenizerMixin, ModelBase):
     def _payload(
         self, rid: str, points: Iterable[Address], writes: list[Write], n_prompt: int, n_total: int
     ) -> RequestPayload:
+        split = [w for w in writes if w.op == "ablate" and SITES[w.address.kind].shard == "last"]
+        if self.tp_size > 1 and split:
+            raise InvalidSteering(
+                f"ablate at {split[0].address} is not available under tensor parallelism (its values are "
+                "split across ranks, and a direction's projection needs all of them); use add or set there"
+            )
         return RequestPayload(rid, tuple(points), tuple(writes), n_prompt, n_total)
 
     async def _outputs(

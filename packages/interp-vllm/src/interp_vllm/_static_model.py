@@ -180,11 +180,6 @@ class StaticVllmModel(VllmModel):
     ) -> RequestPayload:
         payload = super()._payload(rid, points, writes, n_prompt, n_total)
         if writes:
-            if self.tp_size > 1 and any(w.op == "ablate" and w.address.kind == "mlp_post" for w in writes):
-                raise InvalidSteering(
-                    "ablate at mlp_post is not available under tensor parallelism on vllm-static "
-                    "(the neurons are split across ranks); use add or set there"
-                )
             plans = plan_writes(writes, n_prompt, n_total, lambda a: heads_of(a, self.info))
             needs = {a: len(plan.ops) for a, plan in plans.items()}
             for address, need in needs.items():
