@@ -280,6 +280,10 @@ def test_the_tiny_model_on_vllm_answers_and_steers_like_eager() -> None:
         spec = SteeringSpec([Write(point, germany - france[point][-1], op="add", positions=[-1])])
         assert model.generate(_ids(FRANCE), max_tokens=1).text == " Paris"
         assert model.generate(_ids(FRANCE), max_tokens=1, steering_spec=spec).text == " Berlin"
+        # the logit lens through the served unembedding (the vocabulary, 1015, is padded in vLLM)
+        lens = model.decode_residuals(france[point])
+        assert lens.shape == (len(_ids(FRANCE)), model.info.vocab_size)
+        assert torch.allclose(lens, tiny().decode_residuals(eager[point]), atol=1e-4)
         # the circuit on vLLM too: zero-ablating the previous-token head 0.0 silences induction head 1.0
         from interp_engine.cli._demo import head_scores, repeated_random
 

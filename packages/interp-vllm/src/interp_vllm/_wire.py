@@ -25,10 +25,11 @@ PAYLOAD_KEY = "interp_engine"
 
 
 def pack(tensors: Mapping[str, torch.Tensor]) -> bytes:
-    """Tensors as safetensors bytes (empty bytes for none)."""
+    """Tensors as safetensors bytes (empty bytes for none); views (e.g. logits sliced from
+    vLLM's padded vocabulary) are packed as contiguous copies."""
     from safetensors.torch import save
 
-    return save(dict(tensors)) if tensors else b""
+    return save({name: t.contiguous() for name, t in tensors.items()}) if tensors else b""
 
 
 def unpack(data: bytes) -> dict[str, torch.Tensor]:
