@@ -456,3 +456,61 @@ def test_check_write_shapes_position_beyond_the_sequence() -> None:
     with pytest.raises(InvalidSteering) as info:
         check_write_shapes([write], n_prompt=3, n_total=5)
     assert "5" in str(info.value)
+
+
+# -- heads ------------------------------------------------------------------------------------
+
+
+def test_head_writes_round_trip_through_json() -> None:
+    spec = SteeringSpec(
+        [
+            Write("attn_z.1", torch.zeros(8), op="set", heads=[1]),
+            Write("attn_z.0", torch.randn(2, 8), op="add", scale=2.0, heads=[0, 1], positions=[0, -1]),
+            Write("attn_v.1", torch.randn(3, 1, 8), op="set", heads=[0], positions=[0, 1, 2]),
+            Write("attn_z.1", torch.randn(8), op="ablate"),
+        ]
+    )
+    back = SteeringSpec.from_json(spec.to_json())
+    assert back == spec
+    assert [w.heads for w in back] == [(1,), (0, 1), (0,), None]
+    assert spec.writes[0] != Write("attn_z.1", torch.zeros(8), op="set", heads=[0])
+
+
+def test_write_apply_changes_only_the_selected_heads() -> None:
+    x = torch.randn(5, 4, 8)
+    rows = torch.randn(2, 8)
+    out = Write("attn_z.0", rows, op="add", heads=[3, 1]).apply(x)
+    assert torch.equal(out[:, [0, 2]], x[:, [0, 2]])
+    assert torch.allclose(out[:, 3], x[:, 3] + rows[0]) and torch.allclose(out[:, 1], x[:, 1] + rows[1])
+    direction = torch.randn(8)
+    ablated = Write("attn_z.0", direction, op="ablate", heads=[2]).apply(x)
+    assert float((ablated[:, 2] @ (direction / direction.norm())).abs().max()) < 1e-5
+    assert torch.equal(ablated[:, [0, 1, 3]], x[:, [0, 1, 3]])
+    assert torch.equal(x, x.clone())  # apply never writes into its input
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: Write("resid_post.0", torch.zeros(16), heads=[0]), "no head axis"),
+        (lambda: Write("attn_q.0", torch.zeros(8)), "read-only"),
+        (lambda: Write("attn_z.0", torch.zeros(3, 8), heads=[0, 1]), "head rows"),
+        (lambda: Write("attn_z.0", torch.zeros(8), heads=[0, 0]), "repeat"),
+        (lambda: Write("attn_z.0", torch.zeros(8), heads=[-1]), "head indices"),
+        (lambda: Write("attn_z.0", torch.zeros(2, 2, 8), op="ablate", heads=[0, 1]), "ablate"),
+    ],
+)
+def test_bad_head_writes_are_clear(make: Any, match: str) -> None:
+    with pytest.raises(InvalidSteering, match=match):
+        make()
+
+
+def test_head_writes_are_checked_against_the_model() -> None:
+    with pytest.raises(InvalidSteering, match="out of range"):
+        check_spec(SteeringSpec([Write("attn_z.0", torch.zeros(INFO.d_head), heads=[INFO.n_heads])]), INFO)
+    with pytest.raises(InvalidSteering, match="per head"):
+        check_spec(SteeringSpec([Write("attn_z.0", torch.zeros(INFO.d_head + 1))]), INFO)
+    with pytest.raises(InvalidSteering, match="head rows"):
+        check_spec(SteeringSpec([Write("attn_v.0", torch.zeros(INFO.n_kv_heads + 1, INFO.d_head))]), INFO)
+    (write,) = check_spec(SteeringSpec([Write("attn_z.-1", torch.zeros(INFO.d_head), heads=[1])]), INFO)
+    assert write.address == Address("attn_z", INFO.n_layers - 1) and write.heads == (1,)
