@@ -86,10 +86,6 @@ WRITE_KINDS = tuple(kind for kind, site in SITES.items() if KINDS[kind].writable
 STATIC_WRITE_KINDS = tuple(kind for kind in WRITE_KINDS if SITES[kind].static_write)
 
 
-def site_of(address: Address) -> VllmSite:
-    return SITES[address.kind]
-
-
 def hook_key(address: Address) -> HookKey:
     """The hook an address is served at: addresses with equal keys share one hook."""
     site = SITES[address.kind]
