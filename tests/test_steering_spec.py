@@ -514,3 +514,206 @@ def test_head_writes_are_checked_against_the_model() -> None:
         check_spec(SteeringSpec([Write("attn_v.0", torch.zeros(INFO.n_kv_heads + 1, INFO.d_head))]), INFO)
     (write,) = check_spec(SteeringSpec([Write("attn_z.-1", torch.zeros(INFO.d_head), heads=[1])]), INFO)
     assert write.address == Address("attn_z", INFO.n_layers - 1) and write.heads == (1,)
+
+
+# -- the arithmetic ops: cap, rescale, norm_add, swap -------------------------------------------
+
+
+def _unit(v: torch.Tensor) -> torch.Tensor:
+    return v / v.norm(dim=-1, keepdim=True)
+
+
+def test_each_op_does_its_arithmetic() -> None:
+    x = rand(5, WIDTH, seed=20)
+    v, t = rand(WIDTH, seed=21), rand(WIDTH, seed=22)
+    d, u = _unit(v), _unit(t)
+    p = (x @ d).unsqueeze(-1)
+    capped = Write("resid_post.0", v, op="cap", lo=-0.2, hi=0.3).apply(x)
+    assert torch.allclose(capped, x + (p.clamp(-0.2, 0.3) - p) * d, atol=1e-6)
+    assert float((capped @ d).max()) <= 0.3 + 1e-6 and float((capped @ d).min()) >= -0.2 - 1e-6
+    only_hi = Write("resid_post.0", v, op="cap", hi=0.0).apply(x)
+    assert torch.allclose(only_hi, x - p.clamp(min=0) * d, atol=1e-6)
+    rescaled = Write("resid_post.0", v, op="rescale", scale=3.0).apply(x)
+    assert torch.allclose(rescaled, x + 2.0 * p * d, atol=1e-6)
+    assert torch.allclose(rescaled @ d, 3.0 * (x @ d), atol=1e-5)
+    grown = Write("resid_post.0", v, op="norm_add", scale=0.5).apply(x)
+    assert torch.allclose(grown, x + 0.5 * x.norm(dim=-1, keepdim=True) * v, atol=1e-6)
+    capped_add = Write("resid_post.0", d, op="norm_add", scale=4.0, max_fraction=0.25).apply(x)
+    assert torch.allclose((capped_add - x).norm(dim=-1), 0.25 * x.norm(dim=-1), atol=1e-5)
+    small = Write("resid_post.0", d, op="norm_add", scale=0.1, max_fraction=0.25).apply(x)  # under the cap
+    assert torch.allclose(small, x + 0.1 * x.norm(dim=-1, keepdim=True) * d, atol=1e-6)
+    swapped = Write("resid_post.0", v, op="swap", target=t).apply(x)
+    assert torch.allclose(swapped, x + p * (u - d), atol=1e-6)
+    half = Write("resid_post.0", v, op="swap", target=t, scale=0.5).apply(x)
+    assert torch.allclose(half, x + 0.5 * p * (u - d), atol=1e-6)
+    # ablate keeps its meaning; rescale by 0 is a full ablation
+    ablated = Write("resid_post.0", v, op="ablate", scale=0.5).apply(x)
+    assert torch.allclose(ablated, x - 0.5 * p * d, atol=1e-6)
+    assert torch.allclose(Write("resid_post.0", v, op="rescale", scale=0.0).apply(x), x - p * d, atol=1e-6)
+    assert torch.equal(x, rand(5, WIDTH, seed=20))  # apply never writes into its input
+
+
+def test_ops_work_per_head_and_per_position() -> None:
+    x = rand(3, 4, 8, seed=23)  # [positions, heads, d_head]
+    v = rand(3, 2, 8, seed=24)  # per position, per selected head
+    t = rand(8, seed=25)
+    write = Write("attn_z.0", v, op="swap", target=t, heads=[1, 3], positions=[0, 1, 2])
+    assert write.per_position and not write.target_per_position and write.target_head_rows is None
+    out = write.apply(x)
+    assert torch.equal(out[:, [0, 2]], x[:, [0, 2]])
+    for i, head in enumerate((1, 3)):
+        d = _unit(v[:, i])
+        p = (x[:, head] * d).sum(-1, keepdim=True)
+        assert torch.allclose(out[:, head], x[:, head] + p * (_unit(t) - d), atol=1e-6)
+    grown = Write("attn_z.0", rand(8, seed=26), op="norm_add", scale=0.3, heads=[2]).apply(x)
+    norms = x[:, 2].norm(dim=-1, keepdim=True)  # |x| per head
+    assert torch.allclose(grown[:, 2], x[:, 2] + 0.3 * norms * rand(8, seed=26), atol=1e-6)
+    # a per-position target, with the backend passing this chunk's rows
+    targets = rand(2, WIDTH, seed=27)
+    swap = Write("resid_post.0", rand(WIDTH, seed=28), op="swap", target=targets, positions=[0, 3])
+    assert swap.target_per_position and not swap.per_position
+    rows = rand(2, WIDTH, seed=29)
+    expected = torch.stack(
+        [Write("resid_post.0", swap.vector, op="swap", target=targets[i]).apply(rows[i]) for i in (0, 1)]
+    )
+    assert torch.allclose(swap.apply(rows, None, targets), expected, atol=1e-6)
+
+
+NEW_OPS = [
+    Write("resid_post.1", rand(WIDTH, seed=30), op="cap", lo=-1.5, hi=2.0, positions=[0, -1]),
+    Write("resid_post.1", rand(WIDTH, seed=31), op="cap", hi=0.0),
+    Write("resid_post.1", rand(WIDTH, seed=32), op="cap", lo=0.5),
+    Write("mlp_out.0", rand(3, WIDTH, seed=33), op="rescale", scale=-2.0, positions="prompt"),
+    Write("resid_pre.2", rand(WIDTH, seed=34), op="norm_add", scale=0.25),
+    Write("resid_pre.2", rand(2, WIDTH, seed=35), op="norm_add", scale=1.5, max_fraction=0.1, positions=[1, 2]),
+    Write("resid_mid.0", rand(WIDTH, seed=36), op="swap", target=rand(WIDTH, seed=37), scale=0.5),
+    Write("resid_mid.0", rand(2, WIDTH, seed=38), op="swap", target=rand(2, WIDTH, seed=39), positions=[0, 1]),
+    Write("attn_z.1", rand(2, 8, seed=40), op="swap", target=rand(3, 2, 8, seed=41), heads=[0, 1], positions=[0, 1, 2]),
+    Write("attn_v.0", rand(8, seed=42), op="cap", lo=-0.1, hi=0.1, heads=[1]),
+]
+
+
+def test_new_ops_round_trip_through_json_leaving_unset_fields_out() -> None:
+    spec = SteeringSpec(NEW_OPS)
+    back = round_trip(spec)
+    assert back == spec
+    for write, data in zip(back.writes, json.loads(spec.to_json())["writes"], strict=True):
+        assert write.op == data["op"]
+        assert write.lo == data.get("lo") and write.hi == data.get("hi")
+        assert write.max_fraction == data.get("max_fraction")
+        assert ("target" in data) == (write.target is not None)
+        if write.target is not None:
+            assert torch.equal(write.target, torch.tensor(data["target"]))
+    assert "lo" not in Write("resid_post.0", rand(WIDTH), op="cap", hi=1.0).to_dict()
+    plain = Write("resid_post.0", rand(WIDTH)).to_dict()
+    assert not {"target", "lo", "hi", "max_fraction"} & set(plain)
+    # every field takes part in equality
+    base = NEW_OPS[0]
+    assert base != Write("resid_post.1", base.vector, op="cap", lo=-1.5, hi=2.5, positions=[0, -1])
+    swap = NEW_OPS[6]
+    assert swap != Write("resid_mid.0", swap.vector, op="swap", target=rand(WIDTH, seed=99), scale=0.5)
+    assert "target=<[8]>" in repr(swap) and "lo=-1.5" in repr(base)
+
+
+BAD_OPS: dict[str, tuple[Any, str]] = {
+    "cap without bounds": (lambda: Write("resid_post.0", rand(WIDTH), op="cap"), "lo, hi or both"),
+    "cap lo > hi": (lambda: Write("resid_post.0", rand(WIDTH), op="cap", lo=1.0, hi=0.5), "lo <= hi"),
+    "cap with a scale": (lambda: Write("resid_post.0", rand(WIDTH), op="cap", hi=1.0, scale=2.0), "scale"),
+    "cap nan bound": (lambda: Write("resid_post.0", rand(WIDTH), op="cap", hi=math.nan), "hi must be a finite"),
+    "cap inf bound": (lambda: Write("resid_post.0", rand(WIDTH), op="cap", lo=-math.inf), "lo must be a finite"),
+    "cap string bound": (lambda: Write("resid_post.0", rand(WIDTH), op="cap", lo="0"), "lo must be a finite"),
+    "cap bool bound": (lambda: Write("resid_post.0", rand(WIDTH), op="cap", lo=True), "lo must be a finite"),
+    "cap zero vector": (lambda: Write("resid_post.0", torch.zeros(WIDTH), op="cap", hi=1.0), "zero vector"),
+    "rescale zero row": (
+        lambda: Write("resid_post.0", torch.stack([rand(WIDTH), torch.zeros(WIDTH)]), op="rescale", positions=[0, 1]),
+        "zero vector",
+    ),
+    "lo on an add": (lambda: Write("resid_post.0", rand(WIDTH), lo=0.0), "lo is only for op='cap'"),
+    "hi on a rescale": (lambda: Write("resid_post.0", rand(WIDTH), op="rescale", hi=0.0), "hi is only for op='cap'"),
+    "max_fraction on an add": (
+        lambda: Write("resid_post.0", rand(WIDTH), max_fraction=0.5),
+        "max_fraction is only for op='norm_add'",
+    ),
+    "max_fraction zero": (
+        lambda: Write("resid_post.0", rand(WIDTH), op="norm_add", max_fraction=0.0),
+        "max_fraction must be > 0",
+    ),
+    "max_fraction inf": (
+        lambda: Write("resid_post.0", rand(WIDTH), op="norm_add", max_fraction=math.inf),
+        "max_fraction must be a finite",
+    ),
+    "target on an ablate": (
+        lambda: Write("resid_post.0", rand(WIDTH), op="ablate", target=rand(WIDTH)),
+        "target is only for op='swap'",
+    ),
+    "swap without target": (lambda: Write("resid_post.0", rand(WIDTH), op="swap"), "swap needs target"),
+    "swap zero target": (
+        lambda: Write("resid_post.0", rand(WIDTH), op="swap", target=torch.zeros(WIDTH)),
+        "zero target",
+    ),
+    "swap zero vector": (
+        lambda: Write("resid_post.0", torch.zeros(WIDTH), op="swap", target=rand(WIDTH)),
+        "zero vector",
+    ),
+    "swap target width": (
+        lambda: Write("resid_post.0", rand(WIDTH), op="swap", target=rand(WIDTH + 1)),
+        "target has width 9",
+    ),
+    "swap nan target": (
+        lambda: Write("resid_post.0", rand(WIDTH), op="swap", target=[math.nan] * WIDTH),
+        "target contains NaN",
+    ),
+    "swap 3-D target": (
+        lambda: Write("resid_post.0", rand(WIDTH), op="swap", target=torch.ones(2, 2, WIDTH)),
+        "steering target is",
+    ),
+    "swap target head rows": (
+        lambda: Write("attn_z.0", rand(8), op="swap", target=torch.ones(3, 8), heads=[0, 1]),
+        "the target for attn_z.0 has 3 head rows",
+    ),
+    "swap text target": (lambda: Write("resid_post.0", rand(WIDTH), op="swap", target="abc"), "steering target"),
+}
+
+
+@pytest.mark.parametrize(("make", "match"), BAD_OPS.values(), ids=BAD_OPS.keys())
+def test_bad_op_fields_are_clear_invalid_steering(make: Any, match: str) -> None:
+    with pytest.raises(InvalidSteering, match=match) as info:
+        make()
+    assert isinstance(info.value, ValueError)
+
+
+def test_unknown_fields_and_ops_name_the_valid_ones() -> None:
+    with pytest.raises(InvalidSteering) as info:
+        SteeringSpec.from_dict([{**GOOD, "op": "cap", "hi": 1.0, "lower": 0.0}])
+    assert "lower" in str(info.value) and "max_fraction" in str(info.value) and "target" in str(info.value)
+    with pytest.raises(InvalidSteering) as info:
+        Write("resid_post.0", rand(WIDTH), op="clip")
+    assert all(op in str(info.value) for op in ("cap", "rescale", "norm_add", "swap"))
+    bad = {
+        "lo on add": {**GOOD, "lo": 1.0},
+        "cap string hi": {**GOOD, "op": "cap", "hi": "1"},
+        "swap without target": {**GOOD, "op": "swap"},
+        "swap ragged target": {**GOOD, "op": "swap", "target": [[1.0], [1.0, 2.0]]},
+    }
+    for name, data in bad.items():
+        with pytest.raises(InvalidSteering):
+            SteeringSpec.from_json(json.dumps({"writes": [data]}))
+        assert name
+
+
+def test_check_spec_checks_the_target_like_the_vector() -> None:
+    vector = rand(WIDTH)
+    (write,) = check_spec(SteeringSpec([Write("resid_post.-1", vector, op="swap", target=rand(WIDTH))]), INFO)
+    assert write.address == Address("resid_post", INFO.n_layers - 1) and write.target is not None
+    # the target's width is the vector's (checked when the write is made), and the model's
+    with pytest.raises(InvalidSteering, match=r"target has width 8 but the vector has width 32"):
+        Write("mlp_post.0", rand(INFO.d_mlp), op="swap", target=rand(WIDTH))
+    with pytest.raises(InvalidSteering, match=r"for mlp_post.0 has width 8, but mlp_post is 32 wide"):
+        check_spec(SteeringSpec([Write("mlp_post.0", rand(WIDTH), op="swap", target=rand(WIDTH))]), INFO)
+    with pytest.raises(InvalidSteering, match=r"the target for attn_z.0 has 3 head rows"):
+        head = INFO.d_head
+        check_spec(SteeringSpec([Write("attn_z.0", rand(head), op="swap", target=rand(3, head))]), INFO)
+    spec = SteeringSpec([Write("resid_post.0", vector, op="swap", target=rand(3, WIDTH), positions="prompt")])
+    check_write_shapes(check_spec(spec, INFO), n_prompt=3, n_total=5)
+    with pytest.raises(InvalidSteering, match=r"target for resid_post.0 has 3 rows but the write selects 2"):
+        check_write_shapes(check_spec(spec, INFO), n_prompt=2, n_total=5)

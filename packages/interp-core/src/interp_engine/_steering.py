@@ -16,28 +16,60 @@ import torch
 
 from ._address import Address, AddressLike, as_address
 from ._errors import InvalidSteering
-from ._writes import apply_op
+from ._writes import DIRECTION_OPS, apply_op
 
-Op = Literal["add", "set", "ablate"]
-OPS: tuple[Op, ...] = ("add", "set", "ablate")
+Op = Literal["add", "set", "ablate", "cap", "rescale", "norm_add", "swap"]
+OPS: tuple[Op, ...] = ("add", "set", "ablate", "cap", "rescale", "norm_add", "swap")
 PositionsName = Literal["all", "prompt", "generated"]
 Positions = PositionsName | tuple[int, ...]
 POSITION_NAMES: tuple[PositionsName, ...] = ("all", "prompt", "generated")
 
 
-def _as_vector(value: Any) -> torch.Tensor:
+def _as_vector(value: Any, name: str = "vector") -> torch.Tensor:
     try:
         tensor = value.detach() if isinstance(value, torch.Tensor) else torch.as_tensor(value)
     except (TypeError, ValueError, RuntimeError) as exc:
-        raise InvalidSteering(f"a steering vector must be a tensor or a list of floats: {exc}") from None
+        raise InvalidSteering(f"a steering {name} must be a tensor or a list of floats: {exc}") from None
     if not (tensor.is_floating_point() or tensor.dtype in (torch.int32, torch.int64)):
-        raise InvalidSteering(f"a steering vector must hold real numbers, got dtype {tensor.dtype}")
+        raise InvalidSteering(f"a steering {name} must hold real numbers, got dtype {tensor.dtype}")
     tensor = tensor.to(device="cpu", dtype=torch.float32).contiguous().clone()  # never alias the caller's
     if tensor.dim() not in (1, 2, 3) or tensor.numel() == 0:
-        raise InvalidSteering(f"a steering vector is [width] or [n_positions, width], got shape {list(tensor.shape)}")
+        raise InvalidSteering(f"a steering {name} is [width] or [n_positions, width], got shape {list(tensor.shape)}")
     if not bool(torch.isfinite(tensor).all()):
-        raise InvalidSteering("the steering vector contains NaN or infinite values")
+        raise InvalidSteering(f"the steering {name} contains NaN or infinite values")
     return tensor
+
+
+def _as_bound(value: Any, name: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidSteering(f"{name} must be a finite number (or omitted), got {value!r}")
+    return float(value)
+
+
+_OP_FIELDS = {"lo": ("cap",), "hi": ("cap",), "max_fraction": ("norm_add",), "target": ("swap",)}
+"""The op-specific fields and the ops that take them."""
+
+
+def _check_op_fields(
+    op: str, scale: float, target: Any, lo: float | None, hi: float | None, max_fraction: float | None
+) -> None:
+    given = {"lo": lo, "hi": hi, "max_fraction": max_fraction, "target": target}
+    for name, value in given.items():
+        if value is not None and op not in _OP_FIELDS[name]:
+            raise InvalidSteering(f"{name} is only for op={_OP_FIELDS[name][0]!r}; this write is op={op!r}")
+    if op == "cap":
+        if lo is None and hi is None:
+            raise InvalidSteering("cap needs lo, hi or both (the bounds of the projection x.d)")
+        if lo is not None and hi is not None and lo > hi:
+            raise InvalidSteering(f"cap needs lo <= hi, got lo={lo} and hi={hi}")
+        if scale != 1.0:
+            raise InvalidSteering(f"cap takes no scale (its bounds say how far to cap); got scale={scale}")
+    if op == "norm_add" and max_fraction is not None and max_fraction <= 0:
+        raise InvalidSteering(f"max_fraction must be > 0 (a fraction of |x|), got {max_fraction}")
+    if op == "swap" and target is None:
+        raise InvalidSteering("swap needs target= (the direction the component along vector is moved onto)")
 
 
 def _as_heads(value: Any) -> tuple[int, ...] | None:
@@ -58,8 +90,10 @@ def _as_heads(value: Any) -> tuple[int, ...] | None:
     return heads
 
 
-def _check_shape(address: Address, tensor: torch.Tensor, op: str, heads: tuple[int, ...] | None) -> None:
-    """The vector shapes a write at ``address`` accepts (see :class:`Write`)."""
+def _check_shape(
+    address: Address, tensor: torch.Tensor, op: str, heads: tuple[int, ...] | None, name: str = "vector"
+) -> None:
+    """The vector (or target) shapes a write at ``address`` accepts (see :class:`Write`)."""
     shape = list(tensor.shape)
     if not address.info.per_head:
         if heads is not None:
@@ -67,7 +101,7 @@ def _check_shape(address: Address, tensor: torch.Tensor, op: str, heads: tuple[i
                 f"heads= selects attention heads at a head address (attn_z, attn_v); {address} has no head axis"
             )
         if tensor.dim() == 3:
-            raise InvalidSteering(f"a steering vector is [width] or [n_positions, width], got shape {shape}")
+            raise InvalidSteering(f"a steering {name} is [width] or [n_positions, width], got shape {shape}")
         if op == "ablate" and tensor.dim() != 1:
             raise InvalidSteering("ablate takes one direction of shape [width]")
         return
@@ -75,7 +109,7 @@ def _check_shape(address: Address, tensor: torch.Tensor, op: str, heads: tuple[i
         raise InvalidSteering(f"ablate at {address} takes a direction [d_head] or one per head [heads, d_head]")
     if heads is not None and tensor.dim() >= 2 and tensor.shape[-2] != len(heads):
         raise InvalidSteering(
-            f"the vector for {address} has {tensor.shape[-2]} head rows (shape {shape}) but heads= lists "
+            f"the {name} for {address} has {tensor.shape[-2]} head rows (shape {shape}) but heads= lists "
             f"{len(heads)} heads; give [d_head], [len(heads), d_head] or [n_positions, len(heads), d_head]"
         )
 
@@ -108,21 +142,33 @@ def _as_positions(value: Any) -> Positions:
 class Write:
     """One write into the forward pass at ``address``.
 
+    With ``d = vector / |vector|`` (per row) and ``p = x . d`` over the last axis:
+
     - ``op="add"``: ``x + scale * vector``;
     - ``op="set"``: ``x := scale * vector`` (activation patching: pass another run's activations);
-    - ``op="ablate"``: ``x - scale * (x . d) d`` with ``d = vector / |vector|`` (directional ablation).
+    - ``op="ablate"``: ``x - scale * p d`` (directional ablation);
+    - ``op="cap"``: ``x + (clamp(p, lo, hi) - p) d`` (projection capping; ``lo``, ``hi`` or both,
+      ``scale`` stays 1);
+    - ``op="rescale"``: ``x + (scale - 1) p d`` (the component along ``d`` times ``scale``, the
+      rest kept);
+    - ``op="norm_add"``: ``x + scale * |x| * vector`` with ``vector`` as given (pass a unit vector
+      for ``scale * |x| * d``); with ``max_fraction`` the added vector's norm is at most
+      ``max_fraction * |x|``;
+    - ``op="swap"``: ``x + scale * p (t - d)`` with ``t = target / |target|`` (the component
+      along ``d`` moved onto ``t``; ``scale`` 1 is the whole move).
 
     ``vector`` is ``[width]`` (the same vector at every selected position) or
-    ``[n_positions, width]`` (one row per selected position, in order). ``positions`` is
-    ``"all"``, ``"prompt"``, ``"generated"`` or explicit sequence indices (negative ones count
-    back from the end of the prompt). The vector is stored as float32 on the CPU.
+    ``[n_positions, width]`` (one row per selected position, in order); ``target`` follows the
+    same rules, independently. ``positions`` is ``"all"``, ``"prompt"``, ``"generated"`` or
+    explicit sequence indices (negative ones count back from the end of the prompt). Vectors are
+    stored as float32 on the CPU.
 
     At a head address (``attn_z``, ``attn_v``) a write works per head: ``heads=[h, ...]`` picks
     the heads (default: every head; the others are untouched, bit for bit) and ``vector`` is
     ``[d_head]`` (the same for each listed head), ``[len(heads), d_head]`` (one row per head) or
     ``[n_positions, len(heads), d_head]`` (per position, e.g. another run's captured heads).
-    ``ablate`` removes a direction per head. Zero-ablating head 3 of layer 1 is
-    ``Write("attn_z.1", torch.zeros(d_head), op="set", heads=[3])``.
+    Every op works per head there (``p`` and ``|x|`` are per head). Zero-ablating head 3 of
+    layer 1 is ``Write("attn_z.1", torch.zeros(d_head), op="set", heads=[3])``.
     """
 
     address: Address
@@ -131,6 +177,10 @@ class Write:
     scale: float = 1.0
     positions: Positions = "all"
     heads: tuple[int, ...] | None = None
+    target: torch.Tensor | None = None
+    lo: float | None = None
+    hi: float | None = None
+    max_fraction: float | None = None
 
     def __init__(
         self,
@@ -140,63 +190,113 @@ class Write:
         scale: float = 1.0,
         positions: Any = "all",
         heads: Any = None,
+        *,
+        target: Any = None,
+        lo: float | None = None,
+        hi: float | None = None,
+        max_fraction: float | None = None,
     ) -> None:
         addr = as_address(address)
         if not addr.info.writable:
             raise InvalidSteering(f"cannot write at {addr}: {addr.kind} is read-only")
-        if op not in OPS:
+        if not isinstance(op, str) or op not in OPS:
             raise InvalidSteering(f"unknown steering op {op!r}; valid ops: {', '.join(OPS)}")
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
             raise InvalidSteering(f"scale must be a finite number, got {scale!r}")
+        low, high = _as_bound(lo, "lo"), _as_bound(hi, "hi")
+        fraction = _as_bound(max_fraction, "max_fraction")
+        _check_op_fields(op, float(scale), target, low, high, fraction)
         tensor = _as_vector(vector)
         selected = _as_heads(heads)
         _check_shape(addr, tensor, op, selected)
-        if op == "ablate" and bool((tensor.norm(dim=-1) == 0).any()):
-            raise InvalidSteering("cannot ablate along a zero vector")
+        if op in DIRECTION_OPS and bool((tensor.norm(dim=-1) == 0).any()):
+            raise InvalidSteering(f"cannot {op} along a zero vector: {op} uses vector as a direction")
+        onto = None
+        if target is not None:
+            onto = _as_vector(target, "target")
+            _check_shape(addr, onto, op, selected, "target")
+            if onto.shape[-1] != tensor.shape[-1]:
+                raise InvalidSteering(
+                    f"the target has width {onto.shape[-1]} but the vector has width {tensor.shape[-1]}; "
+                    "they must match"
+                )
+            if bool((onto.norm(dim=-1) == 0).any()):
+                raise InvalidSteering("cannot swap onto a zero target: target is a direction")
         object.__setattr__(self, "address", addr)
         object.__setattr__(self, "vector", tensor)
         object.__setattr__(self, "op", op)
         object.__setattr__(self, "scale", float(scale))
         object.__setattr__(self, "positions", _as_positions(positions))
         object.__setattr__(self, "heads", selected)
+        object.__setattr__(self, "target", onto)
+        object.__setattr__(self, "lo", low)
+        object.__setattr__(self, "hi", high)
+        object.__setattr__(self, "max_fraction", fraction)
 
     @property
     def width(self) -> int:
         """The width the vector must match at its address (``d_head`` at head addresses)."""
         return int(self.vector.shape[-1])
 
+    def _per_position(self, tensor: torch.Tensor) -> bool:
+        return tensor.dim() == (3 if self.address.info.per_head else 2)
+
+    def _head_rows(self, tensor: torch.Tensor) -> int | None:
+        if not self.address.info.per_head or tensor.dim() == 1:
+            return None
+        return int(tensor.shape[-2])
+
     @property
     def per_position(self) -> bool:
         """Whether the vector holds one row per selected position (its first axis)."""
-        return self.vector.dim() == (3 if self.address.info.per_head else 2)
+        return self._per_position(self.vector)
 
     @property
     def head_rows(self) -> int | None:
         """How many heads the vector has rows for (``None``: one row shared by every head)."""
-        if not self.address.info.per_head or self.vector.dim() == 1:
-            return None
-        return int(self.vector.shape[-2])
+        return self._head_rows(self.vector)
 
-    def apply(self, x: torch.Tensor, vector: torch.Tensor | None = None) -> torch.Tensor:
+    @property
+    def target_per_position(self) -> bool:
+        """Whether ``target`` holds one row per selected position (``False`` without a target)."""
+        return self.target is not None and self._per_position(self.target)
+
+    @property
+    def target_head_rows(self) -> int | None:
+        """How many heads ``target`` has rows for (``None``: shared by every head, or no target)."""
+        return None if self.target is None else self._head_rows(self.target)
+
+    def apply(
+        self, x: torch.Tensor, vector: torch.Tensor | None = None, target: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``x`` with this write applied (a new tensor; ``x`` is not modified).
 
         ``x`` is ``[..., width]`` rows at residual-type addresses and ``[..., n_heads, d_head]`` at
-        head addresses, where only the selected heads change. ``vector`` is the vector to use
-        for these rows (default :attr:`vector`); for a per-position write, the backend passes the
-        rows of the vector that belong to ``x``'s positions (``[n, width]`` or ``[n, len(heads), d_head]``).
+        head addresses, where only the selected heads change. ``vector`` and ``target`` are the
+        tensors to use for these rows (default :attr:`vector` / :attr:`target`); for a
+        per-position write, the backend passes the rows that belong to ``x``'s positions
+        (``[n, width]`` or ``[n, len(heads), d_head]``), for the vector and for a per-position target.
         """
         vec = self.vector if vector is None else vector
-        if not self.address.info.per_head:
-            return apply_op(self.op, self.scale, x, vec)
-        if self.heads is None:
-            return apply_op(self.op, self.scale, x, vec)
+        onto = self.target if target is None else target
+
+        def op(rows: torch.Tensor) -> torch.Tensor:
+            return apply_op(
+                self.op, self.scale, rows, vec, target=onto, lo=self.lo, hi=self.hi, max_fraction=self.max_fraction
+            )
+
+        if not self.address.info.per_head or self.heads is None:
+            return op(x)
         index = torch.tensor(self.heads, device=x.device)
-        changed = apply_op(self.op, self.scale, x.index_select(-2, index), vec)
+        changed = op(x.index_select(-2, index))
         return x.index_copy(x.dim() - 2, index, changed)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Write):
             return NotImplemented
+        same_target = (self.target is None and other.target is None) or (
+            self.target is not None and other.target is not None and torch.equal(self.target, other.target)
+        )
         return (
             self.address == other.address
             and self.op == other.op
@@ -204,20 +304,27 @@ class Write:
             and self.positions == other.positions
             and self.heads == other.heads
             and torch.equal(self.vector, other.vector)
+            and same_target
+            and (self.lo, self.hi, self.max_fraction) == (other.lo, other.hi, other.max_fraction)
         )
 
     __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
+        extra = "" if self.heads is None else f", heads={list(self.heads)}"
+        if self.target is not None:
+            extra += f", target=<{list(self.target.shape)}>"
+        for name in ("lo", "hi", "max_fraction"):
+            if getattr(self, name) is not None:
+                extra += f", {name}={getattr(self, name)}"
         return (
             f"Write({str(self.address)!r}, <{list(self.vector.shape)}>, op={self.op!r}, "
-            f"scale={self.scale}, positions={self.positions!r}"
-            + ("" if self.heads is None else f", heads={list(self.heads)}")
-            + ")"
+            f"scale={self.scale}, positions={self.positions!r}{extra})"
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data (JSON-ready): the vector as nested lists of floats."""
+        """Plain data (JSON-ready): tensors as nested lists of floats; unset optional fields
+        (``heads``, ``target``, ``lo``, ``hi``, ``max_fraction``) are left out."""
         positions: Any = self.positions if isinstance(self.positions, str) else list(self.positions)
         data: dict[str, Any] = {
             "address": str(self.address),
@@ -228,6 +335,11 @@ class Write:
         }
         if self.heads is not None:
             data["heads"] = list(self.heads)
+        if self.target is not None:
+            data["target"] = self.target.tolist()
+        for name in ("lo", "hi", "max_fraction"):
+            if getattr(self, name) is not None:
+                data[name] = getattr(self, name)
         return data
 
     @classmethod
@@ -235,9 +347,9 @@ class Write:
         """Read what :meth:`to_dict` wrote (validated like the constructor)."""
         if not isinstance(data, dict) or "address" not in data or "vector" not in data:
             raise InvalidSteering(f"a write needs at least 'address' and 'vector', got {data!r:.200}")
-        unknown = set(data) - {"address", "vector", "op", "scale", "positions", "heads"}
+        unknown = set(data) - set(WRITE_FIELDS)
         if unknown:
-            raise InvalidSteering(f"unknown write fields: {sorted(unknown)}")
+            raise InvalidSteering(f"unknown write fields: {sorted(unknown)}; valid fields: {', '.join(WRITE_FIELDS)}")
         return cls(
             data["address"],
             data["vector"],
@@ -245,7 +357,15 @@ class Write:
             scale=data.get("scale", 1.0),
             positions=data.get("positions", "all"),
             heads=data.get("heads"),
+            target=data.get("target"),
+            lo=data.get("lo"),
+            hi=data.get("hi"),
+            max_fraction=data.get("max_fraction"),
         )
+
+
+WRITE_FIELDS = ("address", "vector", "op", "scale", "positions", "heads", "target", "lo", "hi", "max_fraction")
+"""The fields of a write's plain-data form (:meth:`Write.to_dict`)."""
 
 
 @dataclass(frozen=True)

@@ -125,19 +125,24 @@ def check_spec(spec: SteeringSpec | None, info: ModelInfo, writable: Collection[
                 valid=tuple(writable),
             )
         expected = width_of(address, info)
-        if write.width != expected:
-            per = " per head" if address.info.per_head else ""
-            raise InvalidSteering(
-                f"the vector for {address} has width {write.width}, but {address.kind} is {expected} wide{per} "
-                "in this model"
-            )
+        per = " per head" if address.info.per_head else ""
+        tensors = [("vector", write.vector, write.head_rows)]
+        if write.target is not None:
+            tensors.append(("target", write.target, write.target_head_rows))
+        for name, tensor, _ in tensors:
+            if tensor.shape[-1] != expected:
+                raise InvalidSteering(
+                    f"the {name} for {address} has width {tensor.shape[-1]}, but {address.kind} is {expected} "
+                    f"wide{per} in this model"
+                )
         if address.info.per_head:
-            _check_heads(write, address, info)
+            for name, _, rows in tensors:
+                _check_heads(write, address, info, name, rows)
         writes.append(dataclasses.replace(write, address=address))
     return writes
 
 
-def _check_heads(write: Write, address: Address, info: ModelInfo) -> None:
+def _check_heads(write: Write, address: Address, info: ModelInfo, name: str, rows: int | None) -> None:
     n_heads = heads_of(address, info)
     bad = [h for h in write.heads or () if h >= n_heads]
     if bad:
@@ -146,10 +151,9 @@ def _check_heads(write: Write, address: Address, info: ModelInfo) -> None:
             f"in this model (0..{n_heads - 1})"
         )
     selected = len(write.heads) if write.heads is not None else n_heads
-    rows = write.head_rows
     if rows is not None and rows != selected:
         raise InvalidSteering(
-            f"the vector for {address} has {rows} head rows but the write selects {selected} heads "
+            f"the {name} for {address} has {rows} head rows but the write selects {selected} heads "
             f"({'heads=' + str(list(write.heads)) if write.heads is not None else 'every head'}); "
             "give [d_head], [n_heads_selected, d_head] or [n_positions, n_heads_selected, d_head]"
         )
@@ -188,6 +192,12 @@ def check_write_shapes(writes: Sequence[Write], n_prompt: int, n_total: int) -> 
                 f"the {write.op} tensor for {write.address} has {write.vector.shape[0]} rows but "
                 f"selects {len(positions)} positions ({write.positions!r}); give one row per "
                 "position or a single [width] vector"
+            )
+        if write.target is not None and write.target_per_position and write.target.shape[0] != len(positions):
+            raise InvalidSteering(
+                f"the {write.op} target for {write.address} has {write.target.shape[0]} rows but the write "
+                f"selects {len(positions)} positions ({write.positions!r}); give one row per position or a "
+                "single [width] target"
             )
 
 

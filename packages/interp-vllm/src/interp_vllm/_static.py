@@ -6,14 +6,22 @@ so everything that changes per request must live in tensors the host fills befor
 - :class:`StaticTap` copies the rows it sees into a fixed buffer (``max_tokens x width``),
   allocated before compilation; after the step the host reads each request's real rows.
 - :class:`StaticWrites` applies per-token writes from slot tables: token ``t`` uses slot
-  ``index[t]``, and ``x' = x * keep[s] - ablate[s] * (x . u[s]) u[s] + shift[s]``. Slot 0 is the
-  identity and a token at slot 0 gets ``x`` itself back (a ``where``), bit for bit.
+  ``s = index[t]`` and goes through a fixed pipeline that covers every op
+  (:class:`~interp_engine._writes.Pipeline`):
+
+  1. ``y = keep[s] * x + (x . u[s]) m[s] + shift[s]`` (add, set, ablate, rescale, swap);
+  2. ``y = y + (clamp(y . c[s], lo[s], hi[s]) - y . c[s]) c[s]`` (cap; ``c = 0`` and
+     ``lo, hi = -inf, inf`` when unused, which leaves ``y`` as it is);
+  3. ``y = y + |y| w[s]`` (norm_add, its ``max_fraction`` folded into ``w`` on the host).
+
+  Slot 0 is the identity and a token at slot 0 gets ``x`` itself back (a ``where``), bit for bit.
 
 Several writes at one address and token compose into one slot (:func:`compose`, the core's
-:class:`~interp_engine._writes.Affine`): ``add`` moves the shift, ``set`` makes the slot
-constant, ``ablate`` sets the direction (two ablations along different directions at one token
-cannot share a slot and are refused). At a head address a "token" is one head of one token: the
-table's rows are ``d_head`` wide and its index has one entry per (token, head).
+:meth:`Pipeline.then <interp_engine._writes.Pipeline.then>`); a sequence with no such slot (two
+projections along different directions, a projection after a cap, two norm_adds, ...) is refused
+with ``InvalidSteering``. At a head address a "token" is one head of one token: the table's rows
+are ``d_head`` wide and its index has one entry per (token, head). Changing a slot only fills
+buffers allocated before compilation: it never recompiles.
 
 Both are ``nn.Module`` s whose ``forward`` is pure tensor work: the same objects serve vLLM's
 compiled runner and ``bench/gpu_static_taps.py`` (an HF model under ``torch.cuda.CUDAGraph``).
@@ -30,7 +38,7 @@ import torch
 from torch import nn
 
 from interp_engine import Address, InvalidSteering, Write
-from interp_engine._writes import Affine
+from interp_engine._writes import Pipeline
 from interp_engine.validation import write_positions
 
 
@@ -56,11 +64,17 @@ class StaticTap(nn.Module):
         return self.buffer[start:end].to("cpu", torch.float32, copy=True)
 
 
-def compose(steps: Sequence[tuple[Write, torch.Tensor]], width: int) -> Affine:
-    """The single slot equal to applying ``(write, vector)`` steps in order (the core's algebra)."""
-    op = Affine.identity(width)
-    for write, vector in steps:
-        op = op.then(write.op, write.scale, vector)
+Step = tuple[Write, torch.Tensor, torch.Tensor | None]
+"""A write with the row of its vector (and of its target) that applies at one unit."""
+
+
+def compose(steps: Sequence[Step], width: int) -> Pipeline:
+    """The single slot equal to applying ``(write, vector, target)`` steps in order (the core's algebra)."""
+    op = Pipeline.identity(width)
+    for write, vector, target in steps:
+        op = op.then(
+            write.op, write.scale, vector, target=target, lo=write.lo, hi=write.hi, max_fraction=write.max_fraction
+        )
     return op
 
 
@@ -71,57 +85,69 @@ class SitePlan:
     unit ``u`` uses, 0 where no write touches it."""
 
     combo: torch.Tensor  # [n_total * heads] long
-    ops: list[Affine]
+    ops: list[Pipeline]
     heads: int = 1
 
 
-def _units(write: Write, n_prompt: int, n_total: int, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The units a write touches and, for each, the row of its vector (flattened to
+def _rows(per_position: bool, head_rows: int | None, m: int, k: int) -> torch.Tensor:
+    """``[m, k]``: for each (position, head) a write touches, the row of a tensor (flattened to
     ``[-1, width]``) that applies there."""
+    if per_position:
+        return torch.arange(m * k).view(m, k)
+    if head_rows is not None:
+        return torch.arange(k)[None, :].expand(m, k)
+    return torch.zeros(m, k, dtype=torch.long)
+
+
+def _units(write: Write, n_prompt: int, n_total: int, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The units a write touches and, for each, the row of its vector and of its target
+    (each flattened to ``[-1, width]``; target rows are 0 without a target) that apply there."""
     positions = torch.tensor([p for p in write_positions(write, n_prompt, n_total) if p < n_total], dtype=torch.long)
     selected = torch.tensor(write.heads if write.heads is not None else range(heads), dtype=torch.long)
     m, k = len(positions), len(selected)
     units = positions[:, None] * heads + selected[None, :]
-    if write.per_position:
-        rows = torch.arange(m * k).view(m, k)
-    elif write.head_rows is not None:
-        rows = torch.arange(k)[None, :].expand(m, k)
-    else:
-        rows = torch.zeros(m, k, dtype=torch.long)
-    return units.flatten(), rows.flatten()
+    vector_rows = _rows(write.per_position, write.head_rows, m, k)
+    target_rows = _rows(write.target_per_position, write.target_head_rows, m, k)
+    return units.flatten(), vector_rows.flatten(), target_rows.flatten()
 
 
 def plan_writes(
     writes: Sequence[Write], n_prompt: int, n_total: int, heads_of: Callable[[Address], int] | None = None
 ) -> dict[Address, SitePlan]:
     """Group a request's writes by address and fold each unit's writes into one slot op;
-    units touched by the same writes with the same vector rows share a slot. ``heads_of`` gives
-    the number of heads of a head address (per-head writes fold per head)."""
+    units touched by the same writes with the same vector (and target) rows share a slot.
+    ``heads_of`` gives the number of heads of a head address (per-head writes fold per head)."""
     plans: dict[Address, SitePlan] = {}
     for address in dict.fromkeys(w.address for w in writes):
         here = [w for w in writes if w.address == address]
         heads = heads_of(address) if address.info.per_head and heads_of is not None else 1
         if address.info.per_head and heads_of is None:
             raise ValueError("plan_writes needs heads_of for a head address")
-        rows = torch.full((len(here), n_total * heads), -1, dtype=torch.long)
+        # rows 2i / 2i+1: write i's vector / target row per unit (-1: untouched)
+        rows = torch.full((2 * len(here), n_total * heads), -1, dtype=torch.long)
         for i, write in enumerate(here):
-            units, vector_rows = _units(write, n_prompt, n_total, heads)
-            rows[i, units] = vector_rows
+            units, vector_rows, target_rows = _units(write, n_prompt, n_total, heads)
+            rows[2 * i, units] = vector_rows
+            rows[2 * i + 1, units] = target_rows
         keys, combo = torch.unique(rows, dim=1, return_inverse=True)
         untouched = (keys == -1).all(0)
         # renumber: untouched -> 0, the others 1..k in order of first use
         order = torch.cumsum((~untouched).long(), 0) * (~untouched).long()
         width = here[0].width
-        flat = [write.vector.reshape(-1, width) for write in here]
+        vectors = [write.vector.reshape(-1, width) for write in here]
+        targets = [None if write.target is None else write.target.reshape(-1, width) for write in here]
         ops = []
         for column in range(keys.shape[1]):
             if untouched[column]:
                 continue
-            steps = [
-                (write, vectors[int(r)])
-                for write, vectors, r in zip(here, flat, keys[:, column].tolist(), strict=True)
-                if r >= 0
-            ]
+            key = keys[:, column].tolist()
+            steps: list[Step] = []
+            for i, write in enumerate(here):
+                vector_row, target_row = key[2 * i], key[2 * i + 1]
+                if vector_row < 0:
+                    continue
+                target = targets[i]
+                steps.append((write, vectors[i][vector_row], None if target is None else target[target_row]))
             ops.append(compose(steps, width))
         if ops:  # writes that touch no position of this sequence (e.g. "generated" in a capture) need nothing
             plans[address] = SitePlan(order[combo], ops, heads)
@@ -129,12 +155,17 @@ def plan_writes(
 
 
 class StaticWrites(nn.Module):
-    """Per-token writes at one site from slot tables (slot 0 = no write)."""
+    """Per-token writes at one site from slot tables (slot 0 = no write): the fixed pipeline of
+    the module docstring, one row of each table per slot."""
 
     keep: torch.Tensor
-    shift: torch.Tensor
     direction: torch.Tensor
-    ablate: torch.Tensor
+    move: torch.Tensor
+    shift: torch.Tensor
+    cap: torch.Tensor
+    lo: torch.Tensor
+    hi: torch.Tensor
+    grow: torch.Tensor
     index: torch.Tensor
 
     def __init__(
@@ -144,10 +175,19 @@ class StaticWrites(nn.Module):
         if slots < 2:
             raise ValueError("a write table needs slot 0 (identity) and at least one more")
         self.slots, self.width = slots, width
-        self.register_buffer("keep", torch.ones(slots, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("shift", torch.zeros(slots, width, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("direction", torch.zeros(slots, width, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("ablate", torch.zeros(slots, dtype=dtype, device=device), persistent=False)
+
+        def table(*shape: int, value: float = 0.0) -> torch.Tensor:
+            return torch.full((slots, *shape), value, dtype=dtype, device=device)
+
+        # every buffer exists before compilation; filling a slot only writes into them
+        self.register_buffer("keep", table(value=1.0), persistent=False)
+        self.register_buffer("direction", table(width), persistent=False)
+        self.register_buffer("move", table(width), persistent=False)
+        self.register_buffer("shift", table(width), persistent=False)
+        self.register_buffer("cap", table(width), persistent=False)
+        self.register_buffer("lo", table(value=-torch.inf), persistent=False)
+        self.register_buffer("hi", table(value=torch.inf), persistent=False)
+        self.register_buffer("grow", table(width), persistent=False)
         self.register_buffer("index", torch.zeros(max_tokens, dtype=torch.long, device=device), persistent=False)
         self._free = list(range(slots - 1, 0, -1))
         self._dirty = 0  # index rows [0, _dirty) may be non-zero
@@ -155,10 +195,16 @@ class StaticWrites(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.width)
         slot = self.index[: rows.shape[0]]
-        unit = self.direction[slot]
-        projection = (rows * unit).sum(-1, keepdim=True)
-        out = rows * self.keep[slot].unsqueeze(-1) - (self.ablate[slot].unsqueeze(-1) * projection) * unit
-        out = out + self.shift[slot]
+        # 1. affine: keep*x + (x.u) m + shift
+        projection = (rows * self.direction[slot]).sum(-1, keepdim=True)
+        out = rows * self.keep[slot].unsqueeze(-1) + projection * self.move[slot] + self.shift[slot]
+        # 2. cap along c: with c = 0 and bounds at +-inf, the correction is exactly 0 (no inf * 0)
+        c = self.cap[slot]
+        along = (out * c).sum(-1, keepdim=True)
+        capped = torch.minimum(torch.maximum(along, self.lo[slot].unsqueeze(-1)), self.hi[slot].unsqueeze(-1))
+        out = out + (capped - along) * c
+        # 3. norm-scaled add
+        out = out + torch.linalg.vector_norm(out, dim=-1, keepdim=True) * self.grow[slot]
         return torch.where((slot != 0).unsqueeze(-1), out, rows).reshape(x.shape)
 
     def steered(self, n: int) -> torch.Tensor:
@@ -177,16 +223,21 @@ class StaticWrites(nn.Module):
 
     def release(self, slots: Sequence[int]) -> None:
         for slot in slots:
-            self.fill(slot, Affine.identity(self.width))
+            self.fill(slot, Pipeline.identity(self.width))
             self._free.append(slot)
 
-    def fill(self, slot: int, op: Affine, part: slice | None = None) -> None:
-        """Write ``op`` into ``slot``; ``part`` picks this shard's columns of its vectors."""
+    def fill(self, slot: int, op: Pipeline, part: slice | None = None) -> None:
+        """Write ``op`` into ``slot``; ``part`` picks this shard's columns of its vectors (only
+        ``add``/``set`` reach a tensor-parallel shard: the other ops need the whole row)."""
         part = part or slice(None)
         self.keep[slot] = op.keep
-        self.ablate[slot] = op.ablate
         self.direction[slot] = op.direction[part].to(self.direction)
+        self.move[slot] = op.move[part].to(self.move)
         self.shift[slot] = op.shift[part].to(self.shift)
+        self.cap[slot] = op.cap[part].to(self.cap)
+        self.lo[slot] = op.lo
+        self.hi[slot] = op.hi
+        self.grow[slot] = op.grow[part].to(self.grow)
 
     def set_index(self, index: torch.Tensor | None) -> None:
         """This step's slot per token (``None``: no token is steered)."""
@@ -205,22 +256,27 @@ class StaticWrites(nn.Module):
         self.release([s for s in range(1, self.slots) if s not in self._free])
 
     def assign(self, write: Write, rows: torch.Tensor, vector_rows: torch.Tensor | None = None) -> None:
-        """Point token ``rows`` at ``write``; ``vector_rows[i]`` picks the row of a
-        ``[n, width]`` vector for ``rows[i]`` (one slot per distinct row)."""
-        vector = write.vector
+        """Point token ``rows`` at ``write``; ``vector_rows[i]`` picks the row of a per-position
+        ``[n, width]`` vector (and target) for ``rows[i]`` (one slot per distinct row)."""
+        vector, target = write.vector, write.target
         if vector.shape[-1] != self.width:
             raise InvalidSteering(f"the vector for {write.address} has width {vector.shape[-1]}, not {self.width}")
-        if vector.dim() == 2:
+        if vector.dim() == 2 or (target is not None and target.dim() == 2):
             if vector_rows is None:
                 raise InvalidSteering("a [n, width] write needs the vector row of each token")
             distinct, inverse = torch.unique(vector_rows, return_inverse=True)
             slots = self.allocate(len(distinct))
             for slot, row in zip(slots, distinct.tolist(), strict=True):
-                self.fill(slot, compose([(write, vector[row])], self.width))
+                step = (
+                    write,
+                    vector[row] if vector.dim() == 2 else vector,
+                    None if target is None else target[row] if target.dim() == 2 else target,
+                )
+                self.fill(slot, compose([step], self.width))
             chosen = torch.tensor(slots)[inverse]
         else:
             (slot,) = self.allocate(1)
-            self.fill(slot, compose([(write, vector)], self.width))
+            self.fill(slot, compose([(write, vector, target)], self.width))
             chosen = torch.full((len(rows),), slot)
         self.index[rows.to(self.index.device)] = chosen.to(self.index.device)
         self._dirty = self.index.shape[0]

@@ -31,11 +31,19 @@ class WriteBody(_Body):
 
     address: str = Field(examples=["resid_post.1"])
     vector: list[float] | list[list[float]] | list[list[list[float]]] | EncodedTensor
-    op: Literal["add", "set", "ablate"] = "add"
+    op: Literal["add", "set", "ablate", "cap", "rescale", "norm_add", "swap"] = "add"
     scale: float = 1.0
     positions: Literal["all", "prompt", "generated"] | list[StrictInt] = "all"
     heads: list[StrictInt] | None = Field(
         default=None, description="at attn_z/attn_v: the heads written (default every head)", examples=[[0]]
+    )
+    target: list[float] | list[list[float]] | list[list[list[float]]] | EncodedTensor | None = Field(
+        default=None, description="swap only: the direction the component along vector moves onto"
+    )
+    lo: float | None = Field(default=None, description="cap only: lower bound of the projection x.d")
+    hi: float | None = Field(default=None, description="cap only: upper bound of the projection x.d")
+    max_fraction: float | None = Field(
+        default=None, description="norm_add only: the added vector's norm is at most max_fraction * |x|"
     )
 
 
