@@ -1,9 +1,10 @@
 """What the vllm backend's taps cost while vLLM batches a real workload.
 
-    python bench/vllm_overhead.py [--rounds 3] [--prompts 64] [--quick]
+    python bench/vllm_overhead.py [--rounds 3] [--prompts 64] [--family gpt2|llama]
 
 One engine (the backend's defaults: V1 runner, eager mode) serves a GPT-2-shaped model
-(12 layers x 768, random weights, built locally). The workload is ``--prompts`` prompts of
+(12 layers x 768, random weights, built locally; ``--family llama``: Llama-shaped, 12 x 768,
+gated MLP with vLLM's fused ``gate_up_proj``, grouped-query attention). The workload is ``--prompts`` prompts of
 64-256 random tokens, each generating 32 tokens, all submitted at once. In one process, with the
 variants alternating round by round:
 
@@ -15,10 +16,20 @@ variants alternating round by round:
 - ``capture_all``: ``capture_generation`` of every layer's ``resid_post``;
 - ``steer_1``: ``generate`` with an ``add`` at ``resid_post.6``;
 - ``capture_z_1``: ``capture_generation`` of ``attn_z.6`` (every head's output, ``[tokens, heads, d_head]``);
-- ``ablate_head_1``: ``generate`` with head 0 of layer 6 zero-ablated (``set`` zeros at ``attn_z.6``).
+- ``ablate_head_1``: ``generate`` with head 0 of layer 6 zero-ablated (``set`` zeros at ``attn_z.6``);
+- ``capture_mlp_pre_1``: ``capture_generation`` of ``mlp_pre.6`` (on Llama: the gate half of the
+  fused ``gate_up_proj`` output, split off in the hook);
+- ``capture_scores_1``: ``capture_generation`` of ``attn_scores.6`` (pre-softmax scores, recomputed
+  from the queries and keys the kernel received: every step scores its tokens against the whole
+  context kept so far, so its cost grows with the context).
 
 Throughput is generated tokens per second (median over rounds), reported relative to
-``plain``. Then 32 prompt captures are run concurrently and one after another. Ends with
+``plain``. What the scores cost per token of context is measured apart, one request at a time
+(no batching to hide it): a prompt of 64, 256 and 448 tokens generates 32 tokens plainly and
+with ``attn_scores.6`` captured, alternating, 3 times each; the extra milliseconds per generated
+token over plain, against the context length, give its cost per 100 tokens of context (the slope).
+
+Then 32 prompt captures are run concurrently and one after another. Ends with
 ``RESULT <name> <ratio> (target <t>)`` lines.
 """
 
@@ -42,11 +53,11 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 GEN_TOKENS = 32
 
 
-def build_model() -> pathlib.Path:
+def build_model(family: str = "gpt2") -> pathlib.Path:
     from interp_testkit import build_tiny_model
 
     return build_tiny_model(
-        "gpt2", ROOT / ".cache" / "bench-vllm-gpt2", n_layers=12, d_model=768, head_dim=64, max_positions=512
+        family, ROOT / ".cache" / f"bench-vllm-{family}", n_layers=12, d_model=768, head_dim=64, max_positions=512
     )
 
 
@@ -103,6 +114,26 @@ async def steer_run(model: Any, prompts: list[list[int]], spec: SteeringSpec) ->
     return sum(len(c.token_ids) for c in results)
 
 
+async def scores_cost(model: Any, layer: int, lengths: tuple[int, ...] = (64, 256, 448)) -> list[float]:
+    """Extra seconds per generated token of capturing ``attn_scores.layer`` over plain, one request
+    at a time, for prompts of each length (medians of 3 alternating runs)."""
+    point = [Address("attn_scores", layer)]
+    extra = []
+    for length in lengths:
+        ids = make_prompts(1, model.info.vocab_size, seed=length)[0]
+        ids = (ids * (length // len(ids) + 1))[:length]
+        plain, scores = [], []
+        for _ in range(3):
+            start = time.perf_counter()
+            await plain_run(model, [ids], salted=True)
+            plain.append((time.perf_counter() - start) / GEN_TOKENS)
+            start = time.perf_counter()
+            await model.capture_generation(ids, point, max_tokens=GEN_TOKENS, ignore_eos=True)
+            scores.append((time.perf_counter() - start) / GEN_TOKENS)
+        extra.append(statistics.median(scores) - statistics.median(plain))
+    return extra
+
+
 async def timed(run: Callable[[], Awaitable[int]]) -> float:
     start = time.perf_counter()
     tokens = await run()
@@ -110,7 +141,7 @@ async def timed(run: Callable[[], Awaitable[int]]) -> float:
 
 
 async def main(args: argparse.Namespace) -> int:
-    path = build_model()
+    path = build_model(args.family)
     model = load_model(path, backend="vllm", max_model_len=512)
     await model.warmup()
     info = model.info
@@ -128,6 +159,8 @@ async def main(args: argparse.Namespace) -> int:
         "steer_1": lambda: steer_run(model, prompts, spec),
         "capture_z_1": lambda: capture_run(model, prompts, [Address("attn_z", middle)]),
         "ablate_head_1": lambda: steer_run(model, prompts, head_off),
+        "capture_mlp_pre_1": lambda: capture_run(model, prompts, [Address("mlp_pre", middle)]),
+        "capture_scores_1": lambda: capture_run(model, prompts, [Address("attn_scores", middle)]),
     }
     if args.rounds:
         await timed(variants["plain"])  # warm-up of every path
@@ -145,6 +178,8 @@ async def main(args: argparse.Namespace) -> int:
     # the same 32 prompts through plain vLLM (prefill + one token, no prefix-cache reuse, as a
     # capture): how much batching buys on this machine at all
     plain_concurrent, plain_sequential = await concurrency(lambda p: plain_run(model, [p], 1, salted=True), few)
+    lengths = (64, 256, 448)
+    extra = await scores_cost(model, middle, lengths)
     await model.shutdown()
 
     median = {name: statistics.median(values) if values else float("nan") for name, values in rates.items()}
@@ -160,6 +195,12 @@ async def main(args: argparse.Namespace) -> int:
     print(f"RESULT steer_1_vs_plain {median['steer_1'] / median['plain']:.3f} (target 0.95)")
     print(f"RESULT capture_z_1_vs_plain {median['capture_z_1'] / median['plain']:.3f} (target 0.95)")
     print(f"RESULT ablate_head_1_vs_plain {median['ablate_head_1'] / median['plain']:.3f} (target 0.95)")
+    print(f"RESULT capture_mlp_pre_1_vs_plain {median['capture_mlp_pre_1'] / median['plain']:.3f} (target 0.95)")
+    print(f"RESULT capture_scores_1_vs_plain {median['capture_scores_1'] / median['plain']:.3f} (target -)")
+    for length, seconds in zip(lengths, extra, strict=True):
+        print(f"attn_scores.{middle}, one request, {length}-token prompt: {seconds * 1e3:+.2f} ms per generated token")
+    slope = (extra[-1] - extra[0]) / (lengths[-1] - lengths[0]) * 100
+    print(f"RESULT capture_scores_1_extra_ms_per_token_per_100_context {slope * 1e3:.3f} (target -)")
     print(f"RESULT concurrent_vs_sequential {sequential / concurrent:.2f} (target 8.00)")
     print(f"RESULT plain_vllm_concurrent_vs_sequential {plain_sequential / plain_concurrent:.2f} (target -)")
     return 0
@@ -168,6 +209,7 @@ async def main(args: argparse.Namespace) -> int:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--family", choices=["gpt2", "llama"], default="gpt2")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--quick", action="store_true", help="1 round of 16 prompts (a smoke test)")
     ns = parser.parse_args()

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 import random
 
 import pytest
 
 from interp_engine import (
+    ALIASES,
     KINDS,
     Address,
     InterpError,
@@ -43,12 +45,64 @@ def test_vocabulary_is_the_spec_table() -> None:
         "attn_k",
         "attn_v",
         "attn_z",
+        "attn_in",
+        "mlp_in",
+        "mlp_pre",
+        "mlp_pre_linear",
+        "attn_scores",
+        "q_norm_in",
+        "q_norm_out",
+        "k_norm_in",
+        "k_norm_out",
+        "attn_out_post",
+        "mlp_out_post",
+        "logits_raw",
     ]
-    assert MODEL_LEVEL == ["embed", "final_norm", "logits"]
+    assert MODEL_LEVEL == ["embed", "final_norm", "logits", "logits_raw"]
     assert KINDS["mlp_post"].width == "d_mlp"
-    assert KINDS["logits"].width == "vocab"
-    assert not KINDS["logits"].writable
-    assert not KINDS["attn_pattern"].writable
+    assert KINDS["mlp_pre"].width == KINDS["mlp_pre_linear"].width == "d_mlp"
+    assert KINDS["logits"].width == KINDS["logits_raw"].width == "vocab"
+    assert KINDS["attn_scores"].width == "heads x keys"
+    assert KINDS["q_norm_out"].per_head and KINDS["k_norm_in"].width == "kv_heads x d_head"
+    read_only = [kind for kind, info in KINDS.items() if not info.writable]
+    assert read_only == ["attn_pattern", "logits", "attn_q", "attn_k", "attn_scores", "logits_raw"]
+
+
+@pytest.mark.parametrize(
+    ("alias", "kind"),
+    [
+        ("embeddings", "embed"),
+        ("z", "attn_z"),
+        ("value", "attn_v"),
+        ("mlp_act", "mlp_post"),
+        ("attn_probs", "attn_pattern"),
+        ("lm_head", "logits_raw"),
+    ],
+)
+def test_the_public_interp_engine_names_are_aliases(alias: str, kind: str) -> None:
+    """The public interp-engine package's names read as ours: same address, same string, round trip."""
+    assert ALIASES[alias] == kind
+    layer = 3 if KINDS[kind].per_layer else None
+    address = Address(alias, layer)
+    assert address == Address(kind, layer) and address.kind == kind
+    text = alias if layer is None else f"{alias}.{layer}"
+    assert Address.parse(text) == address
+    assert Address.parse(str(address)) == address  # the string form is ours
+    assert hash(address) == hash(Address(kind, layer))
+
+
+def test_every_alias_and_kind_is_in_the_readme() -> None:
+    """The README's vocabulary table lists every kind, the alias table every alias."""
+    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme[readme.index("## Addresses") : readme.index("### TransformerLens hook names")]
+    for kind in KINDS:
+        assert f"`{kind}`" in section, kind
+    for alias in ALIASES:
+        assert f"| `{alias}` |" in section, alias
+    status = section[section.index("| kind | eager |") :]
+    for kind in KINDS:
+        listed = f"`{kind}`" in status or f"`{kind.rsplit('_', 1)[0]}_*`" in status
+        assert listed, f"{kind} has no row in the per-backend table"
 
 
 def test_address_is_frozen() -> None:

@@ -47,15 +47,21 @@ def test_every_address_hf_exposes_matches(family: str) -> None:
 def test_residual_identities(family: str) -> None:
     model = eager_model(family)
     n = model.info.n_layers
-    cache = run_with_cache(model, _tokens(family), _every_point(n))
+    # what each sublayer adds to the residual: its output, or on sandwich-norm families (Gemma 2/3,
+    # OLMo 2) its post-norm's output (attn_out / mlp_out are the sublayers' own, before the norm)
+    sandwich = "attn_out_post" in model.points()
+    attn, mlp = ("attn_out_post", "mlp_out_post") if sandwich else ("attn_out", "mlp_out")
+    extra = [f"{k}.{layer}" for k in (attn, mlp) for layer in range(n)] if sandwich else []
+    cache = run_with_cache(model, _tokens(family), _every_point(n) + extra)
     for layer in range(n):
         post = cache[f"resid_post.{layer}"]
         if layer < n - 1:
             assert torch.equal(post, cache[f"resid_pre.{layer + 1}"])
         # sequential and parallel blocks alike add both block outputs to resid_pre
-        total = cache[f"resid_pre.{layer}"] + cache[f"attn_out.{layer}"] + cache[f"mlp_out.{layer}"]
+        total = cache[f"resid_pre.{layer}"] + cache[f"{attn}.{layer}"] + cache[f"{mlp}.{layer}"]
         assert rel_diff(total, post) <= TOL, layer
-        assert rel_diff(cache[f"resid_mid.{layer}"] + cache[f"mlp_out.{layer}"], post) <= TOL, layer
+        assert rel_diff(cache[f"resid_mid.{layer}"] + cache[f"{mlp}.{layer}"], post) <= TOL, layer
+        assert rel_diff(cache[f"resid_mid.{layer}"], cache[f"resid_pre.{layer}"] + cache[f"{attn}.{layer}"]) <= TOL
     assert cache[f"mlp_post.{n - 1}"].shape[-1] == model.info.d_mlp
 
 

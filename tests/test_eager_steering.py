@@ -156,10 +156,11 @@ def test_writes_inside_the_block(family: str) -> None:
     with _hook_input(_module(layer, DOWN[family]), lambda x: x + 0.5 * neurons):
         assert rel_diff(got, _hf_logits(family, tokens)) <= TOL
 
-    # adding v to attn_out or to resid_mid adds v to the residual after attention
+    # adding v to attn_out (on sandwich-norm families: attn_out_post, the post-norm's output;
+    # attn_out is before the norm there) or to resid_mid adds v to the residual after attention
     vector = _direction(model.info.d_model, 4)
     base = run_with_cache(model, tokens, ["resid_mid.1", "resid_post.1"])
-    for kind in ("attn_out", "resid_mid"):
+    for kind in ("attn_out_post" if family == "gemma2" else "attn_out", "resid_mid"):
         spec = SteeringSpec([Write(Address(kind, 1), vector, op="add")])
         cache = run_with_cache(model, tokens, ["resid_mid.1", "logits"], steering_spec=spec)
         assert rel_diff(cache["resid_mid.1"], base["resid_mid.1"] + vector) <= TOL, kind

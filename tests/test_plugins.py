@@ -328,6 +328,7 @@ ERRORS: dict[str, type[BaseException]] = {
     "LayerOutOfRange": ValueError,
     "UnsupportedAddress": ValueError,
     "UndeclaredAddress": ValueError,
+    "KindNotInFamily": ValueError,
     "LayerTypeError": TypeError,
     "InvalidTokens": ValueError,
     "ContextTooLong": ValueError,

@@ -165,6 +165,10 @@ def test_health_model_info_and_openapi(client: httpx.Client, direct: Any) -> Non
     kinds = {k["kind"]: k for k in info["kinds"]}
     assert kinds["mlp_post"]["size"] == model.info.d_mlp and kinds["logits"]["size"] == model.info.vocab_size
     assert kinds["logits"]["writable"] is False and kinds["resid_post"]["writable"] is True
+    # the kinds this family has (model.points()): GPT-2 has no gate branch and no q-norm
+    assert list(kinds) == list(model.points()) and {"attn_in", "mlp_pre", "attn_scores", "logits_raw"} <= set(kinds)
+    assert "mlp_pre_linear" not in kinds and "q_norm_out" not in kinds and "mlp_pre_linear.0" not in info["addresses"]
+    assert kinds["attn_scores"]["writable"] is False and kinds["mlp_pre"]["size"] == model.info.d_mlp
     assert info["limits"]["max_body_bytes"] == LIMITS.max_body_bytes
 
     paths = client.get("/openapi.json").json()["paths"]
@@ -432,6 +436,7 @@ _WRONG_WIDTH = {"writes": [{"address": "resid_post.0", "vector": [1.0] * 7}]}
 BAD = [
     ("/v1/capture", {"text": PROMPT, "points": ["resid_post.9"]}, 400, "LayerOutOfRange", "points[0]"),
     ("/v1/capture", {"text": PROMPT, "points": ["resid_post.0", "nope.1"]}, 400, "UnknownKind", "points[1]"),
+    ("/v1/capture", {"text": PROMPT, "points": ["mlp_pre_linear.0"]}, 400, "KindNotInFamily", "points[0]"),
     ("/v1/capture", {"token_ids": [1, 99999], "points": ["embed"]}, 400, "InvalidTokens", "token_ids"),
     ("/v1/capture", {"token_ids": [], "points": ["embed"]}, 400, "InvalidTokens", "token_ids"),
     ("/v1/capture", {"text": "", "points": ["embed"]}, 400, "InvalidTokens", "text"),

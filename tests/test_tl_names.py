@@ -35,6 +35,11 @@ MAPPED = [
     ("blocks.1.attn.hook_v", Address("attn_v", 1)),
     ("blocks.1.attn.hook_q", Address("attn_q", 1)),
     ("blocks.1.attn.hook_k", Address("attn_k", 1)),
+    ("blocks.1.ln1.hook_normalized", Address("attn_in", 1)),
+    ("blocks.1.ln2.hook_normalized", Address("mlp_in", 1)),
+    ("blocks.1.mlp.hook_pre", Address("mlp_pre", 1)),
+    ("blocks.1.mlp.hook_pre_linear", Address("mlp_pre_linear", 1)),
+    ("blocks.1.attn.hook_attn_scores", Address("attn_scores", 1)),
 ]
 
 
@@ -65,10 +70,8 @@ def test_tl_name_of_every_kind() -> None:
         ("hook_embed", "blocks.0.hook_resid_pre"),
         ("hook_pos_embed", "use 'embed'"),
         ("blocks.2.attn.hook_result", "attn_out.2"),
-        ("blocks.2.attn.hook_attn_scores", "attn_pattern.2"),
         ("blocks.2.hook_mlp_in", "resid_mid.2"),
-        ("blocks.2.mlp.hook_pre", "mlp_post.2"),
-        ("blocks.2.ln1.hook_normalized", "resid_pre.2"),
+        ("blocks.2.hook_attn_in", "attn_in.2"),
         ("ln_final.hook_scale", "ln_final.hook_normalized"),
         ("blocks.2.hook_nonsense", "not part of the address vocabulary"),
         ("hook_resid_post", "blocks.L.hook_resid_post"),

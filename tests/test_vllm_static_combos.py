@@ -49,8 +49,22 @@ TOL = 1e-4
 N_LAYERS = 3
 HEAD_READS = ("attn_q", "attn_k", "attn_v", "attn_z")
 HEAD_WRITES = ("attn_v", "attn_z")
-READ_KINDS = ("resid_pre", *HEAD_READS, "resid_mid", "resid_post", "attn_out", "mlp_out", "mlp_post", "attn_pattern")
-WRITE_KINDS = ("resid_pre", *HEAD_WRITES, "resid_mid", "resid_post", "attn_out", "mlp_out", "mlp_post")
+NEW_KINDS = ("attn_in", "mlp_in", "mlp_pre", "mlp_pre_linear", *(f"{w}_norm_{s}" for w in "qk" for s in ("in", "out")))
+"""The kinds beyond the residual stream and the heads (each where the family has it)."""
+READ_KINDS = (
+    "resid_pre",
+    *HEAD_READS,
+    "resid_mid",
+    "resid_post",
+    "attn_out",
+    "mlp_out",
+    "mlp_post",
+    "attn_pattern",
+    "attn_scores",
+    *NEW_KINDS,
+)
+WRITE_KINDS = ("resid_pre", *HEAD_WRITES, "resid_mid", "resid_post", "attn_out", "mlp_out", "mlp_post", *NEW_KINDS)
+HEAD_KINDS = (*HEAD_READS, "q_norm_in", "q_norm_out", "k_norm_in", "k_norm_out")
 
 
 class HfParts(NamedTuple):
@@ -63,27 +77,53 @@ class HfParts(NamedTuple):
     norm: str  # the final norm
     o_proj: str  # the attention's output projection (its input: attn_z)
     values: tuple[str, int, int]  # the module whose output holds the values: (path, part, of how many parts)
+    gate: str  # the projection whose output is mlp_pre
+    up: str | None = None  # the projection whose output is mlp_pre_linear (gated MLPs)
+    q_norm: str | None = None
+    k_norm: str | None = None
+
+    def lacks(self) -> set[str]:
+        missing = set() if self.up else {"mlp_pre_linear"}
+        return missing | (set() if self.q_norm else {f"{w}_norm_{s}" for w in "qk" for s in ("in", "out")})
 
 
 _LLAMA_LIKE = HfParts(
-    "model.layers", "self_attn", "mlp", "mlp.down_proj", "model.norm", "self_attn.o_proj", ("self_attn.v_proj", 0, 1)
+    "model.layers",
+    "self_attn",
+    "mlp",
+    "mlp.down_proj",
+    "model.norm",
+    "self_attn.o_proj",
+    ("self_attn.v_proj", 0, 1),
+    "mlp.gate_proj",
+    "mlp.up_proj",
 )
 HF_PARTS = {
     "llama": _LLAMA_LIKE,
-    "qwen3": _LLAMA_LIKE,
+    "qwen3": _LLAMA_LIKE._replace(q_norm="self_attn.q_norm", k_norm="self_attn.k_norm"),
     # GPT-2's c_attn computes [q | k | v]
     "gpt2": HfParts(
-        "transformer.h", "attn", "mlp", "mlp.c_proj", "transformer.ln_f", "attn.c_proj", ("attn.c_attn", 2, 3)
+        "transformer.h",
+        "attn",
+        "mlp",
+        "mlp.c_proj",
+        "transformer.ln_f",
+        "attn.c_proj",
+        ("attn.c_attn", 2, 3),
+        "mlp.c_fc",
     ),
 }
 
-EVERY_POINT = [
-    "embed",
-    *(f"{kind}.{layer}" for layer in range(N_LAYERS) for kind in READ_KINDS),
-    "final_norm",
-    "logits",
-]
-EVERY_WRITE = ["embed", *(f"{kind}.{layer}" for layer in range(N_LAYERS) for kind in WRITE_KINDS)]
+
+def every_point(family: str) -> list[str]:
+    kinds = [kind for kind in READ_KINDS if kind not in HF_PARTS[family].lacks()]
+    per_layer = [f"{kind}.{layer}" for layer in range(N_LAYERS) for kind in kinds]
+    return ["embed", *per_layer, "final_norm", "logits_raw", "logits"]
+
+
+def every_write(family: str) -> list[str]:
+    kinds = [kind for kind in WRITE_KINDS if kind not in HF_PARTS[family].lacks()]
+    return ["embed", *(f"{kind}.{layer}" for layer in range(N_LAYERS) for kind in kinds)]
 
 
 @functools.cache
@@ -103,9 +143,17 @@ ENGINES: dict[str, tuple[str, Callable[[], pathlib.Path], list[str], list[str]]]
         ["resid_post.1"],
     ),
     # every point, and one write between two layers' resid taps
-    "qwen3-one-write": ("qwen3", lambda: vllm_model_path("qwen3"), EVERY_POINT, ["resid_post.1"]),
-    "llama-every": ("llama", lambda: vllm_model_path("llama"), EVERY_POINT, EVERY_WRITE),
-    "gpt2-every": ("gpt2", lambda: vllm_model_path("gpt2"), EVERY_POINT, EVERY_WRITE),
+    "qwen3-one-write": ("qwen3", lambda: vllm_model_path("qwen3"), every_point("qwen3"), ["resid_post.1"]),
+    "llama-every": ("llama", lambda: vllm_model_path("llama"), every_point("llama"), every_write("llama")),
+    "gpt2-every": ("gpt2", lambda: vllm_model_path("gpt2"), every_point("gpt2"), every_write("gpt2")),
+    # the q/k norms, written at every layer
+    "qwen3-norms": (
+        "qwen3",
+        lambda: vllm_model_path("qwen3"),
+        [f"{k}.{layer}" for layer in range(N_LAYERS) for k in ("q_norm_in", "q_norm_out", "k_norm_out", "attn_q")]
+        + ["logits"],
+        [f"{k}.{layer}" for layer in range(N_LAYERS) for k in ("q_norm_in", "k_norm_out", "mlp_pre_linear")],
+    ),
 }
 
 
@@ -161,7 +209,7 @@ def _edit_heads(x: torch.Tensor, writes: list[Write]) -> torch.Tensor:
 
 
 def hf_run(family: str, path: pathlib.Path, ids: list[int], writes: list[Write]) -> dict[Address, torch.Tensor]:
-    """Every point of ``EVERY_POINT`` from HF, with ``writes`` made by forward hooks."""
+    """Every point of ``every_point(family)`` from HF, with ``writes`` made by forward hooks."""
     model = hf_for(path)
     parts = HF_PARTS[family]
     config = model.config
@@ -173,11 +221,26 @@ def hf_run(family: str, path: pathlib.Path, ids: list[int], writes: list[Write])
     before_attn: dict[int, torch.Tensor] = {}
 
     def point(address: Address, x: torch.Tensor) -> torch.Tensor:
-        """Apply the writes at ``address`` to ``x`` ``[1, n, width]``, record the result."""
+        """Apply the writes at ``address`` to ``x`` ``[1, n, width]`` (``[1, n, heads, d_head]``
+        at a head kind), record the result."""
+        if address.kind in HEAD_KINDS:
+            heads = x[0].reshape(x.shape[1], -1, d_head)
+            if address in by_address:
+                heads = _edit_heads(heads, by_address[address]).to(x.dtype)
+            got[address] = heads.detach().clone()
+            return heads.reshape(x.shape)
         if address in by_address:
             x = _edit(x[0], by_address[address]).to(x.dtype).unsqueeze(0)
         got[address] = x[0].detach().clone()
         return x
+
+    def input_hook(address: Address) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            if "hidden_states" in kwargs:
+                return args, {**kwargs, "hidden_states": point(address, kwargs["hidden_states"])}
+            return (point(address, args[0]), *args[1:]), kwargs
+
+        return hook
 
     def layer_pre(layer: int) -> Callable[..., Any]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -258,6 +321,10 @@ def hf_run(family: str, path: pathlib.Path, ids: list[int], writes: list[Write])
         layer = int(module.layer_idx)
         for kind, x in (("attn_q", query), ("attn_k", key), ("attn_v", value)):
             got[Address(kind, layer)] = x[0].transpose(0, 1).detach().clone()
+        keys = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+        scores = (query @ keys.transpose(-1, -2))[0] * float(module.scaling)
+        causal = torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1)
+        got[Address("attn_scores", layer)] = scores.masked_fill(causal, float("-inf")).detach()
         return original(module, query, key, value, *a, **k)
 
     handles = []
@@ -271,7 +338,20 @@ def hf_run(family: str, path: pathlib.Path, ids: list[int], writes: list[Write])
             handles.append(_module(block, parts.down).register_forward_pre_hook(down_pre(layer)))
             handles.append(_module(block, parts.mlp).register_forward_hook(output_hook(Address("mlp_out", layer))))
             handles.append(block.register_forward_hook(output_hook(Address("resid_post", layer))))
+            for kind, path in (("attn_in", parts.attn), ("mlp_in", parts.mlp)):
+                hook = input_hook(Address(kind, layer))
+                handles.append(_module(block, path).register_forward_pre_hook(hook, with_kwargs=True))
+            for kind, path in (("mlp_pre", parts.gate), ("mlp_pre_linear", parts.up)):
+                if path is not None:
+                    handles.append(_module(block, path).register_forward_hook(output_hook(Address(kind, layer))))
+            for which, path in (("q", parts.q_norm), ("k", parts.k_norm)):
+                if path is not None:
+                    norm = _module(block, path)
+                    hook = input_hook(Address(f"{which}_norm_in", layer))
+                    handles.append(norm.register_forward_pre_hook(hook, with_kwargs=True))
+                    handles.append(norm.register_forward_hook(output_hook(Address(f"{which}_norm_out", layer))))
         handles.append(_module(model, parts.norm).register_forward_hook(output_hook(Address("final_norm"))))
+        handles.append(model.get_output_embeddings().register_forward_hook(output_hook(Address("logits_raw"))))
         with torch.no_grad():
             out = model(torch.tensor([ids]), output_attentions=True)
     finally:
@@ -295,7 +375,8 @@ def _specs(writes: list[Address], info: Any, n: int) -> list[SteeringSpec]:
     n_heads, n_kv, d_head = info.n_heads, info.n_kv_heads, info.d_head
 
     def vec(address: Address, *rows: int) -> torch.Tensor:
-        width = d_head if address.info.per_head else info.d_mlp if address.kind == "mlp_post" else info.d_model
+        mlp = address.info.width == "d_mlp"
+        width = d_head if address.info.per_head else info.d_mlp if mlp else info.d_model
         return torch.randn(*rows, width, generator=gen)
 
     def alone(address: Address) -> list[Write]:
@@ -328,9 +409,10 @@ def _specs(writes: list[Address], info: Any, n: int) -> list[SteeringSpec]:
                 Write(address, vec(address, 2, 1), op="set", heads=[1], positions=[1, -1]),
                 Write(address, vec(address), op="add", positions=[-1]),  # every head, after the sets
             ]
+        n_h = n_kv if address.info.width == "kv_heads x d_head" else n_heads
         return [
-            Write(address, vec(address), op="add", scale=3.0, heads=[n_kv - 1]),
-            Write(address, vec(address, n_kv), op="ablate", positions=[0, -1]),  # after the add on the last head
+            Write(address, vec(address), op="add", scale=3.0, heads=[n_h - 1]),
+            Write(address, vec(address, n_h), op="ablate", positions=[0, -1]),  # after the add on the last head
             Write(address, vec(address, 2, 1), op="set", heads=[0], positions=[2, 3]),
         ]
 

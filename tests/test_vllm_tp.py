@@ -2,7 +2,9 @@
 
 Under TP each worker holds a shard: ``mlp_post`` (the MLP's neurons) and ``attn_pattern`` (the
 heads) are split across ranks and gathered by the front end; a write at ``mlp_post`` is sliced
-per rank in the worker. Residual-type points are whole on every rank. The tiny llama (4 heads of
+per rank in the worker. Residual-type points are whole on every rank. The other kinds run on
+Qwen3 (q/k norms, a fused ``gate_up_proj``, one key/value head per rank) at TP=2 against TP=1.
+The tiny llama (4 heads of
 32, 2 KV heads, d_mlp 384) runs with ``max_num_batched_tokens=64``, so the long prompt below is
 prefilled in chunks, under TP too.
 """
@@ -261,3 +263,54 @@ def test_tp2_heads_equal_tp1(tp: tuple[Any, Any]) -> None:
         b = two.capture(ids, ["attn_z.2", "logits"], steering_spec=spec)
         for point in a:
             assert rel_diff(b[point], a[point]) <= TOL, (spec, point)
+
+
+NEW_KINDS = ("attn_in", "q_norm_in", "q_norm_out", "k_norm_in", "k_norm_out", "attn_scores", "mlp_in", "mlp_pre")
+
+
+@pytest.mark.parametrize("prompt", ["short", "long"])
+def test_tp2_new_points_equal_tp1(vllm_engines: Any, prompt: str) -> None:
+    """Qwen3 (q/k norms, a gated MLP, 2 key/value heads: one per rank): the sublayer inputs are
+    whole on every rank; the q/k norms and the scores are split by heads, the gate and up halves
+    of the fused ``gate_up_proj`` by columns, each rank holding a slice of each; all gathered."""
+    one, two = vllm_engines("qwen3"), vllm_engines("qwen3", tensor_parallel_size=2)
+    assert two.model.tp_size == 2
+    info = one.info
+    ids = one.to_tokens(PROMPT)[0].tolist() if prompt == "short" else LONG[:120]
+    points = [Address(k, layer) for layer in range(N_LAYERS) for k in (*NEW_KINDS, "mlp_pre_linear")]
+    points.append(Address("logits_raw"))
+    ref, got = one.capture(ids, points), two.capture(ids, points)
+    for point in points:
+        assert got[point].shape == ref[point].shape, point
+        assert rel_diff(got[point], ref[point]) <= TOL, point
+    assert got[Address("mlp_pre", 0)].shape == (len(ids), info.d_mlp)
+    gen = torch.Generator().manual_seed(8)
+    d_head, d_mlp, n = info.d_head, info.d_mlp, len(ids)
+    specs = [
+        SteeringSpec([Write("attn_in.1", torch.randn(D_MODEL, generator=gen), op="add", scale=2.0)]),
+        SteeringSpec([Write("mlp_in.0", torch.randn(2, D_MODEL, generator=gen), op="set", positions=[1, n - 1])]),
+        # the gate and up halves: each rank writes its slice of each
+        SteeringSpec(
+            [
+                Write("mlp_pre.1", torch.randn(d_mlp, generator=gen), op="add", scale=3.0),
+                Write("mlp_pre_linear.1", torch.randn(2, d_mlp, generator=gen), op="set", positions=[0, 2]),
+            ]
+        ),
+        # heads on both ranks, and a key/value head on rank 1 only
+        SteeringSpec(
+            [
+                Write("q_norm_out.1", torch.randn(2, d_head, generator=gen), op="add", scale=2.0, heads=[0, 3]),
+                Write("k_norm_in.2", torch.randn(d_head, generator=gen), op="ablate", heads=[1]),
+            ]
+        ),
+    ]
+    for spec in specs:
+        a = one.capture(ids, ["mlp_pre.2", "logits"], steering_spec=spec)
+        b = two.capture(ids, ["mlp_pre.2", "logits"], steering_spec=spec)
+        plain = one.capture(ids, ["logits"])[Address("logits")]
+        assert not torch.allclose(a[Address("logits")], plain, atol=1e-3), spec
+        for point in a:
+            assert rel_diff(b[point], a[point]) <= TOL, (spec, point)
+    # a direction over the split neurons needs all of them: refused at mlp_pre too
+    with pytest.raises(InvalidSteering, match="tensor parallelism"):
+        two.capture(ids, ["logits"], steering_spec=SteeringSpec([Write("mlp_pre.0", torch.ones(d_mlp), op="ablate")]))

@@ -6,7 +6,7 @@ model = load_model("path/or/hub-id", backend="eager")   # or "interp:tiny", the 
 cache = run_with_cache(model, model.to_tokens("Hello"), ["resid_post.5"])
 """
 
-from ._address import KINDS, Address, KindInfo, LayerTypeError
+from ._address import ALIASES, KINDS, Address, KindInfo, LayerTypeError, PointInfo
 from ._api import capture_attention, capture_generation, generate_stream, run_with_cache
 from ._base import CheckedRequest, ModelBase, SamplingOptions
 from ._cache import Cache
@@ -21,6 +21,7 @@ from ._errors import (
     InvalidOption,
     InvalidSteering,
     InvalidTokens,
+    KindNotInFamily,
     LayerOutOfRange,
     ModelClosed,
     ModelLoadError,
@@ -49,6 +50,7 @@ from .hookspecs import hookimpl
 __version__ = "0.1.0"
 
 __all__ = [
+    "ALIASES",
     "KINDS",
     "Address",
     "BackendError",
@@ -67,12 +69,14 @@ __all__ = [
     "InvalidSteering",
     "InvalidTokens",
     "KindInfo",
+    "KindNotInFamily",
     "LayerOutOfRange",
     "LayerTypeError",
     "ModelBase",
     "ModelClosed",
     "ModelInfo",
     "ModelLoadError",
+    "PointInfo",
     "RunningLoopError",
     "SamplingOptions",
     "StaticConfigError",

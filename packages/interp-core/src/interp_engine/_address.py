@@ -31,12 +31,14 @@ KINDS: dict[str, KindInfo] = {
     "resid_pre": KindInfo(True, "d_model", True, "residual stream entering layer L"),
     "resid_mid": KindInfo(True, "d_model", True, "residual after attention, before the MLP"),
     "resid_post": KindInfo(True, "d_model", True, "residual stream leaving layer L"),
-    "attn_out": KindInfo(True, "d_model", True, "attention block output added to the residual"),
-    "mlp_out": KindInfo(True, "d_model", True, "MLP block output added to the residual"),
+    "attn_out": KindInfo(
+        True, "d_model", True, "the attention sublayer's output (after its output projection, before any post-norm)"
+    ),
+    "mlp_out": KindInfo(True, "d_model", True, "the MLP sublayer's output (before any post-norm)"),
     "mlp_post": KindInfo(True, "d_mlp", True, "MLP hidden activations after the nonlinearity"),
     "attn_pattern": KindInfo(True, "heads x keys", False, "attention probabilities"),
     "final_norm": KindInfo(False, "d_model", True, "final norm output, input to the unembedding"),
-    "logits": KindInfo(False, "vocab", False, "output logits"),
+    "logits": KindInfo(False, "vocab", False, "output logits (after any soft-cap or scaling)"),
     "attn_q": KindInfo(
         True, "heads x d_head", False, "queries as the attention product uses them (after rotary, q-norm)"
     ),
@@ -47,28 +49,106 @@ KINDS: dict[str, KindInfo] = {
     "attn_z": KindInfo(
         True, "heads x d_head", True, "each head's output, the input of the attention's output projection"
     ),
+    "attn_in": KindInfo(True, "d_model", True, "the attention sublayer's input, after its pre-norm"),
+    "mlp_in": KindInfo(True, "d_model", True, "the MLP's input, after its pre-norm"),
+    "mlp_pre": KindInfo(True, "d_mlp", True, "MLP pre-activation (gated MLPs: the gate branch)"),
+    "mlp_pre_linear": KindInfo(True, "d_mlp", True, "gated MLPs: the linear (up) branch"),
+    "attn_scores": KindInfo(
+        True,
+        "heads x keys",
+        False,
+        "pre-softmax attention scores with the model's scaling, soft-cap, window and mask (-inf where masked)",
+    ),
+    "q_norm_in": KindInfo(True, "heads x d_head", True, "queries entering the q-norm (before rotary)"),
+    "q_norm_out": KindInfo(True, "heads x d_head", True, "queries leaving the q-norm (before rotary)"),
+    "k_norm_in": KindInfo(True, "kv_heads x d_head", True, "keys entering the k-norm (before rotary)"),
+    "k_norm_out": KindInfo(True, "kv_heads x d_head", True, "keys leaving the k-norm (before rotary)"),
+    "attn_out_post": KindInfo(
+        True, "d_model", True, "sandwich-norm families: the post-attention norm's output, added to the residual"
+    ),
+    "mlp_out_post": KindInfo(
+        True, "d_model", True, "sandwich-norm families: the post-MLP norm's output, added to the residual"
+    ),
+    "logits_raw": KindInfo(
+        False, "vocab", False, "the bare unembedding of final_norm, before any logit soft-cap or scaling"
+    ),
 }
 """The address vocabulary (TransformerLens meanings), in the order of SPEC §3's table."""
+
+ALIASES: dict[str, str] = {
+    "embeddings": "embed",
+    "z": "attn_z",
+    "value": "attn_v",
+    "mlp_act": "mlp_post",
+    "attn_probs": "attn_pattern",
+    "lm_head": "logits_raw",
+}
+"""The public ``interp-engine`` package's point names that differ from ours, read as our kinds
+(its other names -- ``attn_in``, ``mlp_pre``, ``q_norm_out``, ``attn_out_post``, ... -- are ours too,
+with the same meaning)."""
+
+MISSING_REASONS: dict[str, str] = {
+    "attn_in": "its attention does not read a normed copy of the residual",
+    "mlp_in": "its MLP does not read a normed copy of the residual",
+    "mlp_pre_linear": "its MLP is not gated (one up projection and an activation: use mlp_pre)",
+    "q_norm_in": "it has no q-norm",
+    "q_norm_out": "it has no q-norm",
+    "k_norm_in": "it has no k-norm",
+    "k_norm_out": "it has no k-norm",
+    "attn_out_post": "it has no post-attention (sandwich) norm: attn_out is what is added to the residual",
+    "mlp_out_post": "it has no post-MLP (sandwich) norm: mlp_out is what is added to the residual",
+    "resid_mid": "there is no residual between its attention and MLP",
+}
+"""Why a family may lack a kind (the default reason a backend gives with ``KindNotInFamily``)."""
+
+
+@dataclass(frozen=True)
+class PointInfo:
+    """One kind a loaded model serves (:meth:`ModelBase.points <interp_engine.ModelBase.points>`)."""
+
+    kind: str
+    shape: tuple[int, ...]
+    """One token's value shape on this model (attention scores and patterns: ``(heads,)``, the
+    key axis grows with the sequence)."""
+    per_layer: bool
+    writable: bool
+    """Whether a steering spec may write here on this backend."""
+    how: Literal["hook", "recompute"]
+    """``hook``: read where the model computes it; ``recompute``: rebuilt exactly from tensors the
+    model computed (e.g. vLLM's attention probabilities from the queries and keys its kernel got)."""
+    meaning: str
+
 
 _KIND_ORDER = {  # the order values are computed in, inside one layer
     kind: i
     for i, kind in enumerate(
         (
             "resid_pre",
+            "attn_in",
+            "q_norm_in",
+            "q_norm_out",
+            "k_norm_in",
+            "k_norm_out",
             "attn_q",
             "attn_k",
             "attn_v",
+            "attn_scores",
             "attn_pattern",
             "attn_z",
             "attn_out",
+            "attn_out_post",
             "resid_mid",
+            "mlp_in",
+            "mlp_pre",
+            "mlp_pre_linear",
             "mlp_post",
             "mlp_out",
+            "mlp_out_post",
             "resid_post",
         )
     )
 }
-_MODEL_LEVEL_ORDER = {"embed": -1, "final_norm": 1 << 30, "logits": (1 << 30) + 1}
+_MODEL_LEVEL_ORDER = {"embed": -1, "final_norm": 1 << 30, "logits_raw": (1 << 30) + 1, "logits": (1 << 30) + 2}
 
 
 class LayerTypeError(InvalidAddress, TypeError):
@@ -80,20 +160,25 @@ class Address:
     """A point in a transformer's forward pass, in TransformerLens vocabulary.
 
     ``Address("resid_post", 5)`` is the residual stream leaving layer 5; ``Address("logits")``
-    is a model-level point with no layer. Negative layers count from the end and are resolved
-    against a model with :meth:`resolve`. The string form ``"resid_post.5"`` round-trips through
-    :meth:`parse`, but an ``Address`` is never equal to its string: keys stay typed.
-    :meth:`parse` also reads TransformerLens hook names (``"blocks.5.hook_resid_post"``).
+    is a model-level point with no layer. The public ``interp-engine`` package's names are read
+    as aliases (``Address("z", 3)`` is ``Address("attn_z", 3)``; see :data:`ALIASES`). Negative
+    layers count from the end and are resolved against a model with :meth:`resolve`. The string
+    form ``"resid_post.5"`` round-trips through :meth:`parse`, but an ``Address`` is never equal
+    to its string: keys stay typed. :meth:`parse` also reads TransformerLens hook names
+    (``"blocks.5.hook_resid_post"``).
     """
 
     kind: str
     layer: int | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.kind, str) and self.kind in ALIASES:
+            object.__setattr__(self, "kind", ALIASES[self.kind])
         info = KINDS.get(self.kind) if isinstance(self.kind, str) else None
         if info is None:
             raise UnknownKind(
-                f"unknown address kind {self.kind!r}; valid kinds: {', '.join(KINDS)}",
+                f"unknown address kind {self.kind!r}; valid kinds: {', '.join(KINDS)} "
+                f"(also read: {', '.join(f'{a} = {k}' for a, k in ALIASES.items())})",
                 address=self.kind,
                 valid=tuple(KINDS),
             )

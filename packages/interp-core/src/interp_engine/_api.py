@@ -45,7 +45,8 @@ def token_rows(model: InterpModel, tokens: Tokens) -> list[list[int]]:
 
 
 def pad_rows(rows: Sequence[Activations], lengths: Sequence[int]) -> dict[Address, torch.Tensor]:
-    """Stack per-prompt activations into batched tensors, right-padding with zeros."""
+    """Stack per-prompt activations into batched tensors, right-padding with zeros (attention
+    scores with ``-inf``, as masked)."""
     longest = max(lengths)
     out: dict[Address, torch.Tensor] = {}
     for address in rows[0]:
@@ -53,11 +54,13 @@ def pad_rows(rows: Sequence[Activations], lengths: Sequence[int]) -> dict[Addres
         for row in rows:
             value = row[address]
             pad: tuple[int, ...]
-            if address.kind == "attn_pattern":  # [heads, q, k]
+            fill = 0.0
+            if address.info.width == "heads x keys":  # [heads, q, k]; scores are -inf where masked
                 pad = (0, longest - value.shape[2], 0, longest - value.shape[1])
+                fill = float("-inf") if address.kind == "attn_scores" else 0.0
             else:  # [n, width], or [n, heads, d_head] at head addresses
                 pad = (0, 0) * (value.dim() - 1) + (0, longest - value.shape[0])
-            padded.append(torch.nn.functional.pad(value, pad))
+            padded.append(torch.nn.functional.pad(value, pad, value=fill))
         out[address] = torch.stack(padded)
     return out
 

@@ -34,7 +34,9 @@ A backend subclasses it and supplies the forward passes::
         def _close_resources(self) -> None: ...  # once, on the first shutdown()
 
 Backend-specific limits go in the class attributes ``supported_points``, ``writable_points`` and
-``sampling_options``, or in an override of :meth:`ModelBase._check_request`.
+``sampling_options``, or in an override of :meth:`ModelBase._check_request`. What the loaded
+model's family has (a q-norm, a gated MLP, sandwich norms) goes in :meth:`ModelBase._served_kinds`,
+which :meth:`ModelBase.points` reports and every request is checked against.
 """
 
 from __future__ import annotations
@@ -46,12 +48,12 @@ import math
 import threading
 from collections.abc import AsyncIterator, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 
-from ._address import KINDS, Address, AddressLike
-from ._errors import InvalidAddress, InvalidOption, InvalidTokens, ModelClosed, UnsupportedAddress
+from ._address import KINDS, MISSING_REASONS, Address, AddressLike, PointInfo
+from ._errors import InvalidAddress, InvalidOption, InvalidTokens, KindNotInFamily, ModelClosed, UnsupportedAddress
 from ._protocol import Activations, Completion, ModelInfo, StreamStep
 from ._steering import SteeringSpec, Write
 from .validation import (
@@ -61,6 +63,7 @@ from .validation import (
     check_token_ids,
     check_write_shapes,
     requested_points,
+    value_shape,
 )
 
 SAMPLING_OPTIONS = ("ignore_eos", "seed", "temperature", "top_k", "top_p")
@@ -204,6 +207,52 @@ class ModelBase(abc.ABC):
     def completion_text(self, tokens: Sequence[int]) -> str:
         """The text of generated ids (special tokens skipped)."""
 
+    # -- what the loaded model serves ---------------------------------------------------------------
+    def _served_kinds(self) -> Mapping[str, str]:
+        """Each kind this loaded model serves, mapped to how (``"hook"`` or ``"recompute"``).
+        Default: every kind in ``supported_points``, read by hooks. A backend narrows it to what
+        the model's family has."""
+        return {kind: "hook" for kind in self.supported_points}
+
+    def _missing_reason(self, kind: str) -> str:
+        """Why this model does not serve ``kind`` (said in ``KindNotInFamily``)."""
+        if kind not in self.supported_points:
+            return f"the {self.backend} backend does not serve it"
+        return MISSING_REASONS.get(kind, "its family has no such point")
+
+    def _writable_kinds(self) -> list[str]:
+        served = self._served_kinds()
+        allowed = self.writable_points
+        return [k for k in served if KINDS[k].writable and (allowed is None or k in allowed)]
+
+    def points(self) -> dict[str, PointInfo]:
+        """Every kind this loaded model serves on this backend, in forward order, with one
+        token's value shape, whether it can be written and how it is read."""
+        served = self._served_kinds()
+        writable = set(self._writable_kinds())
+        out = {}
+        for kind in (k for k in KINDS if k in served):
+            meta = KINDS[kind]
+            address = Address(kind, 0 if meta.per_layer else None)
+            how: Literal["hook", "recompute"] = "recompute" if served[kind] == "recompute" else "hook"
+            out[kind] = PointInfo(
+                kind, value_shape(address, self.info), meta.per_layer, kind in writable, how, meta.meaning
+            )
+        return dict(sorted(out.items(), key=lambda kv: Address(kv[0], 0 if kv[1].per_layer else None).sort_key()))
+
+    def _check_served(self, addresses: Iterable[Address]) -> None:
+        """``KindNotInFamily`` for the first address whose kind this model does not have."""
+        served = self._served_kinds()
+        for address in addresses:
+            if address.kind in served or address.kind not in self.supported_points:
+                continue
+            raise KindNotInFamily(
+                f"{address}: this {self.info.architecture} model has no {address.kind} on the {self.backend} "
+                f"backend ({self._missing_reason(address.kind)}); it serves: {', '.join(served)}",
+                address=address,
+                valid=tuple(served),
+            )
+
     # -- request checks ---------------------------------------------------------------------------
     def _check_n_logprobs(self, n_logprobs: Any) -> int:
         limit = self._max_logprobs()
@@ -231,7 +280,14 @@ class ModelBase(abc.ABC):
             ) from None
         if not listed and not required:
             return {}
-        return requested_points(listed, self.info, self.supported_points)
+        mapping = requested_points(listed, self.info, self.supported_points)
+        self._check_served(mapping.values())
+        return mapping
+
+    def _check_writes(self, steering_spec: SteeringSpec | None) -> list[Write]:
+        if steering_spec is not None and isinstance(steering_spec, SteeringSpec):
+            self._check_served(w.address.resolve(self.info.n_layers) for w in steering_spec.writes)
+        return check_spec(steering_spec, self.info, self._writable_kinds())
 
     def _check_capture(
         self, token_ids: Any, points: Iterable[AddressLike], steering_spec: SteeringSpec | None
@@ -248,7 +304,7 @@ class ModelBase(abc.ABC):
         if not checked:
             raise InvalidTokens("no prompts given; a batch needs at least one row of token ids")
         mapping = self._check_points(points, required=True)
-        writes = check_spec(steering_spec, self.info, self.writable_points)
+        writes = self._check_writes(steering_spec)
         requests = []
         for ids in checked:
             check_write_shapes(writes, len(ids), len(ids))
@@ -275,7 +331,7 @@ class ModelBase(abc.ABC):
         ids = check_token_ids(token_ids, self.info, extra=max_tokens)
         options = self._check_sampling(sampling)
         mapping = self._check_points(points, required=False)
-        writes = check_spec(steering_spec, self.info, self.writable_points)
+        writes = self._check_writes(steering_spec)
         check_write_shapes(writes, len(ids), len(ids) + max_tokens)
         request = CheckedRequest(ids, mapping, writes, max_tokens, options, n_logprobs)
         self._check_request(request)

@@ -59,6 +59,11 @@ class UnsupportedAddress(InvalidAddress):
     """A valid address that this backend or model family cannot serve (or write to)."""
 
 
+class KindNotInFamily(UnsupportedAddress):
+    """An address kind this model's family does not have (no q-norm, no gated MLP, no sandwich
+    norms, ...); ``valid`` lists the kinds the loaded model serves (``model.points()``)."""
+
+
 class UndeclaredAddress(UnsupportedAddress):
     """An address outside the taps a ``vllm-static`` engine declared before it was built
     (``valid`` lists the declared ones)."""

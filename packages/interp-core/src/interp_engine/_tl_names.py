@@ -1,16 +1,28 @@
 """TransformerLens hook names, read as addresses.
 
 ``Address.parse("blocks.5.hook_resid_post")`` is ``Address("resid_post", 5)``: a researcher can
-paste the names they know from TransformerLens wherever an address is accepted. Only names whose
-value is exactly one of our addresses are mapped; a TransformerLens name without an exact
-counterpart raises ``UnknownKind`` naming the nearest address and how it differs.
+paste the names they know from TransformerLens wherever an address is accepted. A name maps to
+the address with its meaning (where TransformerLens's value differs by a norm weight or on a
+family, below says how); a TransformerLens name without a counterpart raises ``UnknownKind``
+naming the nearest address and how it differs.
 
 Heads: ``attn.hook_z`` is ``attn_z`` and ``attn.hook_v`` is ``attn_v``. Queries and keys are
 ``attn_q``/``attn_k`` as the attention product uses them, i.e. after rotary embeddings and any
 q/k norm: that is TransformerLens's ``attn.hook_rot_q``/``hook_rot_k`` on rotary models and its
-``attn.hook_q``/``hook_k`` on the others (GPT-2, OPT). Both spellings parse to ``attn_q``/``attn_k``;
-on a rotary model ``hook_q``'s own value (before rotary) is not an address. With grouped-query
-attention ``attn_k``/``attn_v`` keep the key/value heads (not repeated per query head).
+``attn.hook_q``/``hook_k`` on the others (GPT-2; on OPT HF scales the queries before the product,
+so there ``attn_q`` is TransformerLens's ``hook_q`` times ``d_head ** -0.5``). Both spellings parse
+to ``attn_q``/``attn_k``; on a rotary model ``hook_q``'s own value (before rotary) is not an address.
+With grouped-query attention ``attn_k``/``attn_v`` keep the key/value heads.
+
+Norm outputs: ``ln1.hook_normalized``/``ln2.hook_normalized`` are ``attn_in``/``mlp_in``, the
+sublayer's input after its norm. TransformerLens (3.x) fires ``hook_normalized`` before the
+norm's weight and bias, so ours is its value times the weight (plus the bias for LayerNorm); the
+same holds for ``ln_final.hook_normalized`` and ``final_norm``. On OLMo 2, which has no pre-norms,
+TransformerLens's ``ln1``/``ln2`` are the post-sublayer norms (our ``attn_out_post``/``mlp_out_post``
+divided by the weight). ``hook_attn_out``/``hook_mlp_out`` are ``attn_out``/``mlp_out``, the
+sublayer's output; on the sandwich-norm families (Gemma 2/3, OLMo 2) TransformerLens fires them
+after the post-sublayer norms, i.e. they are our ``attn_out_post``/``mlp_out_post`` there.
+``tests/test_tl_oracle.py`` checks each of these against TransformerLens itself.
 """
 
 from __future__ import annotations
@@ -33,6 +45,11 @@ TL_PER_LAYER: dict[str, str] = {
     "attn.hook_z": "attn_z",
     "attn.hook_rot_q": "attn_q",
     "attn.hook_rot_k": "attn_k",
+    "ln1.hook_normalized": "attn_in",
+    "ln2.hook_normalized": "mlp_in",
+    "mlp.hook_pre": "mlp_pre",
+    "mlp.hook_pre_linear": "mlp_pre_linear",
+    "attn.hook_attn_scores": "attn_scores",
 }
 """``blocks.L.<suffix>`` -> our per-layer kind."""
 
@@ -48,19 +65,16 @@ _EMBED_HINT = (
 )
 
 _NEAR_MISSES: dict[str, str] = {  # unmapped suffixes of blocks.L.* -> what to use instead
-    "hook_mlp_in": "the MLP's input is resid_mid.L on sequential models (resid_pre.L on parallel-attention ones)",
-    "hook_attn_in": "the attention's input is resid_pre.L",
+    "hook_mlp_in": "TransformerLens's hook_mlp_in is the residual before ln2: resid_mid.L on sequential models "
+    "(resid_pre.L on parallel-attention ones); mlp_in.L is the MLP's input after the norm",
+    "hook_attn_in": "TransformerLens's hook_attn_in is the residual before ln1, resid_pre.L; "
+    "attn_in.L is after the norm",
     "hook_q_input": "the attention's input is resid_pre.L",
     "hook_k_input": "the attention's input is resid_pre.L",
     "hook_v_input": "the attention's input is resid_pre.L",
-    "attn.hook_attn_scores": "attn_pattern.L holds the attention probabilities (after the softmax), not the scores",
     "attn.hook_result": "per-head results are not an address; attn_out.L is their sum",
-    "mlp.hook_pre": "the MLP pre-activation is not an address; mlp_post.L is after the nonlinearity",
-    "mlp.hook_pre_linear": "the gated MLP's linear branch is not an address; mlp_post.L is act(gate) * up",
-    "ln1.hook_normalized": "norm outputs inside a block are not addresses; resid_pre.L is the norm's input",
-    "ln2.hook_normalized": "norm outputs inside a block are not addresses; resid_mid.L is the norm's input",
-    "ln1.hook_scale": "norm scales are not addresses; resid_pre.L is the norm's input",
-    "ln2.hook_scale": "norm scales are not addresses; resid_mid.L is the norm's input",
+    "ln1.hook_scale": "norm scales are not addresses; resid_pre.L is the norm's input, attn_in.L its output",
+    "ln2.hook_scale": "norm scales are not addresses; resid_mid.L is the norm's input, mlp_in.L its output",
 }
 
 _BLOCK = re.compile(r"blocks\.(-?\d+)\.(.+)")

@@ -1,4 +1,12 @@
-"""The eager backend's model: HF ``transformers`` + PyTorch hooks, behind the async protocol."""
+"""The eager backend's model: HF ``transformers`` + PyTorch hooks, behind the async protocol.
+
+Every address kind is read by a hook where the model computes it (see ``_plan``; ``attn_scores``
+is rebuilt, with the eager attention's own operations, from the queries, keys and mask its
+attention function receives, so ``softmax(attn_scores)`` is ``attn_pattern``); which kinds a
+loaded model has -- a gated MLP's ``mlp_pre_linear``, the q/k-norm points, the sandwich norms'
+``attn_out_post``/``mlp_out_post`` -- comes from its family's table and the modules it actually
+built (:meth:`EagerModel.points`); asking for one it lacks raises ``KindNotInFamily``.
+"""
 
 from __future__ import annotations
 
@@ -32,7 +40,7 @@ from interp_engine.tokens import TextPieces, TokenizerMixin, pad_rows
 
 from ._families import family_for
 from ._generate import choose, generator_for, top_logprobs
-from ._plan import Architecture, Chunk, Plan
+from ._plan import EAGER_KINDS, Architecture, Chunk, Plan
 
 T = TypeVar("T")
 
@@ -48,6 +56,8 @@ _DTYPES = {
     "float64": torch.float64,
 }
 _LOGITS = Address("logits")
+_NEEDS_EAGER_ATTENTION = ("attn_pattern", "attn_scores")
+"""Kinds read from eager attention (SDPA never forms the weights, and skips Gemma 2's soft-cap)."""
 
 
 def _dtype(value: Any) -> torch.dtype | str:
@@ -123,9 +133,12 @@ class EagerModel(TokenizerMixin, ModelBase):
     Forwards run on a worker thread (the event loop stays free) one at a time, each with only
     its own request's hooks installed, so concurrent calls never see each other's captures or
     steering. Build one with ``load_model(path, backend="eager")`` or :meth:`from_hf`.
+    :meth:`points` lists the kinds the loaded model has (its family's table, less the optional
+    modules -- gated MLP, q/k norms, sandwich norms -- it lacks).
     """
 
     backend = "eager"
+    supported_points = EAGER_KINDS
 
     def __init__(self, hf_model: nn.Module, tokenizer: Any) -> None:
         self._hf: nn.Module | None = hf_model.eval()
@@ -133,6 +146,7 @@ class EagerModel(TokenizerMixin, ModelBase):
         config: Any = hf_model.config
         self.family = family_for(config)
         self.arch = Architecture(hf_model, self.family)
+        self._kinds = self.arch.served_kinds()
         embed = hf_model.get_input_embeddings()  # type: ignore[operator]
         info = ModelInfo(
             architecture=str(config.model_type),
@@ -184,10 +198,23 @@ class EagerModel(TokenizerMixin, ModelBase):
             raise self._closed_error() from None
         return await future
 
+    # -- what the loaded model has ------------------------------------------------------
+    def _served_kinds(self) -> dict[str, str]:
+        """The family's table, less the optional modules this model lacks."""
+        return self._kinds
+
+    def _missing_reason(self, kind: str) -> str:
+        if kind == "resid_mid" and self.arch.post_norm:
+            return "it normalises the residual after each block (post-LN); read attn_out or resid_post"
+        reason = super()._missing_reason(kind)
+        module = self.arch.missing_module(kind)
+        return f"{reason}: its layers have no {module} module" if module else reason
+
     # -- one forward --------------------------------------------------------------------
     @contextlib.contextmanager
     def _attention_weights(self, needed: bool) -> Iterator[None]:
-        """Eager attention for this forward if patterns are read (SDPA never forms them)."""
+        """Eager attention for this forward if patterns or scores are read (SDPA never forms the
+        weights, and skips soft-capping: the scores are what eager attention's softmax sees)."""
         hf = self.hf_model
         current = getattr(hf.config, "_attn_implementation", "eager")
         if not needed or current == "eager":
@@ -225,7 +252,7 @@ class EagerModel(TokenizerMixin, ModelBase):
             kwargs[self._cache_arg] = past
         if last_logits_only and self._can_trim_logits:
             kwargs["logits_to_keep"] = 1
-        needs_weights = any(a.kind == "attn_pattern" for a in plan.wanted)
+        needs_weights = any(a.kind in _NEEDS_EAGER_ATTENTION for a in plan.wanted)
         output = None
         with self._lock, torch.inference_mode(), self._attention_weights(needs_weights), plan.installed(chunk):
             output = hf(**kwargs)
@@ -258,7 +285,7 @@ class EagerModel(TokenizerMixin, ModelBase):
         self, token_ids: Sequence[int], points: Iterable[Any], *, steering_spec: SteeringSpec | None = None
     ) -> dict[Address, torch.Tensor]:
         """Activations ``[n_tokens, width]`` at ``points`` (head addresses ``[n_tokens, heads,
-        d_head]``, attention patterns ``[heads, q, k]``)."""
+        d_head]``, attention patterns and scores ``[heads, q, k]``)."""
         values = await self.capture_batch([token_ids], points, steering_spec=steering_spec)
         return {a: t[0] for a, t in values.items()}
 
@@ -270,8 +297,8 @@ class EagerModel(TokenizerMixin, ModelBase):
         steering_spec: SteeringSpec | None = None,
     ) -> dict[Address, torch.Tensor]:
         """One batched forward over prompts of any lengths: ``[batch, n_max, width]`` (head
-        addresses ``[batch, n_max, heads, d_head]``), right-padded with zeros; each row equals
-        its solo run."""
+        addresses ``[batch, n_max, heads, d_head]``), right-padded with zeros (attention scores:
+        ``-inf``); each row equals its solo run."""
         requests = self._check_capture_batch(rows, points, steering_spec)
         first = requests[0]
         checked = [r.token_ids for r in requests]
@@ -292,6 +319,7 @@ class EagerModel(TokenizerMixin, ModelBase):
         plan = plan_for(len(prompt)) if plan_for else Plan(self.arch, [], [], [len(prompt)])
         generator = generator_for(sampling, self.device)
         state: dict[str, Any] = {"past": None}
+        wants_raw_logits = any(a.kind == "logits_raw" for a in plan.wanted)  # every token's, not the last one's
 
         def step(ids: list[int], offset: int) -> torch.Tensor:
             inputs = torch.tensor([ids], dtype=torch.long)
@@ -301,7 +329,7 @@ class EagerModel(TokenizerMixin, ModelBase):
                 inputs,
                 past=state["past"],
                 use_cache=True,
-                last_logits_only=True,
+                last_logits_only=not wants_raw_logits,
             )
             state["past"] = output.past_key_values
             logits: torch.Tensor = output.logits[0, -1]
@@ -423,15 +451,17 @@ def _to_cpu(value: torch.Tensor) -> torch.Tensor:
 
 
 def _zero_padding(address: Address, value: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    """Zero the right-padding of a batched value (positions past each row's length)."""
+    """Clear the right-padding of a batched value (positions past each row's length): zeros, and
+    ``-inf`` for attention scores (masked, as ``pad_rows`` pads them)."""
     longest = max(lengths)
     if all(n == longest for n in lengths):
         return value
     value = value.clone()
+    fill = float("-inf") if address.kind == "attn_scores" else 0.0
     for row, n in enumerate(lengths):
-        if address.kind == "attn_pattern":
-            value[row, :, n:, :] = 0
-            value[row, :, :, n:] = 0
+        if address.info.width == "heads x keys":  # attn_pattern, attn_scores: [heads, q, k]
+            value[row, :, n:, :] = fill
+            value[row, :, :, n:] = fill
         else:
             value[row, n:] = 0
     return value

@@ -3,7 +3,10 @@
 vLLM reimplements each architecture, so these tables describe vLLM's modules (not HF's): the
 decoder-layer list, whether layers defer the residual add into the next norm (returning
 ``(hidden, residual)``), the attention block, the attention kernel module that receives
-post-rotary queries and keys, the MLP and its down-projection, and the final norm.
+post-rotary queries and keys, the q/k norms where the family has them, the MLP, the projection
+whose output holds the pre-activation (fused ``[gate | up]`` on gated MLPs: vLLM merges
+``gate_proj`` and ``up_proj`` into one ``gate_up_proj``), the down-projection, the post-sublayer
+(sandwich) norms where the family has them, and the final norm.
 """
 
 from __future__ import annotations
@@ -31,7 +34,38 @@ class VllmFamily:
     attn_o_proj: str = "self_attn.o_proj"
     """The attention's output projection: its input is every head's output (``attn_z``)."""
     mlp: str = "mlp"
+    mlp_up: str = "mlp.gate_up_proj"
+    """The projection whose output holds the MLP's pre-activation (``mlp_pre``)."""
+    gated: bool = True
+    """Whether :attr:`mlp_up`'s output is ``[gate | up]`` (per rank, under tensor parallelism):
+    ``mlp_pre`` is its first half and ``mlp_pre_linear`` its second."""
     mlp_down: str = "mlp.down_proj"
+    q_norm: str | None = None
+    """The q-norm (called on ``[tokens, heads, d_head]``), where the family has one."""
+    k_norm: str | None = None
+    attn_post_norm: str | None = None
+    """The post-attention (sandwich) norm, where the family has one: its output is ``attn_out_post``."""
+    mlp_post_norm: str | None = None
+
+    @property
+    def attn_contrib(self) -> str:
+        """The module whose output the layer adds to the residual after attention."""
+        return self.attn_post_norm or self.attn
+
+    def lacks(self) -> frozenset[str]:
+        """The address kinds this family does not have."""
+        missing = set()
+        if not self.gated:
+            missing.add("mlp_pre_linear")
+        if self.q_norm is None:
+            missing |= {"q_norm_in", "q_norm_out"}
+        if self.k_norm is None:
+            missing |= {"k_norm_in", "k_norm_out"}
+        if self.attn_post_norm is None:
+            missing.add("attn_out_post")
+        if self.mlp_post_norm is None:
+            missing.add("mlp_out_post")
+        return frozenset(missing)
 
 
 FAMILIES: tuple[VllmFamily, ...] = (
@@ -44,13 +78,23 @@ FAMILIES: tuple[VllmFamily, ...] = (
         attn="attn",
         attn_kernel="attn.attn",
         attn_o_proj="attn.c_proj",
+        mlp_up="mlp.c_fc",
+        gated=False,
         mlp_down="mlp.c_proj",
     ),
     VllmFamily(
         "llama",
-        ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"),
+        ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"),
         layers="model.layers",
         final_norm="model.norm",
+    ),
+    VllmFamily(
+        "qwen3",
+        ("Qwen3ForCausalLM",),
+        layers="model.layers",
+        final_norm="model.norm",
+        q_norm="self_attn.q_norm",
+        k_norm="self_attn.k_norm",
     ),
 )
 

@@ -99,6 +99,9 @@ def _generation_config(name_or_path: str, trust: bool) -> Any:
         return None
 
 
+_HOW = {"attn_scores": "recompute", "attn_pattern": "recompute", "logits_raw": "recompute"}
+
+
 class VllmModel(TokenizerMixin, ModelBase):
     """A model served by vLLM with interp-engine taps in its model runner.
 
@@ -254,6 +257,14 @@ class VllmModel(TokenizerMixin, ModelBase):
         """Build the engine now, on this loop (20-60 s on a CPU), and run one tiny request."""
         await self.generate([0], max_tokens=1)
 
+    # -- what this model serves ---------------------------------------------------------------
+    def _served_kinds(self) -> dict[str, str]:
+        """The site table's kinds this family has; the attention scores and probabilities and
+        the bare unembedding are recomputed exactly from what vLLM computed (the post-rotary
+        queries and keys its kernel received; the final norm's output and the unembedding)."""
+        lacks = self.family.lacks()
+        return {kind: _HOW.get(kind, "hook") for kind in SITES if kind not in lacks and kind in self.supported_points}
+
     # -- requests ----------------------------------------------------------------------------
     def _max_logprobs(self) -> int:
         return self._logprobs_limit  # the engine's max_logprobs: vLLM refuses more
@@ -272,11 +283,14 @@ class VllmModel(TokenizerMixin, ModelBase):
     def _payload(
         self, rid: str, points: Iterable[Address], writes: list[Write], n_prompt: int, n_total: int
     ) -> RequestPayload:
-        split = [w for w in writes if w.op == "ablate" and SITES[w.address.kind].shard == "last"]
+        from interp_engine._writes import WHOLE_ROW_OPS
+
+        split = [w for w in writes if w.op in WHOLE_ROW_OPS and SITES[w.address.kind].shard == "last"]
         if self.tp_size > 1 and split:
             raise InvalidSteering(
-                f"ablate at {split[0].address} is not available under tensor parallelism (its values are "
-                "split across ranks, and a direction's projection needs all of them); use add or set there"
+                f"{split[0].op} at {split[0].address} is not available under tensor parallelism (its values "
+                f"are split across ranks, and {split[0].op} needs a projection or a norm over all of them); "
+                f"use add or set there (ops that need the whole vector: {', '.join(WHOLE_ROW_OPS)})"
             )
         return RequestPayload(rid, tuple(points), tuple(writes), n_prompt, n_total)
 
@@ -360,7 +374,7 @@ class VllmModel(TokenizerMixin, ModelBase):
             site = SITES[address.kind]
             total = self.info.n_kv_heads if site.shard == "kv_heads" else self.info.n_heads
             value = merge_ranks(address, [rank.values[address][1] for rank in ranks], total)[:n]
-            if address.kind == "attn_pattern":  # [q, heads, k] -> [heads, q, k]
+            if address.info.width == "heads x keys":  # [q, heads, k] -> [heads, q, k]
                 value = value[:, :, :n].permute(1, 0, 2).contiguous()
             values[address] = value
         return values

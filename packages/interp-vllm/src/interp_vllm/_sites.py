@@ -9,15 +9,19 @@ A site names a hook:
 - ``layer_in`` / ``layer_out``: the decoder layer's input / output residual stream. vLLM's
   layers defer the residual add (they take and return ``(hidden, residual)``), so the value is
   ``hidden + residual`` and a write hands the layer ``(new_stream, 0)`` instead;
-- ``input``: positional argument ``arg`` of a module (e.g. the attention kernel's ``q, k, v``,
-  the output projection's input);
-- ``output``: a module's output (its first element when it returns a tuple);
-- ``model_out``: the model's final hidden states (``final_norm``; ``logits`` through the served
-  unembedding).
+- ``input``: argument ``arg`` of a module (by position, or by name when the caller passes it as
+  a keyword: vLLM's Llama calls ``self_attn(positions=..., hidden_states=...)``), e.g. the
+  attention kernel's ``q, k, v``, the output projection's input, the attention's input;
+- ``output``: a module's output (its first element when it returns a tuple, as vLLM's linear
+  layers do); ``part`` picks the gate or the up half of a fused ``gate_up_proj`` output;
+- ``model_out``: the model's final hidden states (``final_norm``; ``logits_raw`` through the bare
+  unembedding, ``logits`` through the served one with its soft-cap and scaling).
 
 ``derived`` kinds are computed from other values at the same hook instead of read: ``resid_mid``
-is the stashed ``resid_pre`` plus ``attn_out`` (a write there moves ``attn_out``);
-``attn_pattern`` is the softmax of the post-rotary queries and keys the kernel receives.
+is the stashed ``resid_pre`` plus what the layer adds after attention (a write there moves that
+by the same amount, so both the MLP and the residual see it, where vLLM forms the sum);
+``attn_scores`` are the post-rotary queries times the keys the kernel receives, with the kernel's
+scale, soft-cap, causal mask and sliding window, and ``attn_pattern`` their softmax.
 Per-head kinds are ``[tokens, heads * d_head]`` in vLLM and ``[tokens, heads, d_head]`` to us.
 """
 
@@ -30,8 +34,11 @@ import torch
 
 from interp_engine import KINDS, Address, Write
 
+from ._families import VllmFamily
+
 Where = Literal["layer_in", "layer_out", "input", "output", "model_out"]
 Shard = Literal["last", "heads", "kv_heads"]
+Part = Literal["gate", "up"]
 HookKey = tuple[Where, str | None, int]
 """``(where, module field, layer)``: addresses with equal keys are served by one hook."""
 
@@ -46,6 +53,11 @@ class VllmSite:
     """The :class:`~interp_vllm._families.VllmFamily` field naming the module (``None``: the layer)."""
     arg: int = 0
     """For ``input`` sites: which positional argument."""
+    arg_name: str | None = None
+    """For ``input`` sites: the argument's name, used when the caller passes it by keyword."""
+    part: Part | None = None
+    """For the output of a fused ``[gate | up]`` projection: which half (a family whose MLP is
+    not gated has one pre-activation, the whole output)."""
     shard: Shard | None = None
     """How tensor parallelism splits the value: ``last`` (columns), ``heads``, ``kv_heads``
     (split, or replicated when there are fewer key/value heads than ranks), ``None`` (whole)."""
@@ -65,31 +77,56 @@ SITES: dict[str, VllmSite] = {
         # in the order values are computed at a shared hook
         VllmSite("embed", "layer_in"),
         VllmSite("resid_pre", "layer_in"),
+        VllmSite("attn_in", "input", "attn", arg=1, arg_name="hidden_states"),
+        VllmSite("q_norm_in", "input", "q_norm", shard="heads"),
+        VllmSite("q_norm_out", "output", "q_norm", shard="heads"),
+        VllmSite("k_norm_in", "input", "k_norm", shard="kv_heads"),
+        VllmSite("k_norm_out", "output", "k_norm", shard="kv_heads"),
         VllmSite("attn_q", "input", "attn_kernel", arg=0, shard="heads", static_write=False),
         VllmSite("attn_k", "input", "attn_kernel", arg=1, shard="kv_heads", static_write=False),
         VllmSite("attn_v", "input", "attn_kernel", arg=2, shard="kv_heads"),
+        VllmSite("attn_scores", "input", "attn_kernel", shard="heads", derived=True, static_write=False),
         VllmSite("attn_pattern", "input", "attn_kernel", shard="heads", derived=True, static_write=False),
         VllmSite("attn_z", "input", "attn_o_proj", shard="heads"),
         VllmSite("attn_out", "output", "attn"),
-        VllmSite("resid_mid", "output", "attn", derived=True),
+        VllmSite("attn_out_post", "output", "attn_post_norm"),
+        VllmSite("resid_mid", "output", "attn_contrib", derived=True),
+        VllmSite("mlp_in", "input", "mlp", arg=0, arg_name="hidden_states"),
+        VllmSite("mlp_pre", "output", "mlp_up", shard="last", part="gate"),
+        VllmSite("mlp_pre_linear", "output", "mlp_up", shard="last", part="up"),
         VllmSite("mlp_post", "input", "mlp_down", shard="last"),
         VllmSite("mlp_out", "output", "mlp"),
+        VllmSite("mlp_out_post", "output", "mlp_post_norm"),
         VllmSite("resid_post", "layer_out"),
         VllmSite("final_norm", "model_out"),
+        VllmSite("logits_raw", "model_out", static_write=False),
         VllmSite("logits", "model_out", static_write=False),
     )
 }
-"""Every kind the vLLM backends serve."""
+"""Every kind the vLLM backends serve (a family may lack some: :meth:`VllmFamily.lacks`)."""
 
 POINT_KINDS = tuple(SITES)
 WRITE_KINDS = tuple(kind for kind, site in SITES.items() if KINDS[kind].writable)
 STATIC_WRITE_KINDS = tuple(kind for kind in WRITE_KINDS if SITES[kind].static_write)
 
 
-def hook_key(address: Address) -> HookKey:
-    """The hook an address is served at: addresses with equal keys share one hook."""
+def hook_key(address: Address, family: VllmFamily | None = None) -> HookKey:
+    """The hook an address is served at: addresses with equal keys share one hook (``family``
+    resolves ``attn_contrib``, the module whose output is added to the residual after attention,
+    so that ``resid_mid`` shares its hook with ``attn_out`` or ``attn_out_post``)."""
     site = SITES[address.kind]
-    return site.where, site.module, address.layer or 0
+    module = site.module
+    if module == "attn_contrib":
+        module = "attn_post_norm" if family is not None and family.attn_post_norm else "attn"
+    return site.where, module, address.layer or 0
+
+
+def columns(site: VllmSite, family: VllmFamily) -> tuple[int, int] | None:
+    """``(index, parts)``: the site's value is part ``index`` of ``parts`` equal column blocks of the
+    hooked tensor (the gate or up half of a fused ``gate_up_proj``); ``None``: all of it."""
+    if site.part is None or not family.gated:
+        return None
+    return (0 if site.part == "gate" else 1), 2
 
 
 # -- tensor parallelism --------------------------------------------------------------------------
@@ -107,20 +144,25 @@ def owned_heads(rank: int, tp_size: int, total: int) -> list[int]:
 def local_write(write: Write, site: VllmSite, rank: int, tp_size: int, total_heads: int, width: int) -> Write | None:
     """This rank's part of ``write`` (``None``: nothing of it lives on this rank).
 
-    Per-head writes keep the heads this rank holds, renumbered locally, with their vector rows;
-    ``last``-sharded writes (``mlp_post``) keep this rank's columns (``width`` of them)."""
+    Per-head writes keep the heads this rank holds, renumbered locally, with their vector (and
+    target) rows; ``last``-sharded writes (``mlp_post``) keep this rank's columns (``width`` of them)."""
+    target = write.target
     if site.per_head:
         heads = list(write.heads) if write.heads is not None else list(range(total_heads))
         owned = owned_heads(rank, tp_size, total_heads) if tp_size > 1 else list(range(total_heads))
         pairs = [(owned.index(h), i) for i, h in enumerate(heads) if h in owned]
         if not pairs:
             return None
+        picked = [i for _, i in pairs]
         vector = write.vector
         if write.head_rows is not None:
-            vector = vector[..., [i for _, i in pairs], :]
-        return replace(write, vector=vector, heads=tuple(local for local, _ in pairs))
+            vector = vector[..., picked, :]
+        if target is not None and write.target_head_rows is not None:
+            target = target[..., picked, :]
+        return replace(write, vector=vector, target=target, heads=tuple(local for local, _ in pairs))
     if site.shard == "last" and write.vector.shape[-1] != width:
-        return replace(write, vector=write.vector[..., rank * width : (rank + 1) * width])
+        cols = slice(rank * width, (rank + 1) * width)
+        return replace(write, vector=write.vector[..., cols], target=None if target is None else target[..., cols])
     return write
 
 

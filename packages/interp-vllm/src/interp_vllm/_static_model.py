@@ -94,6 +94,7 @@ class StaticVllmModel(VllmModel):
             declared: list[Address] = []  # a steering-only engine
         else:
             declared = list(dict.fromkeys(requested_points(points, self.info, STATIC_POINT_KINDS).values()))
+            self._check_served(declared)
         writes = self._declare_writes(static_writes) if static_writes is not None else self._writes
         self._points, self._writes = declared, writes
 
@@ -106,6 +107,7 @@ class StaticVllmModel(VllmModel):
             if not isinstance(address, Address):
                 raise InvalidOption(f"static_writes takes addresses, got {write!r}")
             address = address.resolve(self.info.n_layers)
+            self._check_served([address])
             if address.kind not in STATIC_WRITE_KINDS:
                 raise UnsupportedAddress(
                     f"vllm-static cannot write at {address}; writable kinds: {', '.join(STATIC_WRITE_KINDS)}",

@@ -9,8 +9,10 @@ hook per site, and every hook is pure tensor work on buffers registered on the h
 - a write point runs a :class:`StaticWrites` table whose per-token index (per token and head,
   at a head address) the host fills before each step (slot 0 for tokens of unsteered requests:
   bit-identical);
-- ``attn_pattern`` taps the post-rotary queries and keys; ``final_norm`` and ``logits`` are read
-  from the forward's output, as in the dynamic backend.
+- ``attn_scores`` and ``attn_pattern`` tap the post-rotary queries and keys; ``final_norm``,
+  ``logits_raw`` and ``logits`` are read from the forward's output, as in the dynamic backend;
+- ``mlp_pre`` / ``mlp_pre_linear`` are the gate / up half of the fused ``gate_up_proj`` output: a
+  write there rebuilds the output from the written half and the other one.
 
 Host work per step happens in :meth:`StaticTapManager.run`: fill the indices from each request's
 slot plan (slots are held for the request's whole life, allocated when it first appears),
@@ -39,10 +41,10 @@ from torch import nn
 
 from interp_engine import Address
 
-from ._sites import SITES, HookKey, VllmSite, hook_key, owned_heads
+from ._sites import SITES, HookKey, VllmSite, columns, hook_key, owned_heads
 from ._static import StaticTap, StaticWrites, plan_writes
 from ._wire import Fetched, RequestPayload
-from ._worker import RequestTaps, TapManager, _arg, _get, _Hook, _set_arg, _Slice
+from ._worker import RequestTaps, TapManager, _arg, _get, _Hook, _set_arg, _Slice, arg_slot
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +144,7 @@ class StaticTapManager(TapManager):
         for address in dict.fromkeys([*self.points, *self.write_addresses]):
             if SITES[address.kind].where == "model_out":
                 continue
-            hooks[hook_key(address)].append(address)
+            hooks[hook_key(address, self.family)].append(address)
             if address.kind == "resid_mid":  # its resid_pre is stashed at the layer's input
                 hooks[("layer_in", None, address.layer or 0)]
         order = {kind: i for i, kind in enumerate(SITES)}
@@ -155,7 +157,7 @@ class StaticTapManager(TapManager):
             elif where == "layer_out":
                 module.register_forward_hook(self._layer_out_hook(module, addresses))
             elif where == "input":
-                module.register_forward_pre_hook(self._input_hook(module, layer, addresses))
+                module.register_forward_pre_hook(self._input_hook(module, layer, addresses), with_kwargs=True)
             else:
                 module.register_forward_hook(self._output_hook(module, layer, addresses))
 
@@ -175,8 +177,12 @@ class StaticTapManager(TapManager):
         """Values per token at a site on this rank."""
         if site.per_head:
             return self._local_heads(site) * self.d_head
-        if site.shard == "last":  # mlp_post: the down projection's (possibly sharded) input
+        if site.shard == "last" and site.where == "input":  # mlp_post: the down projection's (sharded) input
             return int(getattr(module, "input_size_per_partition", 0) or getattr(module, "weight").shape[1])  # noqa: B009
+        if site.shard == "last":  # mlp_pre(_linear): (a half of) the up projection's (sharded) output
+            width = int(getattr(module, "output_size_per_partition", 0) or getattr(module, "weight").shape[0])  # noqa: B009
+            cols = columns(site, self.family)
+            return width // cols[1] if cols is not None else width
         return self.d_model
 
     def _names(self, module: nn.Module, address: Address) -> tuple[str | None, str | None]:
@@ -201,7 +207,7 @@ class StaticTapManager(TapManager):
     # -- the hooks: tensor work only, traced into the compiled graph ------------------------
     def _layer_in_hook(self, block: nn.Module, layer: int, addresses: list[Address]) -> Callable[..., Any]:
         names = [self._names(block, a) for a in addresses]
-        attn_path = self.family.attn
+        attn_path = self.family.attn_contrib  # resid_mid is formed at this module's output
         mid = Address("resid_mid", layer)
         stash = mid in self.points or mid in self.write_addresses
         if stash:
@@ -248,39 +254,53 @@ class StaticTapManager(TapManager):
         return hook
 
     def _input_hook(self, module: nn.Module, layer: int, addresses: list[Address]) -> Callable[..., Any]:
-        steps: list[tuple[int, Names]] = []  # (argument, names) in order
-        pattern = False
+        steps: list[tuple[tuple[int, str], Names]] = []  # ((position, name) of the argument, names) in order
+        qk = False
         for address in addresses:
             site = SITES[address.kind]
-            if site.kind == "attn_pattern":
-                q = self._new_tap(module, "interp_q", int(getattr(module, "num_heads")) * self.d_head)  # noqa: B009
-                k = self._new_tap(module, "interp_k", int(getattr(module, "num_kv_heads")) * self.d_head)  # noqa: B009
-                self.qk[layer] = (q, k)
-                pattern = True
+            if site.derived:  # attn_scores / attn_pattern: computed on the host from q and k
+                if layer not in self.qk:
+                    q = self._new_tap(module, "interp_q", int(getattr(module, "num_heads")) * self.d_head)  # noqa: B009
+                    k = self._new_tap(module, "interp_k", int(getattr(module, "num_kv_heads")) * self.d_head)  # noqa: B009
+                    self.qk[layer] = (q, k)
+                qk = True
             else:
-                steps.append((site.arg, [self._names(module, address)]))
+                steps.append((arg_slot(module, site), [self._names(module, address)]))
         writes = any(w is not None for _, names in steps for w, _ in names)
 
-        def hook(module: nn.Module, args: tuple[Any, ...]) -> Any:
-            items = list(args)
-            for arg, names in steps:
-                items[arg] = _chain(module, names, items[arg])
-            if pattern:
-                _tap(module, "interp_q")(items[0])
-                _tap(module, "interp_k")(items[1])
-            return tuple(items) if writes else None
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            for (index, name), names in steps:
+                args, kwargs = _set_arg(
+                    args, kwargs, index, name, _chain(module, names, _arg(args, kwargs, index, name))
+                )
+            if qk:
+                _tap(module, "interp_q")(_arg(args, kwargs, 0, "query"))
+                _tap(module, "interp_k")(_arg(args, kwargs, 1, "key"))
+            return (args, kwargs) if writes else None
 
         return hook
 
     def _output_hook(self, module: nn.Module, layer: int, addresses: list[Address]) -> Callable[..., Any]:
-        out_names = [self._names(module, a) for a in addresses if not SITES[a.kind].derived]
+        parts: dict[tuple[int, int] | None, Names] = {}  # column block -> names (gate / up halves)
+        for a in addresses:
+            if not SITES[a.kind].derived:
+                parts.setdefault(columns(SITES[a.kind], self.family), []).append(self._names(module, a))
         mid_names = [self._names(module, a) for a in addresses if SITES[a.kind].derived]  # resid_mid
-        out_writes = any(w is not None for w, _ in out_names)
+        out_writes = any(w is not None for names in parts.values() for w, _ in names)
         mid_writes = any(w is not None for w, _ in mid_names)
 
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
             value = output[0] if isinstance(output, tuple) else output
-            new = _chain(module, out_names, value)
+            new = value
+            for cols, names in parts.items():
+                if cols is None:
+                    new = _chain(module, names, new)
+                    continue
+                index, count = cols
+                pieces = list(new.split(new.shape[-1] // count, dim=-1))
+                pieces[index] = _chain(module, names, pieces[index])
+                if any(w is not None for w, _ in names):
+                    new = torch.cat(pieces, dim=-1)
             if mid_names:
                 n = new.shape[0]
                 before = _tap(module, "interp_stash").buffer[:n].to(new.dtype)
@@ -300,16 +320,20 @@ class StaticTapManager(TapManager):
         return self.total_heads(SITES[address.kind])
 
     def _admit(self, payload: RequestPayload) -> RequestTaps:
+        from interp_engine import InvalidSteering
+
         taps = RequestTaps(payload)
         rid = payload.rid
         held: dict[Address, tuple[list[int], torch.Tensor, torch.Tensor]] = {}
         try:
             for address, plan in plan_writes(list(payload.writes), taps.n_prompt, taps.n_total, self.heads_of).items():
                 table = self.tables[address]
-                slots = table.allocate(len(plan.ops))
                 part = None
-                if table.width != plan.ops[0].shift.shape[0]:  # a tensor-parallel shard (mlp_post)
+                if table.width != plan.ops[0].width:  # a tensor-parallel shard (mlp_post)
                     part = slice(self.rank * table.width, (self.rank + 1) * table.width)
+                    if any(bool(op.direction.any()) or op.capped or op.grows for op in plan.ops):
+                        raise InvalidSteering(f"only add and set can be applied per shard at {address}")
+                slots = table.allocate(len(plan.ops))
                 for slot, op in zip(slots, plan.ops, strict=True):
                     table.fill(slot, op, part)
                 slot_of = torch.tensor([0, *slots], dtype=torch.long)
@@ -365,9 +389,9 @@ class StaticTapManager(TapManager):
                 site = SITES[address.kind]
                 if site.where == "model_out":
                     hook.add(address, sl)
-                elif address.kind == "attn_pattern":
+                elif site.derived and site.where == "input":  # attn_scores / attn_pattern
                     q, k = self.qk[address.layer or 0]
-                    self._pattern(sl, address.layer or 0, q.buffer[sl.start : sl.end], k.buffer[sl.start : sl.end])
+                    self._attention(sl, address, q.buffer[sl.start : sl.end], k.buffer[sl.start : sl.end])
                 else:
                     rows = self.taps[address].read(sl.start, sl.end)
                     if site.per_head:

@@ -16,6 +16,7 @@ true residual stream is their sum. Reads take the sum; a write replaces the pair
 from __future__ import annotations
 
 import collections
+import inspect
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -29,7 +30,7 @@ from interp_engine import Address, Write
 from interp_engine.validation import write_positions
 
 from ._families import VllmFamily, family_for
-from ._sites import SITES, HookKey, VllmSite, hook_key, local_write
+from ._sites import SITES, HookKey, VllmSite, columns, hook_key, local_write
 from ._wire import Fetched, RequestPayload
 
 
@@ -41,6 +42,36 @@ def _get(root: Any, path: str) -> Any:
 
 def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str) -> Any:
     return args[index] if len(args) > index else kwargs.get(name)
+
+
+def arg_slot(module: nn.Module, site: VllmSite) -> tuple[int, str]:
+    """``(position, name)`` of an ``input`` site's argument in ``module.forward``: by the site's
+    ``arg_name`` where the signature has it (callers may pass it either way), else ``arg``."""
+    if site.arg_name is not None:
+        try:
+            params = [p for p in inspect.signature(module.forward).parameters.values()]
+        except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
+            params = []
+        names = [p.name for p in params]
+        if site.arg_name in names:
+            return names.index(site.arg_name), site.arg_name
+        if len(params) == 1:  # a single-argument forward, whatever its name
+            return 0, names[0]
+    return site.arg, site.arg_name or f"arg{site.arg}"
+
+
+def flat(value: torch.Tensor) -> torch.Tensor:
+    """``[tokens, everything else]`` (a view when ``value`` is contiguous: writes go through)."""
+    return value.reshape(value.shape[0], -1)
+
+
+def part_of(value: torch.Tensor, cols: tuple[int, int] | None) -> torch.Tensor:
+    """Column block ``cols = (index, parts)`` of ``[tokens, width]`` (a view), or all of it."""
+    if cols is None:
+        return value
+    index, parts = cols
+    width = value.shape[-1] // parts
+    return value[:, index * width : (index + 1) * width]
 
 
 def _set_arg(
@@ -65,14 +96,18 @@ def _tp() -> tuple[int, int]:
         return 0, 1
 
 
+_Local = tuple[Write, torch.Tensor, torch.Tensor | None]
+"""This rank's part of a write, with its vector and target on the value's device and dtype."""
+
+
 @dataclass
 class _WriteTable:
     """One write, resolved over the request's whole sequence."""
 
     write: Write
     mask: torch.Tensor  # [n_total] bool: positions the write touches
-    row: torch.Tensor  # [n_total] long: the vector row for each touched position
-    local: dict[tuple[int, torch.device, torch.dtype], tuple[Write, torch.Tensor] | None] = field(default_factory=dict)
+    row: torch.Tensor  # [n_total] long: the (per-position) vector and target row for each touched position
+    local: dict[tuple[int, torch.device, torch.dtype], _Local | None] = field(default_factory=dict)
 
 
 class RequestTaps:
@@ -94,7 +129,7 @@ class RequestTaps:
             row[index] = torch.arange(len(index))
             self.writes[write.address].append(_WriteTable(write, mask, row))
         self.values: dict[Address, list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
-        self.keys: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.keys: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # layer -> (positions, keys, step)
         self.steps = 0
 
     def addresses(self) -> set[Address]:
@@ -156,6 +191,11 @@ class TapManager:
 
     def total_heads(self, site: VllmSite) -> int:
         return self.n_kv_heads if site.shard == "kv_heads" else self.n_heads
+
+    def served(self) -> list[str]:
+        """The kinds this model's family has."""
+        lacks = self.family.lacks()
+        return [kind for kind in SITES if kind not in lacks]
 
     def module(self, key: HookKey) -> nn.Module:
         """The module a hook attaches to."""
@@ -242,7 +282,7 @@ class TapManager:
         hooks: dict[HookKey, _Hook] = defaultdict(_Hook)
         for sl in slices:
             for address in sl.taps.addresses():
-                hooks[hook_key(address)].add(address, sl)
+                hooks[hook_key(address, self.family)].add(address, sl)
                 if address.kind == "resid_mid":  # needs this layer's resid_pre
                     stash = hooks[("layer_in", None, address.layer or 0)]
                     if sl not in stash.stash_for:
@@ -266,7 +306,7 @@ class TapManager:
         if where == "layer_out":
             return module.register_forward_hook(self._layer_out(hook))
         if where == "input":
-            return module.register_forward_pre_hook(self._input(layer, hook))
+            return module.register_forward_pre_hook(self._input(module, layer, hook), with_kwargs=True)
         return module.register_forward_hook(self._output(layer, hook))
 
     # -- applying a request's writes and reads to one value -------------------------------
@@ -285,12 +325,16 @@ class TapManager:
                 sl.taps.values[address].append((sl.positions, _copy(rows)))
         return changed
 
-    def _local(self, table: _WriteTable, site: VllmSite, value: torch.Tensor) -> tuple[Write, torch.Tensor] | None:
-        """This rank's part of a write and its vector on ``value``'s device (cached)."""
+    def _local(self, table: _WriteTable, site: VllmSite, value: torch.Tensor) -> _Local | None:
+        """This rank's part of a write, its vector and target on ``value``'s device (cached)."""
         key = (int(value.shape[-1]), value.device, value.dtype)
         if key not in table.local:
             write = local_write(table.write, site, self.rank, self.tp_size, self.total_heads(site), key[0])
-            table.local[key] = None if write is None else (write, write.vector.to(value.device, value.dtype))
+            if write is None:
+                table.local[key] = None
+            else:
+                target = None if write.target is None else write.target.to(value.device, value.dtype)
+                table.local[key] = (write, write.vector.to(value.device, value.dtype), target)
         return table.local[key]
 
     def _apply(self, value: torch.Tensor, sl: _Slice, table: _WriteTable, site: VllmSite) -> bool:
@@ -305,13 +349,17 @@ class TapManager:
             return False
         local_rows = torch.nonzero(picked).flatten()
         rows = (local_rows + sl.start).to(value.device)
-        write, vec = local
-        if write.per_position:
-            vec = vec[table.row[positions[local_rows]].to(value.device)]
+        write, vec, target = local
+        if write.per_position or write.target_per_position:
+            picked = table.row[positions[local_rows]].to(value.device)
+            if write.per_position:
+                vec = vec[picked]
+            if target is not None and write.target_per_position:
+                target = target[picked]
         current = value[rows]
         if site.per_head:
             current = current.reshape(len(rows), -1, self.d_head)
-        value[rows] = write.apply(current, vec).reshape(len(rows), -1).to(value.dtype)
+        value[rows] = write.apply(current, vec, target).reshape(len(rows), -1).to(value.dtype)
         return True
 
     # -- hooks ----------------------------------------------------------------------------
@@ -355,37 +403,42 @@ class TapManager:
 
         return post
 
-    def _input(self, layer: int, hook: _Hook) -> Callable[..., Any]:
-        def pre(module: nn.Module, args: tuple[Any, ...]) -> Any:
-            items = list(args)
+    def _input(self, module: nn.Module, layer: int, hook: _Hook) -> Callable[..., Any]:
+        slots = {address: arg_slot(module, site) for address, site, _ in hook.ordered()}
+
+        def pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             changed = False
             for address, site, members in hook.ordered():
-                if site.kind == "attn_pattern":
+                if site.derived:  # attn_scores / attn_pattern, from the queries and keys
+                    q, k = _arg(args, kwargs, 0, "query"), _arg(args, kwargs, 1, "key")
                     for sl in members:
                         if address in sl.taps.points:
-                            self._pattern(sl, layer, items[0][sl.start : sl.end], items[1][sl.start : sl.end])
+                            self._attention(sl, address, q[sl.start : sl.end], k[sl.start : sl.end])
                     continue
-                value = items[site.arg]
+                index, name = slots[address]
+                value = _arg(args, kwargs, index, name)
                 writes = any(address in sl.taps.writes for sl in members)
-                if writes:
-                    value = value.clone()  # never write into vLLM's own (possibly shared) tensors
-                if self._visit(value, members, address):
-                    items[site.arg] = value
+                if writes:  # never write into vLLM's own (possibly shared) tensors
+                    value = value.clone(memory_format=torch.contiguous_format)
+                if self._visit(flat(value), members, address):
+                    args, kwargs = _set_arg(args, kwargs, index, name, value)
                     changed = True
-            return tuple(items) if changed else None
+            return (args, kwargs) if changed else None
 
         return pre
 
     def _output(self, layer: int, hook: _Hook) -> Callable[..., Any]:
         def post(module: nn.Module, args: Any, output: Any) -> Any:
             value = output[0] if isinstance(output, tuple) else output
-            value = value.clone()  # the next fused norm works in place on this tensor
+            # the next fused norm works in place on this tensor
+            value = value.clone(memory_format=torch.contiguous_format)
+            rows = flat(value)
             changed = False
             for address, site, members in hook.ordered():
                 if site.kind == "resid_mid":
-                    changed |= self._mid(value, members, layer)
+                    changed |= self._mid(rows, members, layer)
                 else:
-                    changed |= self._visit(value, members, address)
+                    changed |= self._visit(part_of(rows, columns(site, self.family)), members, address)
             if not changed:
                 return None
             return (value, *output[1:]) if isinstance(output, tuple) else value
@@ -412,20 +465,24 @@ class TapManager:
         window = getattr(kernel, "sliding_window", None)
         return head, scale, cap, window
 
-    def _pattern(self, sl: _Slice, layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
-        """Record the attention probabilities of ``sl``'s queries (post-rotary ``query`` and
-        ``key`` rows of this step); earlier steps' keys are kept per request."""
+    def _attention(self, sl: _Slice, address: Address, query: torch.Tensor, key: torch.Tensor) -> None:
+        """Record ``attn_scores`` or ``attn_pattern`` of ``sl``'s queries from the post-rotary
+        ``query`` and ``key`` rows of this step; earlier steps' keys are kept per request (once
+        per step, however many of the two are asked for)."""
+        layer = address.layer or 0
         head, scale, cap, window = self._kernel_geometry(layer)
         n = sl.end - sl.start
         q = query.float().reshape(n, -1, head)
-        k = key.to("cpu", torch.float32, copy=True).reshape(n, -1, head)  # kept across steps: never a view
+        step = int(sl.taps.steps)
         seen = sl.taps.keys.get(layer)
-        if seen is not None and int(sl.positions[0]) > 0:
-            key_pos = torch.cat([seen[0], sl.positions])
-            keys = torch.cat([seen[1], k])
-        else:
-            key_pos, keys = sl.positions.clone(), k
-        sl.taps.keys[layer] = (key_pos, keys)
+        if seen is None or seen[2] != step:  # this step's keys are not in yet
+            k = key.to("cpu", torch.float32, copy=True).reshape(n, -1, head)  # kept across steps: never a view
+            if seen is not None and int(sl.positions[0]) > 0:
+                key_pos, keys = torch.cat([seen[0], sl.positions]), torch.cat([seen[1], k])
+            else:
+                key_pos, keys = sl.positions.clone(), k
+            sl.taps.keys[layer] = (key_pos, keys, step)
+        key_pos, keys, _ = sl.taps.keys[layer]
         keys = keys.to(q.device).repeat_interleave(q.shape[1] // keys.shape[1], dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, keys) * scale
         if cap:
@@ -436,18 +493,35 @@ class TapManager:
         if window:
             hidden_keys |= k_pos <= q_pos - int(window)
         scores = scores.masked_fill(hidden_keys, float("-inf"))
-        pattern = scores.softmax(-1)  # [heads, q, keys], keys in position order
-        full = torch.zeros(pattern.shape[0], pattern.shape[1], int(key_pos.max()) + 1)
-        full[:, :, key_pos] = pattern.cpu()
-        sl.taps.values[Address("attn_pattern", layer)].append((sl.positions, full.permute(1, 0, 2)))
+        if address.kind == "attn_pattern":
+            value, fill = scores.softmax(-1), 0.0  # [heads, q, keys], keys in position order
+        else:
+            value, fill = scores, float("-inf")
+        full = torch.full((value.shape[0], value.shape[1], int(key_pos.max()) + 1), fill)
+        full[:, :, key_pos] = value.cpu()
+        sl.taps.values[address].append((sl.positions, full.permute(1, 0, 2)))
 
     def _read_output(self, output: Any, hook: _Hook) -> None:
         hidden = output[0] if isinstance(output, tuple) else output
         for sl in hook.members.get(Address("final_norm"), ()):
             sl.taps.values[Address("final_norm")].append((sl.positions, _copy(hidden[sl.start : sl.end])))
+        for sl in hook.members.get(Address("logits_raw"), ()):  # every rank joins the gather (a TP collective)
+            raw = self.unembed(hidden[sl.start : sl.end])
+            sl.taps.values[Address("logits_raw")].append((sl.positions, _copy(raw)))
         for sl in hook.members.get(Address("logits"), ()):  # every rank computes logits (a TP collective)
             logits = self.model.compute_logits(hidden[sl.start : sl.end])  # type: ignore[operator]
             sl.taps.values[Address("logits")].append((sl.positions, _copy(logits)))
+
+    def unembed(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The bare unembedding of final-norm outputs: what vLLM's logits processor computes
+        before its soft-cap and scaling (gathered over ranks, vocabulary padding removed)."""
+        processor = getattr(self.model, "logits_processor", None)
+        head = getattr(self.model, "lm_head", None)
+        get_logits = getattr(processor, "_get_logits", None)
+        if get_logits is None or head is None:  # pragma: no cover - a model class without them
+            raise RuntimeError("this vLLM model class has no logits_processor._get_logits / lm_head")
+        logits: torch.Tensor = get_logits(hidden, head, None)
+        return logits
 
     # -- after the request ------------------------------------------------------------------
     def fetch(self, rid: str) -> Fetched:
@@ -468,9 +542,12 @@ class TapManager:
         out: dict[Address, tuple[torch.Tensor, torch.Tensor]] = {}
         for address, chunks in taps.values.items():
             positions = torch.cat([p for p, _ in chunks])
-            if address.kind == "attn_pattern":
+            if address.info.width == "heads x keys":  # pad the key axis: probabilities 0, scores -inf
+                fill = float("-inf") if address.kind == "attn_scores" else 0.0
                 width = max(v.shape[-1] for _, v in chunks)
-                values = torch.cat([torch.nn.functional.pad(v, (0, width - v.shape[-1])) for _, v in chunks])
+                values = torch.cat(
+                    [torch.nn.functional.pad(v, (0, width - v.shape[-1]), value=fill) for _, v in chunks]
+                )
             else:
                 values = torch.cat([v for _, v in chunks])
             order = torch.argsort(positions, stable=True)

@@ -25,6 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 from .._address import KINDS, Address
+from .._base import ModelBase
 from .._errors import (
     InterpError,
     InvalidActivations,
@@ -138,7 +139,9 @@ class _Served:
         for i, name in enumerate(names):
             try:
                 address = Address.parse(name)
-                address.resolve(model.info.n_layers)
+                resolved = address.resolve(model.info.n_layers)
+                if isinstance(model, ModelBase):  # a kind this model's family lacks: KindNotInFamily
+                    model._check_served([resolved])
             except InvalidAddress as exc:
                 raise from_interp(exc, f"{field}[{i}]") from exc
             out.append(address)
@@ -177,22 +180,40 @@ class _Served:
             field = f"steering.writes[{i}]"
             try:
                 address = Address.parse(item.address)
-                address.resolve(info.n_layers)
+                resolved = address.resolve(info.n_layers)
                 if not address.info.writable:
                     raise InvalidSteering(f"cannot write at {address}: {address.kind} is read-only")
+                model = self.ready()
+                if isinstance(model, ModelBase):
+                    model._check_served([resolved])
             except InterpError as exc:
                 raise from_interp(exc, f"{field}.address") from exc
             vector: Any = item.vector
             if isinstance(vector, EncodedTensor):
                 vector = decode(vector, f"{field}.vector", self.limits.max_activation_values)
+            target: Any = item.target
+            if isinstance(target, EncodedTensor):
+                target = decode(target, f"{field}.target", self.limits.max_activation_values)
             try:
-                write = Write(address, vector, op=item.op, scale=item.scale, positions=item.positions, heads=item.heads)
+                write = Write(
+                    address,
+                    vector,
+                    op=item.op,
+                    scale=item.scale,
+                    positions=item.positions,
+                    heads=item.heads,
+                    target=target,
+                    lo=item.lo,
+                    hi=item.hi,
+                    max_fraction=item.max_fraction,
+                )
             except InterpError as exc:
                 raise from_interp(exc, field) from exc
             try:
                 check_spec(SteeringSpec([write]), info)
             except InterpError as exc:
-                raise from_interp(exc, f"{field}.vector") from exc
+                blamed = "target" if str(exc).startswith("the target") else "vector"
+                raise from_interp(exc, f"{field}.{blamed}") from exc
             writes.append(write)
         return SteeringSpec(writes)
 
@@ -355,11 +376,15 @@ def _add_routes(app: FastAPI, served: _Served) -> None:
 
     @app.get("/v1/model", responses=_ERRORS)
     async def model_info() -> dict[str, Any]:
-        """The model's shapes, the address vocabulary over its layers, and the server's limits."""
+        """The model's shapes, the kinds it serves (its family's, on its backend) over its layers,
+        and the server's limits."""
         model = served.ready()
         info = model.info
+        listed = getattr(model, "points", None)  # ModelBase.points(): the kinds its family has
+        points = listed() if callable(listed) else None
+        served_kinds = dict(KINDS) if points is None else {k: KINDS[k] for k in points}  # forward order
         kinds = []
-        for kind, meta in KINDS.items():
+        for kind, meta in served_kinds.items():
             shape = value_shape(Address(kind, 0) if meta.per_layer else Address(kind), info)
             size: Any = "n_heads x n_keys" if meta.width == "heads x keys" else math.prod(shape)
             kinds.append(
@@ -368,13 +393,14 @@ def _add_routes(app: FastAPI, served: _Served) -> None:
                     "per_layer": meta.per_layer,
                     "width": meta.width,
                     "size": size,
-                    "writable": meta.writable,
+                    "writable": points[kind].writable if points is not None else meta.writable,
+                    "how": points[kind].how if points is not None else "hook",
                     "meaning": meta.meaning,
                 }
             )
         addresses = [
             f"{kind}.{layer}" if meta.per_layer else kind
-            for kind, meta in KINDS.items()
+            for kind, meta in served_kinds.items()
             for layer in (range(info.n_layers) if meta.per_layer else [None])
         ]
         out: dict[str, Any] = {
