@@ -108,7 +108,7 @@ def drain(steps: Iterator[Any]) -> list[Any]:
 def test_unknown_kind(engine: Any, ids: list[int]) -> None:
     exc = raises(engine, lambda: engine.capture(ids, ["resid_poost.1"]), UnknownKind, "resid_poost", "resid_post")
     assert isinstance(exc, ValueError) and isinstance(exc, InvalidAddress)
-    raises(engine, lambda: engine.capture(ids, [CHECK, "mlp_in.0"]), UnknownKind, "mlp_in")
+    raises(engine, lambda: engine.capture(ids, [CHECK, "mlp_mid.0"]), UnknownKind, "mlp_mid")
 
 
 @pytest.mark.parametrize("point", ["resid_post.3", "resid_post.-4", Address("mlp_out", 3), Address("attn_pattern", 99)])

@@ -22,30 +22,45 @@ from interp_engine import Address, KindNotInFamily, SteeringSpec, Write
 from .conftest import PROMPT, hf_for, rel_diff, vllm_model_path
 
 TOL = 1e-4
-FAMILIES = ("gpt2", "llama", "qwen2", "qwen3")
+FAMILIES = ("gpt2", "llama", "qwen2", "qwen3", "gemma2", "gemma3_text")
 
 # per family: the decoder layers, and per kind the module (relative to a layer) and which of its
 # tensors holds the value: "in" (first input, or the hidden_states keyword) or "out" (its output)
-_LAYERS = {"gpt2": "transformer.h", "llama": "model.layers", "qwen2": "model.layers", "qwen3": "model.layers"}
+_LAYERS = {family: "model.layers" for family in FAMILIES} | {"gpt2": "transformer.h"}
 _LLAMA = {
     "attn_in": ("self_attn", "in"),
     "mlp_in": ("mlp", "in"),
     "mlp_pre": ("mlp.gate_proj", "out"),
     "mlp_pre_linear": ("mlp.up_proj", "out"),
 }
+_QK_NORMS = {
+    "q_norm_in": ("self_attn.q_norm", "in"),
+    "q_norm_out": ("self_attn.q_norm", "out"),
+    "k_norm_in": ("self_attn.k_norm", "in"),
+    "k_norm_out": ("self_attn.k_norm", "out"),
+}
+_SANDWICH = {
+    "attn_out_post": ("post_attention_layernorm", "out"),
+    "mlp_out_post": ("post_feedforward_layernorm", "out"),
+}
 _HF: dict[str, dict[str, tuple[str, str]]] = {
     "gpt2": {"attn_in": ("attn", "in"), "mlp_in": ("mlp", "in"), "mlp_pre": ("mlp.c_fc", "out")},
     "llama": _LLAMA,
     "qwen2": _LLAMA,
-    "qwen3": {
-        **_LLAMA,
-        "q_norm_in": ("self_attn.q_norm", "in"),
-        "q_norm_out": ("self_attn.q_norm", "out"),
-        "k_norm_in": ("self_attn.k_norm", "in"),
-        "k_norm_out": ("self_attn.k_norm", "out"),
-    },
+    "qwen3": {**_LLAMA, **_QK_NORMS},
+    "gemma2": {**_LLAMA, **_SANDWICH},  # and soft-capped attention scores and logits
+    "gemma3_text": {**_LLAMA, **_QK_NORMS, **_SANDWICH},
 }
 HEAD_KINDS = ("q_norm_in", "q_norm_out", "k_norm_in", "k_norm_out")
+HEADS_FIRST = ("gemma3_text",)
+"""Families whose HF q/k norms see ``[batch, heads, tokens, d_head]`` (Qwen3's: tokens first)."""
+
+
+def _rows(family: str, value: torch.Tensor, d_head: int) -> torch.Tensor:
+    """``[tokens, heads, d_head]`` of an HF q/k-norm tensor (batch row 0)."""
+    if family in HEADS_FIRST:
+        return value[0].transpose(0, 1)
+    return value[0].reshape(value.shape[1], -1, d_head)
 
 
 def _get(root: Any, path: str) -> Any:
@@ -89,6 +104,9 @@ def hf_points(family: str, ids: list[int]) -> dict[Address, torch.Tensor]:
         groups = query.shape[1] // key.shape[1]
         keys = key.repeat_interleave(groups, dim=1)
         scores = (query @ keys.transpose(-1, -2))[0] * float(module.scaling)
+        cap = k.get("softcap")
+        if cap:
+            scores = torch.tanh(scores / cap) * cap
         n = scores.shape[-1]
         causal = torch.ones(n, n, dtype=torch.bool).triu(1)
         seen[Address("attn_scores", layer)] = scores.masked_fill(causal, float("-inf"))
@@ -103,9 +121,7 @@ def hf_points(family: str, ids: list[int]) -> dict[Address, torch.Tensor]:
 
             def record(value: torch.Tensor, kind: str = kind, layer: int = layer) -> None:
                 address = Address(kind, layer)
-                value = value[0]
-                if address.kind in HEAD_KINDS:
-                    value = value.reshape(value.shape[0], -1, d_head)
+                value = _rows(family, value, d_head) if kind in HEAD_KINDS else value[0]
                 seen[address] = value.detach().clone()
 
             if side == "in":
@@ -139,8 +155,12 @@ def hf_edited_logits(family: str, ids: list[int], kind: str, layer: int, edit: C
 
     def edited(value: torch.Tensor) -> torch.Tensor:
         out = value.clone()
-        rows = out[0]
-        edit(rows.view(rows.shape[0], -1, d_head) if kind in HEAD_KINDS else rows)
+        if kind not in HEAD_KINDS:
+            edit(out[0])
+        elif family in HEADS_FIRST:  # [1, heads, tokens, d_head]: edit a [tokens, heads, d_head] view
+            edit(out[0].transpose(0, 1))
+        else:
+            edit(out[0].view(out.shape[1], -1, d_head))
         return out
 
     if side == "in":
@@ -181,8 +201,20 @@ def test_new_points_equal_hf(family: str, vllm_engines: Any) -> None:
             assert rel_diff(value.softmax(-1), acts[Address("attn_pattern", point.layer)]) <= TOL
         else:
             assert rel_diff(value, expected[point]) <= TOL, point
-    # no soft-cap or logit scale in these families: the bare unembedding is the logits
-    assert rel_diff(acts[Address("logits_raw")], model.capture(ids, ["logits"])[Address("logits")]) <= TOL
+    # the logits are the bare unembedding, soft-capped where the family caps them (Gemma 2)
+    raw, logits = acts[Address("logits_raw")], model.capture(ids, ["logits"])[Address("logits")]
+    cap = getattr(hf_for(vllm_model_path(family)).config, "final_logit_softcapping", None)
+    if cap:
+        assert not torch.allclose(raw, logits, atol=1e-3)
+        raw = torch.tanh(raw / cap) * cap
+    assert rel_diff(raw, logits) <= TOL
+    if "attn_out_post" in _HF[family]:  # sandwich norms: what each sublayer adds is the post-norm's output
+        for layer in range(info.n_layers):
+            mid = model.capture(ids, [f"resid_pre.{layer}", f"resid_mid.{layer}", f"resid_post.{layer}"])
+            added = acts[Address("attn_out_post", layer)]
+            assert rel_diff(mid[Address("resid_mid", layer)], mid[Address("resid_pre", layer)] + added) <= TOL
+            added = acts[Address("mlp_out_post", layer)]
+            assert rel_diff(mid[Address("resid_post", layer)], mid[Address("resid_mid", layer)] + added) <= TOL
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -229,6 +261,9 @@ def _writes(family: str, info: Any) -> list[tuple[str, Write, Callable[[torch.Te
     out.append(("attn_in", Write("attn_in.1", v, scale=2.0), add))
     out.append(("mlp_in", Write("mlp_in.0", rows, op="set", positions=[1, 2, 3]), set_rows))
     out.append(("mlp_pre", Write("mlp_pre.1", u, op="ablate"), ablate))
+    if "attn_out_post" in _HF[family]:
+        out.append(("attn_out_post", Write("attn_out_post.0", v, scale=2.0), add))
+        out.append(("mlp_out_post", Write("mlp_out_post.1", rows, op="set", positions=[1, 2, 3]), set_rows))
     if "mlp_pre_linear" in _HF[family]:
         out.append(("mlp_pre_linear", Write("mlp_pre_linear.0", w, positions=[-2, -1]), add_up))
     if "q_norm_out" in _HF[family]:
@@ -260,6 +295,9 @@ def test_points_lists_what_the_family_has(vllm_engines: Any) -> None:
     assert {"q_norm_in", "mlp_pre_linear", "attn_out_post", "mlp_out_post"}.isdisjoint(gpt2.points())
     assert {"q_norm_out", "k_norm_in", "mlp_pre", "mlp_pre_linear", "attn_scores"} <= set(qwen3.points())
     assert "attn_out_post" not in qwen3.points()
+    gemma2 = vllm_engines("gemma2")
+    assert {"attn_out_post", "mlp_out_post", "mlp_pre_linear"} <= set(gemma2.points())
+    assert "q_norm_out" not in gemma2.points() and gemma2.points()["logits_raw"].how == "recompute"
     info = qwen3.points()["k_norm_out"]
     assert info.shape == (qwen3.info.n_kv_heads, qwen3.info.d_head) and info.writable and info.how == "hook"
     assert qwen3.points()["attn_scores"].how == "recompute" and not qwen3.points()["attn_scores"].writable
@@ -274,3 +312,41 @@ def test_points_lists_what_the_family_has(vllm_engines: Any) -> None:
     acts = qwen3.capture(_ids(qwen3), ["z.1", "mlp_act.0", "lm_head", "attn_probs.1"])
     expected = {Address("attn_z", 1), Address("mlp_post", 0), Address("logits_raw"), Address("attn_pattern", 1)}
     assert set(acts) == expected
+
+
+def test_vllm_static_serves_the_sandwich_norms_and_the_bare_unembedding(vllm_engines: Any) -> None:
+    """vllm-static on Gemma 2 (compiled; sandwich norms, soft-capped scores and logits): the
+    post-sublayer norms, the raw unembedding and the scores from its fixed taps, and writes at
+    the post-norms and at resid_mid applied in-graph, equal to the vllm backend (itself checked
+    against HF above)."""
+    from interp_engine import load_model, sync_model
+
+    dynamic = vllm_engines("gemma2")
+    points = ["attn_out_post.0", "mlp_out_post.1", "resid_mid.1", "attn_scores.1", "mlp_pre_linear.0", "logits_raw"]
+    writes = ["attn_out_post.0", "mlp_out_post.1", "resid_mid.1", "mlp_pre_linear.0"]
+    static = sync_model(
+        load_model(vllm_model_path("gemma2"), backend="vllm-static", static_points=points, static_writes=writes)
+    )
+    try:
+        static.warmup()
+        ids = _ids(static)
+        gen = torch.Generator().manual_seed(5)
+        d, d_mlp = static.info.d_model, static.info.d_mlp
+        specs = [
+            None,
+            SteeringSpec(
+                [
+                    Write("attn_out_post.0", torch.randn(d, generator=gen), scale=2.0),
+                    Write("mlp_out_post.1", torch.randn(d, generator=gen), op="ablate"),
+                    Write("resid_mid.1", torch.randn(2, d, generator=gen), op="set", positions=[1, 3]),
+                    Write("mlp_pre_linear.0", torch.randn(d_mlp, generator=gen), op="rescale", scale=0.5),
+                ]
+            ),
+        ]
+        for spec in specs:
+            got = static.capture(ids, points, steering_spec=spec)
+            expected = dynamic.capture(ids, points, steering_spec=spec)
+            for point in map(Address.parse, points):
+                assert rel_diff(got[point], expected[point]) <= TOL, (spec is not None, point)
+    finally:
+        static.shutdown()

@@ -30,9 +30,10 @@ def test_every_kind_has_one_site() -> None:
 
 def test_no_module_outside_the_table_names_an_address_kind() -> None:
     """A new kind is a table entry: the workers and the front end dispatch on the site's fields,
-    never on kind names (the derived kinds, resid_mid and attn_pattern, and the model outputs
-    are computed, not located, and are the only names allowed)."""
-    allowed = {"resid_mid", "attn_pattern", "final_norm", "logits", "embed", "resid_pre", "resid_post"}
+    never on kind names (the derived kinds, resid_mid, attn_scores and attn_pattern, and the
+    model outputs are computed, not located, and are the only names allowed)."""
+    derived = {"resid_mid", "attn_scores", "attn_pattern"}
+    allowed = derived | {"final_norm", "logits_raw", "logits", "embed", "resid_pre", "resid_post"}
     for name in ("_worker.py", "_static_worker.py", "_model.py", "_static_model.py"):
         tree = ast.parse((SRC / name).read_text())
         strings = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}

@@ -43,6 +43,8 @@ class VllmFamily:
     q_norm: str | None = None
     """The q-norm (called on ``[tokens, heads, d_head]``), where the family has one."""
     k_norm: str | None = None
+    unembed: str = "lm_head"
+    """The unembedding module the logits processor projects with (tied Gemma: the embedding)."""
     attn_post_norm: str | None = None
     """The post-attention (sandwich) norm, where the family has one: its output is ``attn_out_post``."""
     mlp_post_norm: str | None = None
@@ -95,6 +97,27 @@ FAMILIES: tuple[VllmFamily, ...] = (
         final_norm="model.norm",
         q_norm="self_attn.q_norm",
         k_norm="self_attn.k_norm",
+    ),
+    # sandwich norms: each sublayer's output is normed again before vLLM adds it to the residual
+    VllmFamily(
+        "gemma2",
+        ("Gemma2ForCausalLM",),
+        layers="model.layers",
+        final_norm="model.norm",
+        unembed="model.embed_tokens",
+        attn_post_norm="post_attention_layernorm",
+        mlp_post_norm="post_feedforward_layernorm",
+    ),
+    VllmFamily(
+        "gemma3",
+        ("Gemma3ForCausalLM",),
+        layers="model.layers",
+        final_norm="model.norm",
+        unembed="model.embed_tokens",
+        q_norm="self_attn.q_norm",
+        k_norm="self_attn.k_norm",
+        attn_post_norm="post_attention_layernorm",
+        mlp_post_norm="post_feedforward_layernorm",
     ),
 )
 

@@ -348,7 +348,7 @@ class StaticTapManager(TapManager):
             for address, (slots, _, _) in held.items():
                 self.tables[address].release(slots)
             held = {}
-            self.failed[rid] = f"{type(exc).__name__}: {exc}"
+            self.failed[rid] = f"this request could not be steered in the compiled graph: {type(exc).__name__}: {exc}"
             logger.warning("interp-engine: request %s cannot be steered in-graph: %s", rid, exc)
         self.held[rid] = held
         return taps
@@ -358,7 +358,10 @@ class StaticTapManager(TapManager):
         self._fill_indices(slices)
         output = self._timed_forward(forward, args, kwargs)
         if slices:
-            self._read(slices, output)
+            try:
+                self._read(slices, output)
+            except Exception as exc:  # reported at the fetch; the engine goes on
+                self._fail(slices, exc)
         return output
 
     def _fill_indices(self, slices: list[_Slice]) -> None:
@@ -401,17 +404,15 @@ class StaticTapManager(TapManager):
             self._read_output(output, hook)
 
     # -- after the request -------------------------------------------------------------------
-    def _forget(self, rid: str) -> str | None:
+    def _forget(self, rid: str) -> None:
         for address, (slots, _, _) in self.held.pop(rid, {}).items():
             self.tables[address].release(slots)
-        return self.failed.pop(rid, None)
 
     def fetch(self, rid: str) -> Fetched:
-        error = self._forget(rid)
-        values = super().fetch(rid)
-        if error is not None:  # reported to the caller, not raised here: vLLM would log it as a crash
-            return Fetched(error=f"this request could not be steered in the compiled graph: {error}")
-        return values
+        # an error (reported to the caller, not raised here: vLLM would log it as a crash)
+        # stays in self.failed for the base class's fetch
+        self._forget(rid)
+        return super().fetch(rid)
 
     def release(self, rid: str) -> None:
         self._forget(rid)

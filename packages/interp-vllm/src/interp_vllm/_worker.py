@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import inspect
+import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -32,6 +33,8 @@ from interp_engine.validation import write_positions
 from ._families import VllmFamily, family_for
 from ._sites import SITES, HookKey, VllmSite, columns, hook_key, local_write
 from ._wire import Fetched, RequestPayload
+
+logger = logging.getLogger(__name__)
 
 
 def _get(root: Any, path: str) -> Any:
@@ -188,6 +191,10 @@ class TapManager:
         # where the worker's time goes (nanoseconds), reported by stats(): the whole of each
         # forward call with taps, the forward alone, and answering fetches
         self.timing = {"steps": 0, "step_ns": 0, "forward_ns": 0, "fetch_ns": 0, "fetches": 0}
+        # requests whose taps raised in this worker: the error, reported at their fetch (the
+        # hook gave the forward its values back unchanged, so the engine and the rest of the
+        # batch go on)
+        self.failed: dict[str, str] = {}
 
     def total_heads(self, site: VllmSite) -> int:
         return self.n_kv_heads if site.shard == "kv_heads" else self.n_heads
@@ -295,19 +302,42 @@ class TapManager:
                 handle.remove()
         out_hook = hooks.get(("model_out", None, 0))
         if out_hook is not None:
-            self._read_output(output, out_hook)
+            try:
+                self._read_output(output, out_hook)
+            except Exception as exc:
+                self._fail([sl for members in out_hook.members.values() for sl in members], exc)
         return output
 
     def _install(self, key: HookKey, hook: _Hook) -> Any:
         where, _, layer = key
         module = self.module(key)
         if where == "layer_in":
-            return module.register_forward_pre_hook(self._layer_in(layer, hook), with_kwargs=True)
+            return module.register_forward_pre_hook(self._guarded(hook, self._layer_in(layer, hook)), with_kwargs=True)
         if where == "layer_out":
-            return module.register_forward_hook(self._layer_out(hook))
+            return module.register_forward_hook(self._guarded(hook, self._layer_out(hook)))
         if where == "input":
-            return module.register_forward_pre_hook(self._input(module, layer, hook), with_kwargs=True)
-        return module.register_forward_hook(self._output(layer, hook))
+            return module.register_forward_pre_hook(
+                self._guarded(hook, self._input(module, layer, hook)), with_kwargs=True
+            )
+        return module.register_forward_hook(self._guarded(hook, self._output(layer, hook)))
+
+    def _guarded(self, hook: _Hook, function: Callable[..., Any]) -> Callable[..., Any]:
+        """``function`` (a hook) that, if it raises, leaves the forward's values as they were and
+        marks the hook's requests failed instead of taking vLLM's engine down."""
+
+        def guarded(*args: Any) -> Any:
+            try:
+                return function(*args)
+            except Exception as exc:
+                self._fail([sl for members in hook.members.values() for sl in members] + hook.stash_for, exc)
+                return None
+
+        return guarded
+
+    def _fail(self, slices: list[_Slice], exc: Exception) -> None:
+        for sl in slices:
+            self.failed.setdefault(sl.taps.rid, f"a tap failed in vLLM's worker: {type(exc).__name__}: {exc}")
+        logger.warning("interp-engine: a tap failed for %d request(s): %s", len(slices), exc, exc_info=True)
 
     # -- applying a request's writes and reads to one value -------------------------------
     def _visit(self, value: torch.Tensor, members: list[_Slice], address: Address) -> bool:
@@ -516,10 +546,10 @@ class TapManager:
         """The bare unembedding of final-norm outputs: what vLLM's logits processor computes
         before its soft-cap and scaling (gathered over ranks, vocabulary padding removed)."""
         processor = getattr(self.model, "logits_processor", None)
-        head = getattr(self.model, "lm_head", None)
+        head = _get(self.model, self.family.unembed)
         get_logits = getattr(processor, "_get_logits", None)
-        if get_logits is None or head is None:  # pragma: no cover - a model class without them
-            raise RuntimeError("this vLLM model class has no logits_processor._get_logits / lm_head")
+        if get_logits is None:  # pragma: no cover - a vLLM without it
+            raise RuntimeError("this vLLM model's logits processor has no _get_logits")
         logits: torch.Tensor = get_logits(hidden, head, None)
         return logits
 
@@ -529,7 +559,9 @@ class TapManager:
         value); then forget it."""
         began = time.perf_counter_ns()
         try:
-            return self._collect(rid)
+            error = self.failed.pop(rid, None)
+            values = self._collect(rid)
+            return values if error is None else Fetched(error=error)
         finally:
             self.timing["fetches"] += 1
             self.timing["fetch_ns"] += time.perf_counter_ns() - began
@@ -558,6 +590,7 @@ class TapManager:
         return Fetched(out)
 
     def release(self, rid: str) -> None:
+        self.failed.pop(rid, None)
         self.requests.pop(rid, None)
         self._retire(rid)
 
