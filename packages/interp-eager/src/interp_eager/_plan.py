@@ -35,7 +35,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from interp_engine import Address, UnsupportedAddress, Write
+from interp_engine import KINDS, Address, UnsupportedAddress, Write
 from interp_engine.validation import write_positions
 
 from ._families import Family, QkNormLayout, QkvLayout
@@ -94,34 +94,7 @@ _VALUE_SLICES: dict[QkvLayout, Callable[[int, int, int], HeadSlice]] = {
 """The values in the output of a family's :attr:`~Family.attn_v`, by its ``qkv_layout``."""
 
 
-EAGER_KINDS = (
-    "embed",
-    "resid_pre",
-    "resid_mid",
-    "resid_post",
-    "attn_out",
-    "mlp_out",
-    "mlp_post",
-    "attn_pattern",
-    "final_norm",
-    "logits",
-    "attn_q",
-    "attn_k",
-    "attn_v",
-    "attn_z",
-    "attn_in",
-    "mlp_in",
-    "mlp_pre",
-    "mlp_pre_linear",
-    "attn_scores",
-    "q_norm_in",
-    "q_norm_out",
-    "k_norm_in",
-    "k_norm_out",
-    "attn_out_post",
-    "mlp_out_post",
-    "logits_raw",
-)
+EAGER_KINDS = tuple(KINDS)
 """Every kind the eager backend knows where to read (:meth:`Architecture.site`)."""
 
 ATTENTION_SCORES = 2
