@@ -181,6 +181,19 @@ def test_run_with_cache_passes_the_steering_spec(toy: Any) -> None:
     assert not torch.allclose(steered["resid_post.1"], plain["resid_post.1"])
 
 
+def test_a_third_party_backend_gets_every_op_from_write_apply(toy: Any) -> None:
+    """Per-position vectors and swap targets: the toy backend hands each position its rows."""
+    gen = torch.Generator().manual_seed(1)
+    vectors, targets = torch.randn(3, 16, generator=gen), torch.randn(3, 16, generator=gen)
+    swap = Write("resid_post.0", vectors, op="swap", target=targets, positions=[0, 1, 2])
+    plain = run_with_cache(toy, "abc", ["resid_post.0"])["resid_post.0"][0]
+    steered = run_with_cache(toy, "abc", ["resid_post.0"], steering_spec=SteeringSpec([swap]))["resid_post.0"][0]
+    for p in range(3):
+        d, t = vectors[p] / vectors[p].norm(), targets[p] / targets[p].norm()
+        expected = plain[p] + (plain[p] @ d) * (t - d)
+        torch.testing.assert_close(steered[p], expected, rtol=1e-5, atol=1e-5)
+
+
 def test_sync_model_is_one_facade_per_model(toy: Any) -> None:
     facade = sync_model(toy)
     assert sync_model(toy) is facade

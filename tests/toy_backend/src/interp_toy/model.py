@@ -170,5 +170,7 @@ def _apply(write: Write, x: torch.Tensor, n_prompt: int) -> torch.Tensor:
     # named positions are ranges, so those of a shorter sequence are a prefix: rows line up
     for row, pos in enumerate(write_positions(write, n_prompt, x.shape[0])):
         if pos < x.shape[0]:
-            x[pos] = write.apply(x[pos], write.vector[row] if write.per_position else None)
+            vector = write.vector[row] if write.per_position else None
+            target = write.target[row] if write.target is not None and write.target_per_position else None
+            x[pos] = write.apply(x[pos], vector, target)
     return x
