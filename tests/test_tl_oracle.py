@@ -16,7 +16,6 @@ Run alone: ``.venv/bin/python -m pytest -q tests/test_tl_oracle.py``.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import pathlib
 import tempfile
@@ -33,11 +32,6 @@ from .conftest import ALL_FAMILIES, PROMPT, eager_model, rel_diff, tiny_model_pa
 TOL = 1e-4
 DIFFERS = 1e-3
 """A relation other than equality is only asserted where the values are also this far apart."""
-
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("transformer_lens") is None,
-    reason="transformer-lens (a dev extra: pip install -e '.[dev]') is not installed",
-)
 
 NOT_IN_TRANSFORMERLENS = {"stablelm": "StableLmForCausalLM"}
 """Families whose architecture TransformerLens's HookedTransformer does not implement."""
