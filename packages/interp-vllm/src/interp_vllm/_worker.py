@@ -50,9 +50,19 @@ def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str) -
 def arg_slot(module: nn.Module, site: VllmSite) -> tuple[int, str]:
     """``(position, name)`` of an ``input`` site's argument in ``module.forward``: by the site's
     ``arg_name`` where the signature has it (callers may pass it either way), else ``arg``."""
+    key = (type(module).__qualname__, type(module).__module__, site)
+    if key not in _ARG_SLOTS:  # once per module class: the dynamic worker builds its hooks every step
+        _ARG_SLOTS[key] = _arg_slot(type(module), site)
+    return _ARG_SLOTS[key]
+
+
+_ARG_SLOTS: dict[tuple[str, str, VllmSite], tuple[int, str]] = {}
+
+
+def _arg_slot(cls: type[nn.Module], site: VllmSite) -> tuple[int, str]:
     if site.arg_name is not None:
         try:
-            params = [p for p in inspect.signature(module.forward).parameters.values()]
+            params = list(inspect.signature(cls.forward).parameters.values())[1:]  # without self
         except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
             params = []
         names = [p.name for p in params]
@@ -198,11 +208,6 @@ class TapManager:
 
     def total_heads(self, site: VllmSite) -> int:
         return self.n_kv_heads if site.shard == "kv_heads" else self.n_heads
-
-    def served(self) -> list[str]:
-        """The kinds this model's family has."""
-        lacks = self.family.lacks()
-        return [kind for kind in SITES if kind not in lacks]
 
     def module(self, key: HookKey) -> nn.Module:
         """The module a hook attaches to."""
