@@ -18,6 +18,7 @@ from ._errors import (
     InterpError,
     InvalidActivations,
     InvalidAddress,
+    InvalidFeatures,
     InvalidOption,
     InvalidSteering,
     InvalidTokens,
@@ -29,8 +30,10 @@ from ._errors import (
     StaticConfigError,
     UndeclaredAddress,
     UnknownKind,
+    UnknownSae,
     UnsupportedAddress,
     UnsupportedArchitecture,
+    UnsupportedSae,
 )
 from ._plugins import installed_backends, load_model
 from ._protocol import (
@@ -38,12 +41,15 @@ from ._protocol import (
     Completion,
     InterpModel,
     ModelInfo,
+    Results,
     StaticTaps,
     StreamStep,
     WorkerStats,
 )
+from ._readouts import FeatureReadout, Features
+from ._sae import Probe, Sae, load_sae
 from ._shipped import shipped_models, tiny_model_path
-from ._steering import SteeringSpec, Write
+from ._steering import FeatureWrite, SteeringSpec, Write
 from ._sync import SyncModel, sync_model
 from .hookspecs import hookimpl
 
@@ -60,11 +66,15 @@ __all__ = [
     "CheckedRequest",
     "Completion",
     "ContextTooLong",
+    "FeatureReadout",
+    "FeatureWrite",
+    "Features",
     "ForeignEventLoop",
     "InterpError",
     "InterpModel",
     "InvalidActivations",
     "InvalidAddress",
+    "InvalidFeatures",
     "InvalidOption",
     "InvalidSteering",
     "InvalidTokens",
@@ -77,7 +87,10 @@ __all__ = [
     "ModelInfo",
     "ModelLoadError",
     "PointInfo",
+    "Probe",
+    "Results",
     "RunningLoopError",
+    "Sae",
     "SamplingOptions",
     "StaticConfigError",
     "StaticTaps",
@@ -86,8 +99,10 @@ __all__ = [
     "SyncModel",
     "UndeclaredAddress",
     "UnknownKind",
+    "UnknownSae",
     "UnsupportedAddress",
     "UnsupportedArchitecture",
+    "UnsupportedSae",
     "WorkerStats",
     "Write",
     "capture_attention",
@@ -96,6 +111,7 @@ __all__ = [
     "hookimpl",
     "installed_backends",
     "load_model",
+    "load_sae",
     "run_with_cache",
     "shipped_models",
     "sync_model",

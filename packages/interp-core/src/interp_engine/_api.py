@@ -11,7 +11,8 @@ import torch
 from ._address import Address
 from ._cache import Cache
 from ._errors import InvalidTokens
-from ._protocol import Activations, BatchCapture, Completion, InterpModel, Points, StreamStep
+from ._protocol import BatchCapture, Completion, InterpModel, Points, Results, StreamStep
+from ._readouts import FeatureReadout, Features, stack_readouts
 from ._steering import SteeringSpec
 from ._sync import SyncModel, sync_model
 
@@ -44,15 +45,19 @@ def token_rows(model: InterpModel, tokens: Tokens) -> list[list[int]]:
     raise InvalidTokens("tokens must be a text, a list of texts, a list of ids or a list of id lists")
 
 
-def pad_rows(rows: Sequence[Activations], lengths: Sequence[int]) -> dict[Address, torch.Tensor]:
+def pad_rows(rows: Sequence[Results], lengths: Sequence[int]) -> Results:
     """Stack per-prompt activations into batched tensors, right-padding with zeros (attention
-    scores with ``-inf``, as masked)."""
+    scores with ``-inf``, as masked; readout ids with ``-1``)."""
     longest = max(lengths)
-    out: dict[Address, torch.Tensor] = {}
+    out: Results = {}
     for address in rows[0]:
+        if isinstance(address, Features):
+            out[address] = stack_readouts([_readout(row[address]) for row in rows], lengths)
+            continue
         padded = []
         for row in rows:
             value = row[address]
+            assert isinstance(value, torch.Tensor)
             pad: tuple[int, ...]
             fill = 0.0
             if address.info.width == "heads x keys":  # [heads, q, k]; scores are -inf where masked
@@ -65,9 +70,15 @@ def pad_rows(rows: Sequence[Activations], lengths: Sequence[int]) -> dict[Addres
     return out
 
 
+def _readout(value: torch.Tensor | FeatureReadout) -> FeatureReadout:
+    if not isinstance(value, FeatureReadout):
+        raise TypeError(f"a feature readout came back as {type(value).__name__}")
+    return value
+
+
 async def capture_rows(
     model: InterpModel, rows: list[list[int]], points: Points, steering_spec: SteeringSpec | None
-) -> dict[Address, torch.Tensor]:
+) -> Results:
     """Batched activations for several prompts: the model's own batch path if it has one,
     else one ``capture`` per prompt, gathered concurrently and padded."""
     points = list(points)
@@ -142,7 +153,17 @@ def capture_generation(
         row, points, max_tokens=max_tokens, steering_spec=steering_spec, **sampling
     )
     n = len(row) + len(completion.token_ids)
-    return completion, Cache({a: t.unsqueeze(0) for a, t in acts.items()}, lengths=torch.tensor([n]))
+    return completion, Cache({a: _batched(t) for a, t in acts.items()}, lengths=torch.tensor([n]))
+
+
+def _batched(value: torch.Tensor | FeatureReadout) -> torch.Tensor | FeatureReadout:
+    if isinstance(value, FeatureReadout):
+        return FeatureReadout(
+            value.values.unsqueeze(0),
+            None if value.ids is None else value.ids.unsqueeze(0),
+            None if value.error_norm is None else value.error_norm.unsqueeze(0),
+        )
+    return value.unsqueeze(0)
 
 
 def generate_stream(
@@ -152,9 +173,14 @@ def generate_stream(
     max_tokens: int,
     n_logprobs: int = 0,
     steering_spec: SteeringSpec | None = None,
+    features: Iterable[Any] = (),
     **sampling: Any,
 ) -> Iterator[StreamStep]:
-    """Generated steps of one prompt, each with its top-``n_logprobs`` (token, logprob) pairs."""
+    """Generated steps of one prompt, each with its top-``n_logprobs`` (token, logprob) pairs
+    and, with ``features=[Features(...)]``, those readouts at the position that produced it."""
     facade = _facade(model)
     row = _one_prompt(facade.model, tokens, "generate_stream")
-    return facade.stream(row, max_tokens=max_tokens, n_logprobs=n_logprobs, steering_spec=steering_spec, **sampling)
+    extra: dict[str, Any] = {"features": list(features)} if features else {}
+    return facade.stream(
+        row, max_tokens=max_tokens, n_logprobs=n_logprobs, steering_spec=steering_spec, **extra, **sampling
+    )

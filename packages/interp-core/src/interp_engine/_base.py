@@ -45,7 +45,9 @@ import abc
 import asyncio
 import dataclasses
 import math
+import os
 import threading
+import types
 from collections.abc import AsyncIterator, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
@@ -53,17 +55,31 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from ._address import KINDS, MISSING_REASONS, Address, AddressLike, PointInfo
-from ._errors import InvalidAddress, InvalidOption, InvalidTokens, KindNotInFamily, ModelClosed, UnsupportedAddress
-from ._protocol import Activations, Completion, ModelInfo, StreamStep
-from ._steering import SteeringSpec, Write
+from ._errors import (
+    InvalidAddress,
+    InvalidFeatures,
+    InvalidOption,
+    InvalidSteering,
+    InvalidTokens,
+    KindNotInFamily,
+    ModelClosed,
+    UnknownSae,
+    UnsupportedAddress,
+)
+from ._protocol import Activations, Completion, ModelInfo, Results, StreamStep
+from ._readouts import FeatureReadout, Features, as_features, check_readout, check_sae_name, read_features
+from ._sae import Sae, load_sae
+from ._steering import AnyWrite, FeatureWrite, SteeringSpec, Write
 from .validation import (
     check_max_tokens,
     check_residuals,
     check_spec,
     check_token_ids,
     check_write_shapes,
+    heads_of,
     requested_points,
     value_shape,
+    width_of,
 )
 
 SAMPLING_OPTIONS = ("ignore_eos", "seed", "temperature", "top_k", "top_p")
@@ -130,21 +146,53 @@ class CheckedRequest:
     """The prompt, validated against the vocabulary and the context window."""
     points: dict[Address, Address]
     """Each address as the caller spelled it (strings parsed) → its resolved form."""
-    writes: list[Write]
-    """The steering spec's writes, addresses resolved, widths and shapes checked."""
+    writes: list[AnyWrite]
+    """The steering spec's writes, addresses resolved, widths and shapes checked; a feature
+    write's ``add`` is already a plain :class:`Write` (its decoder direction), a ``clamp`` or
+    ``ablate`` a :class:`FeatureWrite` bound to its SAE's address."""
     max_tokens: int = 0
     """Tokens to generate (``0``: a capture over the prompt only)."""
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
     n_logprobs: int = 0
+    readouts: tuple[Features, ...] = ()
+    """The feature readouts asked for (each names an attached SAE), in request order."""
+    saes: Mapping[str, Sae] = field(default_factory=dict)
+    """The attached SAEs this request's readouts and feature writes use, by name."""
 
     @property
     def addresses(self) -> list[Address]:
         """The resolved addresses to read, in request order, without repeats."""
         return list(dict.fromkeys(self.points.values()))
 
-    def keyed(self, values: Mapping[Address, torch.Tensor]) -> dict[Address, torch.Tensor]:
-        """``values`` (keyed by resolved address) keyed by the addresses as requested."""
-        return {requested: values[address] for requested, address in self.points.items()}
+    @property
+    def readout_addresses(self) -> list[Address]:
+        """The addresses the readouts' SAEs read, in request order, without repeats."""
+        return list(dict.fromkeys(self.saes[r.sae].address for r in self.readouts))
+
+    @property
+    def feature_writes(self) -> list[FeatureWrite]:
+        return [w for w in self.writes if isinstance(w, FeatureWrite)]
+
+    def keyed(
+        self, values: Mapping[Address, torch.Tensor], readouts: Mapping[Features, FeatureReadout] | None = None
+    ) -> Results:
+        """``values`` (keyed by resolved address) keyed by the addresses as requested, with the
+        readouts keyed by their :class:`Features`."""
+        out: Results = {requested: values[address] for requested, address in self.points.items()}
+        for spec in self.readouts:
+            if readouts is None or spec not in readouts:
+                raise KeyError(f"the backend returned no readout for {spec}")
+            out[spec] = readouts[spec]
+        return out
+
+    def read_on_host(self, values: Mapping[Address, torch.Tensor]) -> dict[Features, FeatureReadout]:
+        """Each readout computed from captured activations (``[n, width]`` at its SAE's
+        address): how an in-process backend serves readouts."""
+        out = {}
+        for spec in self.readouts:
+            sae = self.saes[spec.sae]
+            out[spec] = read_features(sae, values[sae.address], spec).to("cpu")
+        return out
 
 
 class ModelBase(abc.ABC):
@@ -170,6 +218,7 @@ class ModelBase(abc.ABC):
         self.eos_ids: frozenset[int] = frozenset(eos_ids)
         self._closed = False
         self._lifecycle_lock = threading.Lock()
+        self._saes: dict[str, Sae] = {}
 
     # -- the end of a sequence --------------------------------------------------------------------
     @staticmethod
@@ -253,6 +302,147 @@ class ModelBase(abc.ABC):
                 valid=tuple(served),
             )
 
+    # -- SAEs and probes ----------------------------------------------------------------------------
+    @property
+    def saes(self) -> Mapping[str, Sae]:
+        """The SAEs and probes attached to this model, by name (read-only)."""
+        return types.MappingProxyType(self._saes)
+
+    def attach_sae(self, name: str, sae: Sae | str | os.PathLike[str]) -> Sae:
+        """Attach an SAE, transcoder or probe (an :class:`Sae`, or a folder :func:`load_sae`
+        reads) under ``name``: readouts (``Features(name, ...)``) and feature writes
+        (``FeatureWrite(name, ...)``) then name it. Its address must be one this model serves,
+        with the SAE's width. Returns the attached :class:`Sae`.
+
+        Raises ``InvalidFeatures`` for a taken name or a width mismatch, ``KindNotInFamily`` /
+        ``UnsupportedAddress`` for an address this model cannot serve, ``UnsupportedSae`` for
+        a folder that cannot be read, and ``StaticConfigError`` on a ``vllm-static`` model whose
+        engine is already built."""
+        self._check_open()
+        check_sae_name(name)
+        if name in self._saes:
+            raise InvalidFeatures(f"an SAE is already attached as {name!r}; detach_sae({name!r}) first")
+        loaded = load_sae(sae)
+        self._check_sae_fits(name, loaded)
+        self._attach(name, loaded)
+        self._saes[name] = loaded
+        return loaded
+
+    def detach_sae(self, name: str) -> None:
+        """Forget the SAE attached as ``name`` (``UnknownSae`` if there is none)."""
+        self._check_open()
+        self._sae(name)
+        self._detach(name)
+        del self._saes[name]
+
+    def _attach(self, name: str, sae: Sae) -> None:  # noqa: B027 (an optional hook)
+        """A backend's part of attaching (e.g. refuse after a static build); raise to refuse."""
+
+    def _detach(self, name: str) -> None:  # noqa: B027 (an optional hook)
+        """A backend's part of detaching."""
+
+    def _sae(self, name: str) -> Sae:
+        try:
+            return self._saes[name]
+        except KeyError:
+            attached = ", ".join(sorted(self._saes)) or "none (model.attach_sae(name, sae) attaches one)"
+            raise UnknownSae(
+                f"no SAE is attached as {name!r}; attached: {attached}", name=name, valid=list(self._saes)
+            ) from None
+
+    def _check_sae_fits(self, name: str, sae: Sae) -> None:
+        """``InvalidFeatures`` unless ``sae`` reads (and writes) addresses this model serves, at
+        their widths."""
+        for role, address, width in (("reads", sae.address, sae.d_in), ("writes", sae.address_out, sae.d_out)):
+            if role == "writes" and not (sae.has_decoder and sae.is_transcoder):
+                continue
+            resolved = address.resolve(self.info.n_layers)
+            requested_points([resolved], self.info, self.supported_points)
+            self._check_served([resolved])
+            if address.info.width in ("heads x keys", "vocab"):
+                raise InvalidFeatures(
+                    f"SAE {name!r} {role} {address}: an SAE reads or writes one vector per token "
+                    "(residual stream, sublayer outputs, MLP activations, heads concatenated), not "
+                    "attention patterns or logits"
+                )
+            expected = width_of(resolved, self.info)
+            if address.info.per_head:  # hook_z SAEs: the heads concatenated
+                expected *= heads_of(resolved, self.info)
+            if width != expected:
+                raise InvalidFeatures(
+                    f"SAE {name!r} {role} {address} with width {width}, but {address.kind} is {expected} wide "
+                    f"in this model (d_model {self.info.d_model}, d_mlp {self.info.d_mlp}): it was trained on "
+                    "another model"
+                )
+
+    def _split_points(self, points: Iterable[Any]) -> tuple[list[Any], tuple[Features, ...]]:
+        """Addresses apart from feature readouts (``Features``, ``"features:..."``, ``{"sae": ...}``)."""
+        if isinstance(points, (str, Address, Features)):
+            points = [points]
+        try:
+            listed = list(points)
+        except TypeError:
+            raise InvalidAddress(
+                f"points must be a list of addresses (Address or strings such as 'resid_post.0') and feature "
+                f"readouts, got {type(points).__name__}",
+                address=points,
+            ) from None
+        addresses, readouts = [], []
+        for item in listed:
+            if Features.is_form(item) or (isinstance(item, Mapping) and "sae" in item):
+                readouts.append(as_features(item))
+            else:
+                addresses.append(item)
+        return addresses, tuple(dict.fromkeys(readouts))
+
+    def _stream_readouts(self, features: Iterable[Any]) -> list[Features]:
+        """The readouts a ``stream`` call asks for (``features=``): readouts only."""
+        addresses, readouts = self._split_points(features)
+        if addresses:
+            raise InvalidOption(
+                f"stream(features=...) takes feature readouts (Features or 'features:NAME...'), got {addresses[0]!r}; "
+                "to capture activations over a generation use capture_generation"
+            )
+        return list(readouts)
+
+    def _check_readouts(self, readouts: Sequence[Features]) -> dict[str, Sae]:
+        used: dict[str, Sae] = {}
+        for spec in readouts:
+            sae = self._sae(spec.sae)
+            check_readout(spec, sae)
+            used[spec.sae] = sae
+        return used
+
+    def _resolve_feature_writes(self, writes: Sequence[AnyWrite]) -> tuple[list[AnyWrite], dict[str, Sae]]:
+        """Feature writes made concrete: ``add`` becomes a plain write of its scaled decoder
+        direction at the SAE's output address; ``clamp``/``ablate`` are bound to its address."""
+        out: list[AnyWrite] = []
+        used: dict[str, Sae] = {}
+        for write in writes:
+            if not isinstance(write, FeatureWrite):
+                out.append(write)
+                continue
+            sae = self._sae(write.sae)
+            if not sae.has_decoder:
+                raise InvalidFeatures(f"{write.sae!r} is a probe: it has no decoder directions to write")
+            if write.feature >= sae.d_sae:
+                raise InvalidFeatures(
+                    f"feature {write.feature} is out of range for {write.sae!r}: it has {sae.d_sae} features "
+                    f"(0..{sae.d_sae - 1})"
+                )
+            if write.op == "add":
+                direction = sae.feature_direction(write.feature)
+                out.append(Write(sae.address_out, write.value * direction, "add", positions=write.positions))
+                continue
+            if sae.is_transcoder:
+                raise InvalidFeatures(
+                    f"{write.op} of a transcoder feature ({write.sae!r}) is not served: the feature is read at "
+                    f"{sae.address} and written at {sae.address_out}; use op='add' with the value to add"
+                )
+            used[write.sae] = sae
+            out.append(write.bound(sae.address.resolve(self.info.n_layers)))
+        return out, used
+
     # -- request checks ---------------------------------------------------------------------------
     def _check_n_logprobs(self, n_logprobs: Any) -> int:
         limit = self._max_logprobs()
@@ -284,10 +474,14 @@ class ModelBase(abc.ABC):
         self._check_served(mapping.values())
         return mapping
 
-    def _check_writes(self, steering_spec: SteeringSpec | None) -> list[Write]:
-        if steering_spec is not None and isinstance(steering_spec, SteeringSpec):
-            self._check_served(w.address.resolve(self.info.n_layers) for w in steering_spec.writes)
-        return check_spec(steering_spec, self.info, self._writable_kinds())
+    def _check_writes(self, steering_spec: SteeringSpec | None) -> tuple[list[AnyWrite], dict[str, Sae]]:
+        if steering_spec is None:
+            return [], {}
+        if not isinstance(steering_spec, SteeringSpec):
+            raise InvalidSteering(f"steering_spec must be a SteeringSpec, got {type(steering_spec).__name__}")
+        writes, used = self._resolve_feature_writes(steering_spec.writes)
+        self._check_served(w.address.resolve(self.info.n_layers) for w in writes if w.address is not None)
+        return check_spec(SteeringSpec(writes), self.info, self._writable_kinds()), used
 
     def _check_capture(
         self, token_ids: Any, points: Iterable[AddressLike], steering_spec: SteeringSpec | None
@@ -303,12 +497,14 @@ class ModelBase(abc.ABC):
         checked = [check_token_ids(row, self.info) for row in rows]
         if not checked:
             raise InvalidTokens("no prompts given; a batch needs at least one row of token ids")
-        mapping = self._check_points(points, required=True)
-        writes = self._check_writes(steering_spec)
+        addresses, readouts = self._split_points(points)
+        mapping = self._check_points(addresses, required=not readouts)
+        saes = self._check_readouts(readouts)
+        writes, written = self._check_writes(steering_spec)
         requests = []
         for ids in checked:
             check_write_shapes(writes, len(ids), len(ids))
-            request = CheckedRequest(ids, mapping, writes)
+            request = CheckedRequest(ids, mapping, writes, readouts=readouts, saes={**saes, **written})
             self._check_request(request)
             requests.append(request)
         return requests
@@ -330,10 +526,14 @@ class ModelBase(abc.ABC):
         max_tokens = check_max_tokens(max_tokens)
         ids = check_token_ids(token_ids, self.info, extra=max_tokens)
         options = self._check_sampling(sampling)
-        mapping = self._check_points(points, required=False)
-        writes = self._check_writes(steering_spec)
+        addresses, readouts = self._split_points(points)
+        mapping = self._check_points(addresses, required=False)
+        saes = self._check_readouts(readouts)
+        writes, written = self._check_writes(steering_spec)
         check_write_shapes(writes, len(ids), len(ids) + max_tokens)
-        request = CheckedRequest(ids, mapping, writes, max_tokens, options, n_logprobs)
+        request = CheckedRequest(
+            ids, mapping, writes, max_tokens, options, n_logprobs, readouts=readouts, saes={**saes, **written}
+        )
         self._check_request(request)
         return request
 
@@ -360,8 +560,8 @@ class ModelBase(abc.ABC):
     @abc.abstractmethod
     async def capture(
         self, token_ids: Sequence[int], points: Iterable[AddressLike], *, steering_spec: SteeringSpec | None = None
-    ) -> Activations:
-        """Activations at ``points`` over the prompt tokens."""
+    ) -> Results:
+        """Activations at ``points`` over the prompt tokens (and any feature readouts)."""
 
     @abc.abstractmethod
     async def generate(self, token_ids: Sequence[int], *, max_tokens: int, **sampling: Any) -> Completion:
@@ -376,7 +576,7 @@ class ModelBase(abc.ABC):
         max_tokens: int,
         steering_spec: SteeringSpec | None = None,
         **sampling: Any,
-    ) -> tuple[Completion, Activations]:
+    ) -> tuple[Completion, Results]:
         """A completion and activations over prompt + every generated token."""
 
     @abc.abstractmethod
@@ -387,9 +587,11 @@ class ModelBase(abc.ABC):
         max_tokens: int,
         n_logprobs: int = 0,
         steering_spec: SteeringSpec | None = None,
+        features: Iterable[Any] = (),
         **sampling: Any,
     ) -> AsyncIterator[StreamStep]:
-        """Generated tokens one at a time, each with its top-n logprobs."""
+        """Generated tokens one at a time, each with its top-n logprobs and the ``features``
+        readouts (``StreamStep.features``) at the position that produced it."""
 
     async def capture_attention(
         self, token_ids: Sequence[int], layers: Iterable[int], *, steering_spec: SteeringSpec | None = None
@@ -404,7 +606,8 @@ class ModelBase(abc.ABC):
             raise UnsupportedAddress(
                 "capture_attention needs at least one layer", address=None, valid=f"0..{self.info.n_layers - 1}"
             )
-        return await self.capture(token_ids, points, steering_spec=steering_spec)
+        values = await self.capture(token_ids, points, steering_spec=steering_spec)
+        return {a: v for a, v in values.items() if isinstance(a, Address) and isinstance(v, torch.Tensor)}
 
     async def decode_residuals(
         self, acts: torch.Tensor | Mapping[Address, torch.Tensor]

@@ -19,7 +19,11 @@ Every error is an :class:`InterpError` and also the builtin a Python user would 
     ├── ModelClosed (RuntimeError)           the model was shut down
     ├── ForeignEventLoop (RuntimeError)      awaited from a loop other than the engine's
     ├── RunningLoopError (RuntimeError)      a sync call made from inside a running event loop
-    ├── StaticConfigError (RuntimeError)     configure_static after the engine is built
+    ├── StaticConfigError (RuntimeError)     configure_static (or attach_sae) after the engine is built
+    ├── UnsupportedSae (ValueError)          an SAE folder or architecture that cannot be read
+    ├── UnknownSae (KeyError)                no SAE attached under that name: .name, .valid
+    ├── InvalidFeatures (ValueError)         a bad readout or feature write: id out of range,
+    │                                        width mismatch, unknown option
     └── BackendError (RuntimeError)          the backend failed to serve a valid request
 
 Errors carry context as attributes (``.address``, ``.valid``) so callers need not parse messages.
@@ -119,3 +123,25 @@ class StaticConfigError(InterpError, RuntimeError):
 
 class BackendError(InterpError, RuntimeError):
     """The backend failed while serving a request that passed validation."""
+
+
+class UnsupportedSae(InterpError, ValueError):
+    """An SAE (or probe) that cannot be read: not SAELens's on-disk format, or an architecture
+    interp-engine does not implement (the message names the supported ones)."""
+
+
+class UnknownSae(InterpError, KeyError):
+    """No SAE or probe is attached to the model under that name; ``valid`` lists the attached ones."""
+
+    def __init__(self, message: str, *, name: Any = None, valid: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.name = name
+        self.valid = tuple(valid)
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class InvalidFeatures(InterpError, ValueError):
+    """A feature readout or feature write that cannot be served: a feature id outside the SAE,
+    an SAE whose width does not match its address in this model, a bad readout option."""

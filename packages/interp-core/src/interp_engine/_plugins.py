@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Mapping
 from importlib.metadata import entry_points
 from typing import Any
 
 import pluggy
 
 from . import hookspecs
-from ._errors import BackendNotFound
+from ._errors import BackendNotFound, InvalidOption
 from ._protocol import InterpModel
 from ._shipped import resolve_model
 
@@ -63,7 +64,8 @@ def load_model(name_or_path: str | os.PathLike[str], backend: str | None = None,
     interp-core (``"interp:tiny"``), which is resolved here to its installed directory before the
     backend sees it. ``backend`` defaults to ``$INTERP_ENGINE_BACKEND``, else ``"eager"``. Extra keyword
     arguments go to the backend (``dtype``/``device`` for eager, engine arguments for vLLM);
-    an argument the backend does not know raises ``InvalidOption``.
+    an argument the backend does not know raises ``InvalidOption``. ``saes={"name": sae_or_folder}``
+    attaches SAEs or probes before the engine is built (``model.attach_sae`` for each).
     """
     chosen = backend or os.environ.get(ENV_BACKEND) or "eager"
     path = resolve_model(name_or_path)
@@ -78,9 +80,18 @@ def load_model(name_or_path: str | os.PathLike[str], backend: str | None = None,
             failed = "; ".join(f"{name} ({why})" for name, why in sorted(_broken.items()))
             message += f". These backend plugins failed to load: {failed}"
         raise BackendNotFound(message)
+    saes = kwargs.pop("saes", None) or {}
+    if not isinstance(saes, Mapping):
+        raise InvalidOption(f"saes= is a mapping of names to SAEs (or SAE folders), got {type(saes).__name__}")
     model: InterpModel | None = plugin_manager().hook.interp_engine_load_model(
         backend=chosen, name_or_path=path, options=dict(kwargs)
     )
     if model is None:
         raise BackendNotFound(f"the plugins listing backend {chosen!r} did not load a model for it")
+    if saes:
+        attach = getattr(model, "attach_sae", None)
+        if attach is None:
+            raise InvalidOption(f"the {chosen} backend's models do not take SAEs (no attach_sae)")
+        for name, sae in saes.items():
+            attach(name, sae)
     return model

@@ -28,6 +28,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from ._address import Address, AddressLike
+from ._readouts import FeatureReadout, Features
 from ._steering import SteeringSpec
 
 
@@ -64,15 +65,24 @@ class Completion:
 
 @dataclass(frozen=True)
 class StreamStep:
-    """One generated token: its id, its text piece and the top-n ``(token_id, logprob)`` pairs."""
+    """One generated token: its id, its text piece and the top-n ``(token_id, logprob)`` pairs.
+
+    With ``features=`` asked of ``stream``, ``features`` holds each readout at ``position``: the
+    sequence position whose forward pass produced this token (the prompt's last token for the
+    first step), one token's values (``values [k]``, ``ids [k]``, ``error_norm []``)."""
 
     token_id: int
     text: str
     logprobs: list[tuple[int, float]] = field(default_factory=list)
+    position: int = -1
+    """The position of the forward pass that produced this token (``-1``: not reported)."""
+    features: dict[Features, FeatureReadout] = field(default_factory=dict)
 
 
-Points = Iterable[AddressLike]
+Points = Iterable[AddressLike | Features | str]
 Activations = dict[Address, torch.Tensor]
+Results = dict[Address | Features, torch.Tensor | FeatureReadout]
+"""What a capture returns: activations by address, and feature readouts by :class:`Features`."""
 
 
 @runtime_checkable
@@ -105,8 +115,9 @@ class InterpModel(Protocol):
 
     async def capture(
         self, token_ids: Sequence[int], points: Points, *, steering_spec: SteeringSpec | None = None
-    ) -> Activations:
-        """Activations at ``points`` over the prompt tokens."""
+    ) -> Results:
+        """Activations at ``points`` over the prompt tokens, and feature readouts
+        (:class:`FeatureReadout`) under each :class:`Features` asked for."""
         ...
 
     async def generate(self, token_ids: Sequence[int], *, max_tokens: int, **sampling: Any) -> Completion:
@@ -121,8 +132,8 @@ class InterpModel(Protocol):
         max_tokens: int,
         steering_spec: SteeringSpec | None = None,
         **sampling: Any,
-    ) -> tuple[Completion, Activations]:
-        """A completion and activations over prompt + every generated token."""
+    ) -> tuple[Completion, Results]:
+        """A completion and activations (and readouts) over prompt + every generated token."""
         ...
 
     def stream(
@@ -132,9 +143,11 @@ class InterpModel(Protocol):
         max_tokens: int,
         n_logprobs: int = 0,
         steering_spec: SteeringSpec | None = None,
+        features: Iterable[Any] = (),
         **sampling: Any,
     ) -> AsyncIterator[StreamStep]:
-        """Generated tokens one at a time, each with its top-n logprobs."""
+        """Generated tokens one at a time, each with its top-n logprobs (and, with
+        ``features=[Features(...)]``, those readouts at the position that produced it)."""
         ...
 
     async def capture_attention(
@@ -161,7 +174,7 @@ class BatchCapture(Protocol):
 
     async def capture_batch(
         self, rows: Sequence[Sequence[int]], points: Points, *, steering_spec: SteeringSpec | None = None
-    ) -> Activations:
+    ) -> Results:
         """Activations ``[batch, n_max, width]`` (head addresses ``[batch, n_max, heads,
         d_head]``) over prompts of any lengths, right-padded with zeros; each row equals its
         solo ``capture``."""

@@ -368,20 +368,137 @@ WRITE_FIELDS = ("address", "vector", "op", "scale", "positions", "heads", "targe
 """The fields of a write's plain-data form (:meth:`Write.to_dict`)."""
 
 
+FeatureOp = Literal["clamp", "add", "ablate"]
+FEATURE_OPS: tuple[FeatureOp, ...] = ("clamp", "add", "ablate")
+FEATURE_WRITE_FIELDS = ("sae", "feature", "op", "value", "positions", "address")
+"""The fields of a feature write's plain-data form (:meth:`FeatureWrite.to_dict`)."""
+
+
+@dataclass(frozen=True)
+class FeatureWrite:
+    """A write by SAE feature: the SAE attached to the model as ``sae`` is referenced by name.
+
+    With ``f_i(x)`` feature ``feature``'s activation on ``x`` and ``d_i`` its decoder direction
+    (``W_dec[i]``):
+
+    - ``op="clamp"``: ``x + (value - f_i(x)) d_i`` -- the feature set to ``value``, the SAE's
+      error term kept (only the feature's contribution to the reconstruction changes);
+    - ``op="ablate"``: the clamp to 0;
+    - ``op="add"``: ``x + value * d_i`` (a transcoder's ``add`` writes at its output address).
+
+    ``positions`` as for :class:`Write`. ``address`` is filled in by the model from the
+    attached SAE when a request is checked (leave it ``None``).
+    """
+
+    sae: str
+    feature: int
+    op: FeatureOp = "clamp"
+    value: float = 0.0
+    positions: Positions = "all"
+    address: Address | None = None
+
+    def __init__(
+        self,
+        sae: str,
+        feature: int,
+        op: str = "clamp",
+        value: float = 0.0,
+        positions: Any = "all",
+        *,
+        address: AddressLike | None = None,
+    ) -> None:
+        if not isinstance(sae, str) or not sae:
+            raise InvalidSteering(f"a feature write names an attached SAE, got sae={sae!r}")
+        if isinstance(feature, bool) or not isinstance(feature, int) or feature < 0:
+            raise InvalidSteering(f"feature must be a feature id >= 0, got {feature!r}")
+        if not isinstance(op, str) or op not in FEATURE_OPS:
+            raise InvalidSteering(f"unknown feature op {op!r}; valid feature ops: {', '.join(FEATURE_OPS)}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise InvalidSteering(f"value must be a finite number, got {value!r}")
+        if op == "ablate" and value != 0.0:
+            raise InvalidSteering(f"ablate clamps the feature to 0 and takes no value; got value={value}")
+        object.__setattr__(self, "sae", sae)
+        object.__setattr__(self, "feature", feature)
+        object.__setattr__(self, "op", op)
+        object.__setattr__(self, "value", float(value))
+        object.__setattr__(self, "positions", _as_positions(positions))
+        object.__setattr__(self, "address", None if address is None else as_address(address))
+
+    # what position checks and backends read of any write
+    heads = None
+    target = None
+    per_position = False
+    target_per_position = False
+
+    def bound(self, address: Address) -> FeatureWrite:
+        """This write placed at ``address`` (the model does it from the attached SAE)."""
+        return FeatureWrite(self.sae, self.feature, self.op, self.value, self.positions, address=address)
+
+    def apply(self, x: torch.Tensor, sae: Any) -> torch.Tensor:
+        """``x`` (rows ``[..., width]``) with this write applied through ``sae`` (an
+        :class:`~interp_engine.Sae`); a new tensor in ``x``'s dtype."""
+        rows = x.float()
+        if rows.dim() >= 2 and rows.shape[-1] != sae.d_in:  # a head address: [..., heads, d_head]
+            rows = rows.flatten(-2)
+        direction = sae.feature_direction(self.feature, x=rows).to(device=x.device, dtype=torch.float32)
+        if self.op == "add":
+            out = rows + self.value * direction
+        else:
+            current = sae.encode(rows)[..., self.feature : self.feature + 1].to(torch.float32)
+            out = rows + (self.value - current) * direction
+        return out.reshape(x.shape).to(x.dtype)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (JSON-ready); ``address`` only once bound."""
+        positions: Any = self.positions if isinstance(self.positions, str) else list(self.positions)
+        data: dict[str, Any] = {
+            "sae": self.sae,
+            "feature": self.feature,
+            "op": self.op,
+            "value": self.value,
+            "positions": positions,
+        }
+        if self.address is not None:
+            data["address"] = str(self.address)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> FeatureWrite:
+        if not isinstance(data, dict) or "sae" not in data or "feature" not in data:
+            raise InvalidSteering(f"a feature write needs 'sae' and 'feature', got {data!r:.200}")
+        unknown = set(data) - set(FEATURE_WRITE_FIELDS)
+        if unknown:
+            raise InvalidSteering(
+                f"unknown feature write fields: {sorted(unknown)}; valid fields: {', '.join(FEATURE_WRITE_FIELDS)}"
+            )
+        return cls(
+            data["sae"],
+            data["feature"],
+            op=data.get("op", "clamp"),
+            value=data.get("value", 0.0),
+            positions=data.get("positions", "all"),
+            address=data.get("address"),
+        )
+
+
+AnyWrite = Write | FeatureWrite
+
+
 @dataclass(frozen=True)
 class SteeringSpec:
-    """A per-request list of writes, applied in order, only to the request that carries it."""
+    """A per-request list of writes (:class:`Write` and :class:`FeatureWrite`), applied in
+    order, only to the request that carries it."""
 
-    writes: tuple[Write, ...] = field(default_factory=tuple)
+    writes: tuple[AnyWrite, ...] = field(default_factory=tuple)
 
-    def __init__(self, writes: Iterable[Write] = ()) -> None:
+    def __init__(self, writes: Iterable[AnyWrite] = ()) -> None:
         items = tuple(writes)
         for item in items:
-            if not isinstance(item, Write):
-                raise InvalidSteering(f"a SteeringSpec holds Write values, got {type(item).__name__}")
+            if not isinstance(item, (Write, FeatureWrite)):
+                raise InvalidSteering(f"a SteeringSpec holds Write and FeatureWrite values, got {type(item).__name__}")
         object.__setattr__(self, "writes", items)
 
-    def __iter__(self) -> Iterator[Write]:
+    def __iter__(self) -> Iterator[AnyWrite]:
         return iter(self.writes)
 
     def __len__(self) -> int:
@@ -392,8 +509,8 @@ class SteeringSpec:
 
     @property
     def addresses(self) -> tuple[Address, ...]:
-        """The addresses written, in order, without repeats."""
-        return tuple(dict.fromkeys(w.address for w in self.writes))
+        """The addresses written, in order, without repeats (unbound feature writes left out)."""
+        return tuple(dict.fromkeys(w.address for w in self.writes if w.address is not None))
 
     def to_dict(self) -> dict[str, Any]:
         return {"writes": [w.to_dict() for w in self.writes]}
@@ -406,7 +523,10 @@ class SteeringSpec:
         items = data.get("writes") if isinstance(data, dict) else data
         if not isinstance(items, (list, tuple)):
             raise InvalidSteering("a steering spec is {'writes': [...]} or a list of writes")
-        return cls(Write.from_dict(item) for item in items)
+        return cls(
+            FeatureWrite.from_dict(item) if isinstance(item, dict) and "sae" in item else Write.from_dict(item)
+            for item in items
+        )
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())

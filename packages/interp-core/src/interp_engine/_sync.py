@@ -19,7 +19,7 @@ import torch
 
 from ._address import Address
 from ._errors import ModelClosed, RunningLoopError
-from ._protocol import Activations, Completion, InterpModel, Points, StreamStep
+from ._protocol import Activations, Completion, InterpModel, Points, Results, StreamStep
 from ._steering import SteeringSpec
 
 T = TypeVar("T")
@@ -119,7 +119,7 @@ class SyncModel:
 
     def capture(
         self, token_ids: Sequence[int], points: Points, *, steering_spec: SteeringSpec | None = None
-    ) -> Activations:
+    ) -> Results:
         return self.run(lambda: self.model.capture(token_ids, points, steering_spec=steering_spec))
 
     def generate(self, token_ids: Sequence[int], *, max_tokens: int, **sampling: Any) -> Completion:
@@ -133,7 +133,7 @@ class SyncModel:
         max_tokens: int,
         steering_spec: SteeringSpec | None = None,
         **sampling: Any,
-    ) -> tuple[Completion, Activations]:
+    ) -> tuple[Completion, Results]:
         return self.run(
             lambda: self.model.capture_generation(
                 token_ids, points, max_tokens=max_tokens, steering_spec=steering_spec, **sampling

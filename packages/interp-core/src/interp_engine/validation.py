@@ -14,7 +14,7 @@ import torch
 from ._address import KINDS, Address, AddressLike, as_address
 from ._errors import ContextTooLong, InvalidActivations, InvalidSteering, InvalidTokens, UnsupportedAddress
 from ._protocol import ModelInfo
-from ._steering import SteeringSpec, Write
+from ._steering import AnyWrite, FeatureWrite, SteeringSpec, Write
 
 
 def check_token_ids(token_ids: Any, info: ModelInfo, *, extra: int = 0) -> list[int]:
@@ -109,14 +109,28 @@ def value_shape(address: Address, info: ModelInfo) -> tuple[int, ...]:
     return (width_of(address, info),)
 
 
-def check_spec(spec: SteeringSpec | None, info: ModelInfo, writable: Collection[str] | None = None) -> list[Write]:
-    """The spec's writes with resolved addresses, each width checked against the model."""
+def check_spec(spec: SteeringSpec | None, info: ModelInfo, writable: Collection[str] | None = None) -> list[AnyWrite]:
+    """The spec's writes with resolved addresses, each width checked against the model (a
+    :class:`FeatureWrite` must already be bound to its SAE's address: the model does that)."""
     if spec is None:
         return []
     if not isinstance(spec, SteeringSpec):
         raise InvalidSteering(f"steering_spec must be a SteeringSpec, got {type(spec).__name__}")
-    writes = []
-    for write in spec.writes:
+    writes: list[AnyWrite] = []
+    for item in spec.writes:
+        if isinstance(item, FeatureWrite):
+            if item.address is None:
+                raise InvalidSteering(f"the feature write on {item.sae!r} is not bound to an address by a model")
+            bound = item.address.resolve(info.n_layers)
+            if writable is not None and bound.kind not in writable:
+                raise UnsupportedAddress(
+                    f"cannot write at {bound} here; writable kinds: {', '.join(writable)}",
+                    address=bound,
+                    valid=tuple(writable),
+                )
+            writes.append(item.bound(bound))
+            continue
+        write = item
         address = write.address.resolve(info.n_layers)
         if writable is not None and address.kind not in writable:
             raise UnsupportedAddress(
@@ -159,7 +173,7 @@ def _check_heads(write: Write, address: Address, info: ModelInfo, name: str, row
         )
 
 
-def write_positions(write: Write, n_prompt: int, n_total: int) -> list[int]:
+def write_positions(write: AnyWrite, n_prompt: int, n_total: int) -> list[int]:
     """The sequence indices ``write`` touches in a sequence of ``n_total`` tokens whose first
     ``n_prompt`` are the prompt (explicit negative indices count back from the prompt's end)."""
     if write.positions == "all":
@@ -177,7 +191,7 @@ def write_positions(write: Write, n_prompt: int, n_total: int) -> list[int]:
     return out
 
 
-def check_write_shapes(writes: Sequence[Write], n_prompt: int, n_total: int) -> None:
+def check_write_shapes(writes: Sequence[AnyWrite], n_prompt: int, n_total: int) -> None:
     """Check explicit positions fit the sequence and per-position tensors have one row per
     selected position, before any compute."""
     for write in writes:
@@ -187,6 +201,8 @@ def check_write_shapes(writes: Sequence[Write], n_prompt: int, n_total: int) -> 
             raise InvalidSteering(
                 f"position {late[0]} of the write at {write.address} is beyond the {n_total}-token sequence"
             )
+        if isinstance(write, FeatureWrite):
+            continue
         if write.per_position and write.vector.shape[0] != len(positions):
             raise InvalidSteering(
                 f"the {write.op} tensor for {write.address} has {write.vector.shape[0]} rows but "

@@ -26,6 +26,8 @@ from interp_engine import (
     Address,
     CheckedRequest,
     Completion,
+    FeatureReadout,
+    Features,
     InvalidOption,
     ModelBase,
     ModelInfo,
@@ -34,8 +36,8 @@ from interp_engine import (
     SteeringSpec,
     StreamStep,
     UnsupportedAddress,
-    Write,
 )
+from interp_engine._readouts import read_features
 from interp_engine.tokens import TextPieces, TokenizerMixin, pad_rows
 
 from ._families import family_for
@@ -268,18 +270,20 @@ class EagerModel(TokenizerMixin, ModelBase):
             )
 
     def _capture_sync(
-        self, rows: list[list[int]], addresses: list[Address], writes: list[Write]
-    ) -> dict[Address, torch.Tensor]:
+        self, rows: list[list[int]], request: CheckedRequest
+    ) -> tuple[dict[Address, torch.Tensor], dict[Features, FeatureReadout]]:
+        addresses = request.addresses
         lengths = [len(r) for r in rows]
         ids, mask = pad_rows(rows, self.pad_id)
-        hooked = [a for a in addresses if a != _LOGITS]
-        plan = Plan(self.arch, hooked, writes, lengths, stop_early=_LOGITS not in addresses)
+        hooked = list(dict.fromkeys([a for a in addresses if a != _LOGITS] + request.readout_addresses))
+        plan = Plan(self.arch, hooked, request.writes, lengths, stop_early=_LOGITS not in addresses, saes=request.saes)
         padded = not bool(mask.all())
         output = self._forward(plan, Chunk(len(rows), ids.shape[1], 0), ids, attention_mask=mask if padded else None)
         values = plan.result()
         if _LOGITS in addresses:
             values[_LOGITS] = output.logits
-        return {a: _zero_padding(a, _to_cpu(values[a]), lengths) for a in addresses}
+        readouts = _readouts(request, values, lengths)
+        return {a: _zero_padding(a, _to_cpu(values[a]), lengths) for a in addresses}, readouts
 
     async def capture(
         self, token_ids: Sequence[int], points: Iterable[Any], *, steering_spec: SteeringSpec | None = None
@@ -287,7 +291,7 @@ class EagerModel(TokenizerMixin, ModelBase):
         """Activations ``[n_tokens, width]`` at ``points`` (head addresses ``[n_tokens, heads,
         d_head]``, attention patterns and scores ``[heads, q, k]``)."""
         values = await self.capture_batch([token_ids], points, steering_spec=steering_spec)
-        return {a: t[0] for a, t in values.items()}
+        return {a: t[0] for a, t in values.items()}  # a FeatureReadout indexes like a tensor
 
     async def capture_batch(
         self,
@@ -302,8 +306,8 @@ class EagerModel(TokenizerMixin, ModelBase):
         requests = self._check_capture_batch(rows, points, steering_spec)
         first = requests[0]
         checked = [r.token_ids for r in requests]
-        values = await self._run(lambda: self._capture_sync(checked, first.addresses, first.writes))
-        return first.keyed(values)
+        values, readouts = await self._run(lambda: self._capture_sync(checked, first))
+        return first.keyed(values, readouts)
 
     # -- generation ---------------------------------------------------------------------
     async def _decode(
@@ -349,10 +353,14 @@ class EagerModel(TokenizerMixin, ModelBase):
             offset += len(ids)
             ids = [token]
 
-    def _plan_for(self, points: list[Address], writes: list[Write], max_tokens: int) -> Callable[[int], Plan]:
+    def _plan_for(self, request: CheckedRequest, points: list[Address] | None = None) -> Callable[[int], Plan]:
+        wanted = list(dict.fromkeys((request.addresses if points is None else points) + request.readout_addresses))
+
         def make(n_prompt: int) -> Plan:
-            total = n_prompt + max_tokens
-            return Plan(self.arch, points, writes, [n_prompt], n_prompt=[n_prompt], total=[total])
+            total = n_prompt + request.max_tokens
+            return Plan(
+                self.arch, wanted, request.writes, [n_prompt], n_prompt=[n_prompt], total=[total], saes=request.saes
+            )
 
         return make
 
@@ -384,14 +392,16 @@ class EagerModel(TokenizerMixin, ModelBase):
         request = self._check_generation(
             token_ids, points, max_tokens=max_tokens, steering_spec=steering_spec, sampling=sampling
         )
-        plan_for = self._plan_for(request.addresses, request.writes, request.max_tokens)
+        plan_for = self._plan_for(request)
         tokens: list[int] = []
         plan: Plan | None = None
         async for token, _, used in self._decode(request.token_ids, request.max_tokens, request.sampling, plan_for):
             tokens.append(token)
             plan = used
         values = plan.result() if plan is not None else {}
-        acts = request.keyed({a: _to_cpu(values[a])[0] for a in request.addresses})
+        n = len(request.token_ids) + len(tokens)
+        readouts = {spec: r[0] for spec, r in _readouts(request, values, [n]).items()}
+        acts = request.keyed({a: _to_cpu(values[a])[0] for a in request.addresses}, readouts)
         return self._completion(tokens, request.sampling), acts
 
     async def stream(
@@ -401,24 +411,40 @@ class EagerModel(TokenizerMixin, ModelBase):
         max_tokens: int,
         n_logprobs: int = 0,
         steering_spec: SteeringSpec | None = None,
+        features: Iterable[Any] = (),
         **sampling: Any,
     ) -> AsyncIterator[StreamStep]:
-        """Generated tokens one by one with their top-``n_logprobs`` ``(token, logprob)`` pairs."""
+        """Generated tokens one by one with their top-``n_logprobs`` ``(token, logprob)`` pairs
+        and the ``features`` readouts at the position that produced each."""
         request = self._check_generation(
             token_ids,
-            [],
+            self._stream_readouts(features),
             max_tokens=max_tokens,
             steering_spec=steering_spec,
             sampling=sampling,
             n_logprobs=n_logprobs,
         )
-        plan_for = self._plan_for([], request.writes, request.max_tokens)
+        plan_for = self._plan_for(request, [])
         pieces = TextPieces(self.completion_text)
         count = 0
-        async for token, logits, _ in self._decode(request.token_ids, request.max_tokens, request.sampling, plan_for):
+        n_prompt = len(request.token_ids)
+        async for token, logits, plan in self._decode(
+            request.token_ids, request.max_tokens, request.sampling, plan_for
+        ):
+            position = n_prompt - 1 + count
             count += 1
             last = count == request.max_tokens or self._stops(token, request.sampling)
-            yield StreamStep(token, pieces.add(token, last=last), top_logprobs(logits, request.n_logprobs))
+            step_features = {}
+            if request.readouts:
+                rows = {a: _row_at(plan.values[a], position) for a in request.readout_addresses}
+                step_features = {spec: r[0] for spec, r in request.read_on_host(rows).items()}
+            yield StreamStep(
+                token,
+                pieces.add(token, last=last),
+                top_logprobs(logits, request.n_logprobs),
+                position=position,
+                features=step_features,
+            )
 
     # -- logit lens ---------------------------------------------------------------------
     async def _decode_residuals(self, residuals: torch.Tensor) -> torch.Tensor:
@@ -444,6 +470,40 @@ class EagerModel(TokenizerMixin, ModelBase):
         self._executor.shutdown(wait=False)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def _row_at(chunks: list[torch.Tensor], position: int) -> torch.Tensor:
+    """Position ``position``'s row ``[1, width]`` of values recorded chunk by chunk (``[1, length, width]``)."""
+    start = 0
+    for chunk in chunks:
+        if position < start + chunk.shape[1]:
+            return chunk[0, position - start : position - start + 1]
+        start += chunk.shape[1]
+    raise IndexError(f"position {position} was not recorded")  # pragma: no cover - the decode loop records it
+
+
+def _readouts(
+    request: CheckedRequest, values: dict[Address, torch.Tensor], lengths: list[int]
+) -> dict[Features, FeatureReadout]:
+    """Each readout of batched values ``[batch, n_max, width]`` (on the model's device), encoded
+    where they are and moved to the CPU; right-padding cleared (ids -1, values 0)."""
+    out = {}
+    for spec in request.readouts:
+        sae = request.saes[spec.sae]
+        x = values[sae.address]
+        batch, length = x.shape[0], x.shape[1]
+        flat = read_features(sae, x.reshape(batch * length, -1), spec).to("cpu")
+        values_ = flat.values.reshape(batch, length, -1).clone()
+        ids = None if flat.ids is None else flat.ids.reshape(batch, length, -1).clone()
+        error = None if flat.error_norm is None else flat.error_norm.reshape(batch, length).clone()
+        for row, n in enumerate(lengths):
+            values_[row, n:] = 0
+            if ids is not None:
+                ids[row, n:] = -1
+            if error is not None:
+                error[row, n:] = 0
+        out[spec] = FeatureReadout(values_, ids, error)
+    return out
 
 
 def _to_cpu(value: torch.Tensor) -> torch.Tensor:

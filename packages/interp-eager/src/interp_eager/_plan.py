@@ -28,14 +28,14 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from interp_engine import KINDS, Address, UnsupportedAddress, Write
+from interp_engine import KINDS, Address, FeatureWrite, Sae, UnsupportedAddress, Write
 from interp_engine.validation import write_positions
 
 from ._families import Family, QkNormLayout, QkvLayout
@@ -302,13 +302,16 @@ def _as_rows(x: torch.Tensor, chunk: Chunk) -> torch.Tensor:
 class _Edit:
     """A write, resolved for the request: which (row, position) it touches, and its values."""
 
-    write: Write
+    write: Write | FeatureWrite
     rows_positions: list[list[int]]
     """Per batch row, the absolute positions the write touches (in the vector's row order)."""
     vector: torch.Tensor | None = None
+    sae: Sae | None = None
+    """A feature write's SAE."""
 
     def _vector(self, like: torch.Tensor, target: bool = False) -> torch.Tensor:
         """The write's vector (or its target) on ``like``'s device and dtype (the vector cached)."""
+        assert isinstance(self.write, Write)
         if target and self.write.target is not None:
             return self.write.target.to(device=like.device, dtype=like.dtype)
         if self.vector is None or self.vector.device != like.device or self.vector.dtype != like.dtype:
@@ -330,6 +333,14 @@ class _Edit:
                     vec_rows.append(j)
         if not batch:
             return rows
+        b = torch.tensor(batch, device=rows.device)
+        c = torch.tensor(cols, device=rows.device)
+        if isinstance(self.write, FeatureWrite):
+            if self.sae is None:  # pragma: no cover - the plan binds every feature write's SAE
+                raise UnsupportedAddress(f"no SAE for the feature write on {self.write.sae!r}")
+            out = rows.clone()
+            out[b, c] = self.write.apply(rows[b, c], self.sae)
+            return out
         picked = torch.tensor(vec_rows, device=rows.device)
         vector = self._vector(rows)
         if self.write.per_position:
@@ -339,8 +350,6 @@ class _Edit:
             target = self._vector(rows, target=True)
             if self.write.target_per_position:
                 target = target[picked]
-        b = torch.tensor(batch, device=rows.device)
-        c = torch.tensor(cols, device=rows.device)
         out = rows.clone()
         out[b, c] = self.write.apply(rows[b, c], vector, target)
         return out
@@ -363,12 +372,13 @@ class Plan:
         self,
         arch: Architecture,
         points: Sequence[Address],
-        writes: Sequence[Write],
+        writes: Sequence[Write | FeatureWrite],
         rows_lengths: Sequence[int],
         *,
         n_prompt: Sequence[int] | None = None,
         total: Sequence[int] | None = None,
         stop_early: bool = False,
+        saes: Mapping[str, Sae] | None = None,
     ) -> None:
         self.arch = arch
         self.stop_early = stop_early
@@ -386,9 +396,13 @@ class Plan:
             else:
                 self._sites[arch.site(point)].reads.append(point)
         for write in writes:
+            if write.address is None:  # pragma: no cover - the model binds feature writes
+                raise UnsupportedAddress(f"an unbound feature write on {getattr(write, 'sae', '?')!r}")
             arch.check_servable(write.address)
             positions = [write_positions(write, n, t) for n, t in zip(prompts, totals, strict=True)]
             edit = _Edit(write, positions)
+            if isinstance(write, FeatureWrite):
+                edit.sae = (saes or {})[write.sae]
             if write.address.kind == "resid_mid":
                 self._plan_mid(write.address.layer).mid_edits.append(edit)
             else:
