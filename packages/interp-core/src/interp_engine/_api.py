@@ -49,7 +49,7 @@ def pad_rows(rows: Sequence[Results], lengths: Sequence[int]) -> Results:
     """Stack per-prompt activations into batched tensors, right-padding with zeros (attention
     scores with ``-inf``, as masked; readout ids with ``-1``)."""
     longest = max(lengths)
-    out: Results = {}
+    out = Results()
     for address in rows[0]:
         if isinstance(address, Features):
             out[address] = stack_readouts([_readout(row[address]) for row in rows], lengths)

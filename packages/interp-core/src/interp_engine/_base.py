@@ -178,7 +178,7 @@ class CheckedRequest:
     ) -> Results:
         """``values`` (keyed by resolved address) keyed by the addresses as requested, with the
         readouts keyed by their :class:`Features`."""
-        out: Results = {requested: values[address] for requested, address in self.points.items()}
+        out = Results({requested: values[address] for requested, address in self.points.items()})
         for spec in self.readouts:
             if readouts is None or spec not in readouts:
                 raise KeyError(f"the backend returned no readout for {spec}")
@@ -432,6 +432,8 @@ class ModelBase(abc.ABC):
                 )
             if write.op == "add":
                 direction = sae.feature_direction(write.feature)
+                if sae.address_out.info.per_head:  # a hook_z SAE: the heads concatenated, one row per head
+                    direction = direction.reshape(heads_of(sae.address_out, self.info), -1)
                 out.append(Write(sae.address_out, write.value * direction, "add", positions=write.positions))
                 continue
             if sae.is_transcoder:
@@ -484,13 +486,13 @@ class ModelBase(abc.ABC):
         return check_spec(SteeringSpec(writes), self.info, self._writable_kinds()), used
 
     def _check_capture(
-        self, token_ids: Any, points: Iterable[AddressLike], steering_spec: SteeringSpec | None
+        self, token_ids: Any, points: Iterable[Any], steering_spec: SteeringSpec | None
     ) -> CheckedRequest:
         """The checks at the top of a capture over the prompt (at least one point)."""
         return self._check_capture_batch([token_ids], points, steering_spec)[0]
 
     def _check_capture_batch(
-        self, rows: Iterable[Any], points: Iterable[AddressLike], steering_spec: SteeringSpec | None
+        self, rows: Iterable[Any], points: Iterable[Any], steering_spec: SteeringSpec | None
     ) -> list[CheckedRequest]:
         """:meth:`_check_capture` for several prompts sharing the points and the spec."""
         self._check_open()
@@ -512,7 +514,7 @@ class ModelBase(abc.ABC):
     def _check_generation(
         self,
         token_ids: Any,
-        points: Iterable[AddressLike],
+        points: Iterable[Any],
         *,
         max_tokens: Any,
         steering_spec: SteeringSpec | None,

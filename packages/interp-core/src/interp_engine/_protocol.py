@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, overload, runtime_checkable
 
 import torch
 
@@ -81,8 +81,48 @@ class StreamStep:
 
 Points = Iterable[AddressLike | Features | str]
 Activations = dict[Address, torch.Tensor]
-Results = dict[Address | Features, torch.Tensor | FeatureReadout]
-"""What a capture returns: activations by address, and feature readouts by :class:`Features`."""
+class Results(dict[Address | Features, Any]):
+    """What a capture returns: a dict of activations by :class:`Address` and feature readouts
+    (:class:`FeatureReadout`) by :class:`Features`, keyed as the caller asked. Lookup also
+    takes the string forms: ``acts["resid_post.2"]``, ``acts["features:res:top8"]``."""
+
+    @overload
+    def __getitem__(self, key: Address) -> torch.Tensor: ...
+
+    @overload
+    def __getitem__(self, key: Features) -> FeatureReadout: ...
+
+    @overload
+    def __getitem__(self, key: str) -> Any: ...
+
+    def __getitem__(self, key: Address | Features | str) -> Any:
+        try:
+            return super().__getitem__(key)  # type: ignore[index]  # a str key misses, then is parsed
+        except KeyError:
+            if not isinstance(key, str):
+                raise
+        parsed = _parse_key(key)
+        if not super().__contains__(parsed):
+            held = ", ".join(map(str, self)) or "nothing"
+            raise KeyError(f"{key} is not in these results; they hold {held}")
+        return super().__getitem__(parsed)
+
+    def __contains__(self, key: object) -> bool:
+        if super().__contains__(key):
+            return True
+        if not isinstance(key, str):
+            return False
+        try:
+            return super().__contains__(_parse_key(key))
+        except ValueError:  # InvalidAddress / InvalidFeatures: not a key of any result
+            return False
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        return self[key] if key in self else default
+
+
+def _parse_key(key: str) -> Address | Features:
+    return Features.parse(key) if Features.is_form(key) else Address.parse(key)
 
 
 @runtime_checkable

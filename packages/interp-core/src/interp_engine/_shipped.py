@@ -7,6 +7,11 @@ the package installed, so a backend only ever sees a local Hugging Face model di
 byte-level BPE tokenizer of about a thousand tokens) trained on CPU in minutes by
 ``packages/interp-core/scripts/train_tiny.py`` on the corpus beside that script: it completes
 "The capital of France is" with " Paris", has induction heads, and its answers can be steered.
+
+``interp:tiny-sae`` is a TopK sparse autoencoder on one of its middle layers' ``resid_post``
+(SAELens's on-disk format, read with ``load_sae(resolve_sae("interp:tiny-sae"))``), trained by
+``packages/interp-core/scripts/train_tiny_sae.py``; ``features.json`` beside its weights records
+its measured figures and the features that name word categories of the corpus.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from __future__ import annotations
 import os
 import pathlib
 
-from ._errors import ModelLoadError
+from ._errors import ModelLoadError, UnsupportedSae
 
 PREFIX = "interp:"
 """Names that start with this prefix are models shipped with interp-core."""
@@ -22,6 +27,8 @@ PREFIX = "interp:"
 _MODELS = pathlib.Path(__file__).resolve().parent / "models"
 _SHIPPED = {"tiny": _MODELS / "tiny"}
 _REQUIRED = ("config.json", "model.safetensors", "tokenizer.json")
+_SHIPPED_SAES = {"tiny-sae": _MODELS / "tiny-sae"}
+_SAE_REQUIRED = ("cfg.json", "sae_weights.safetensors")
 
 
 def shipped_models() -> list[str]:
@@ -61,3 +68,31 @@ def _resolve_shipped(short: str) -> pathlib.Path:
             "reinstall interp-core or retrain it with packages/interp-core/scripts/train_tiny.py"
         )
     return path
+
+
+def shipped_saes() -> dict[str, pathlib.Path]:
+    """The SAEs that ship with interp-core, by the name :func:`resolve_sae` accepts, and their folders
+    (``{"interp:tiny-sae": ...}``: SAELens's format, ``cfg.json`` + ``sae_weights.safetensors``)."""
+    return {PREFIX + name: path for name, path in sorted(_SHIPPED_SAES.items())}
+
+
+def resolve_sae(name_or_path: str | os.PathLike[str]) -> str:
+    """``name_or_path`` as ``load_sae`` should see it: a shipped SAE's name becomes its folder.
+
+    Anything without the ``interp:`` prefix (a local folder) is returned unchanged. An ``interp:``
+    name that is not a shipped SAE, or a shipped folder missing its files, is ``UnsupportedSae``.
+    """
+    name = os.fspath(name_or_path)
+    if not name.startswith(PREFIX):
+        return name
+    short = name[len(PREFIX) :]
+    path = _SHIPPED_SAES.get(short)
+    if path is None:
+        raise UnsupportedSae(f"no SAE named {name!r} ships with interp-core; shipped SAEs: {', '.join(shipped_saes())}")
+    missing = [file for file in _SAE_REQUIRED if not (path / file).is_file()]
+    if missing:
+        raise UnsupportedSae(
+            f"the shipped SAE {name!r} is incomplete in {path} (missing {', '.join(missing)}); "
+            "reinstall interp-core or retrain it with packages/interp-core/scripts/train_tiny_sae.py"
+        )
+    return os.fspath(path)

@@ -10,13 +10,16 @@ import json
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from ._address import Address, AddressLike, as_address
 from ._errors import InvalidSteering
 from ._writes import DIRECTION_OPS, apply_op
+
+if TYPE_CHECKING:
+    from ._sae import Sae
 
 Op = Literal["add", "set", "ablate", "cap", "rescale", "norm_add", "swap"]
 OPS: tuple[Op, ...] = ("add", "set", "ablate", "cap", "rescale", "norm_add", "swap")
@@ -434,7 +437,7 @@ class FeatureWrite:
         """This write placed at ``address`` (the model does it from the attached SAE)."""
         return FeatureWrite(self.sae, self.feature, self.op, self.value, self.positions, address=address)
 
-    def apply(self, x: torch.Tensor, sae: Any) -> torch.Tensor:
+    def apply(self, x: torch.Tensor, sae: Sae) -> torch.Tensor:
         """``x`` (rows ``[..., width]``) with this write applied through ``sae`` (an
         :class:`~interp_engine.Sae`); a new tensor in ``x``'s dtype."""
         rows = x.float()
@@ -446,7 +449,8 @@ class FeatureWrite:
         else:
             current = sae.encode(rows)[..., self.feature : self.feature + 1].to(torch.float32)
             out = rows + (self.value - current) * direction
-        return out.reshape(x.shape).to(x.dtype)
+        result: torch.Tensor = out.reshape(x.shape).to(x.dtype)
+        return result
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (JSON-ready); ``address`` only once bound."""

@@ -32,6 +32,7 @@ from interp_engine import (
     ModelBase,
     ModelInfo,
     ModelLoadError,
+    Results,
     SamplingOptions,
     SteeringSpec,
     StreamStep,
@@ -287,11 +288,11 @@ class EagerModel(TokenizerMixin, ModelBase):
 
     async def capture(
         self, token_ids: Sequence[int], points: Iterable[Any], *, steering_spec: SteeringSpec | None = None
-    ) -> dict[Address, torch.Tensor]:
+    ) -> Results:
         """Activations ``[n_tokens, width]`` at ``points`` (head addresses ``[n_tokens, heads,
         d_head]``, attention patterns and scores ``[heads, q, k]``)."""
         values = await self.capture_batch([token_ids], points, steering_spec=steering_spec)
-        return {a: t[0] for a, t in values.items()}  # a FeatureReadout indexes like a tensor
+        return Results({a: t[0] for a, t in values.items()})  # a FeatureReadout indexes like a tensor
 
     async def capture_batch(
         self,
@@ -299,7 +300,7 @@ class EagerModel(TokenizerMixin, ModelBase):
         points: Iterable[Any],
         *,
         steering_spec: SteeringSpec | None = None,
-    ) -> dict[Address, torch.Tensor]:
+    ) -> Results:
         """One batched forward over prompts of any lengths: ``[batch, n_max, width]`` (head
         addresses ``[batch, n_max, heads, d_head]``), right-padded with zeros (attention scores:
         ``-inf``); each row equals its solo run."""
@@ -386,7 +387,7 @@ class EagerModel(TokenizerMixin, ModelBase):
         max_tokens: int,
         steering_spec: SteeringSpec | None = None,
         **sampling: Any,
-    ) -> tuple[Completion, dict[Address, torch.Tensor]]:
+    ) -> tuple[Completion, Results]:
         """A completion and activations ``[n_prompt + n_generated, width]`` (head addresses
         ``[n_prompt + n_generated, heads, d_head]``) over prompt and every generated token."""
         request = self._check_generation(

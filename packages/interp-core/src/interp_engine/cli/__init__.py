@@ -4,7 +4,7 @@
     interp capture MODEL TEXT | --input prompts.txt --points resid_post.5,... --out acts.safetensors
     interp lens MODEL TEXT
     interp attention MODEL TEXT --layer L
-    interp serve MODEL --backend eager --host 127.0.0.1 --port 8000
+    interp serve MODEL --backend eager --host 127.0.0.1 --port 8000 [--sae NAME=PATH]
 
 Every command works on any backend (``--backend``) through the model protocol. A mistake in the
 input prints one line (``interp: error: ...``) and exits non-zero; ``--help`` on each command
@@ -22,7 +22,7 @@ from typing import Any, NoReturn
 from .. import __version__
 from .._errors import InterpError
 from ._capture import add_capture
-from ._common import UserError, add_model_options, load_options, parse_option
+from ._common import UserError, add_model_options, add_sae_option, load_options, parse_option
 from ._demo import add_demo
 from ._views import add_attention, add_lens
 
@@ -64,8 +64,11 @@ def add_serve(sub: Any) -> None:
         "serve",
         help="serve a model over HTTP (needs interp-core[serve])",
         description="Serve MODEL over HTTP with interp_engine.server (install interp-core[serve]). "
-        "Binds to the loopback interface unless --host says otherwise.",
-        epilog="example: interp serve path/to/model --backend vllm --port 8000 --limit max_body_bytes=1048576",
+        "Binds to the loopback interface unless --host says otherwise. SAEs given with --sae are attached "
+        "before the engine is built: requests read their features (points: features:NAME:top8) and steer "
+        "by feature ({'sae': NAME, 'feature': i, 'op': 'clamp', 'value': v}).",
+        epilog="example: interp serve path/to/model --backend vllm --port 8000 --limit max_body_bytes=1048576 "
+        "--sae res=path/to/sae",
     )
     parser.add_argument("model", metavar="MODEL", help="a local model directory, hub id or interp:tiny")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
@@ -78,6 +81,7 @@ def add_serve(sub: Any) -> None:
         metavar="KEY=VALUE",
         help="a server limit (repeatable), e.g. --limit max_body_bytes=1048576",
     )
+    add_sae_option(parser)
     add_model_options(parser)
     parser.set_defaults(func=cmd_serve)
 

@@ -1,4 +1,4 @@
-"""``interp capture``: batch capture into one Cache file, resumable.
+"""``interp capture``: batch capture (activations and feature readouts) into one Cache file, resumable.
 
 Each prompt's activations are written as soon as they exist to ``OUT.parts/NNNNNN.safetensors``
 (one Cache of batch 1, written atomically), next to a ``manifest.json`` naming the model, the
@@ -24,15 +24,26 @@ import torch
 from .._address import Address
 from .._api import pad_rows
 from .._cache import Cache
+from .._protocol import Results
+from .._readouts import Features
 from .._sync import SyncModel
-from ._common import Progress, UserError, add_model_options, opened, parse_points
+from ._common import (
+    Progress,
+    UserError,
+    add_model_options,
+    add_sae_option,
+    check_readouts,
+    opened,
+    parse_points,
+)
 
 MANIFEST = "manifest.json"
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
     if (args.text is None) == (args.input is None):
-        raise UserError("give either TEXT or --input FILE (one prompt per line)")
+        hint = "; TEXT goes before --points, which takes several values" if args.text is None else ""
+        raise UserError(f"give either TEXT or --input FILE (one prompt per line){hint}")
     if args.text is not None:
         prompts = [args.text]
     else:
@@ -57,15 +68,18 @@ def shard_path(parts: pathlib.Path, index: int) -> pathlib.Path:
     return parts / f"{index:06d}.safetensors"
 
 
-def _manifest(args: argparse.Namespace, prompts: Sequence[str], points: Sequence[Address]) -> dict[str, Any]:
+def _manifest(args: argparse.Namespace, prompts: Sequence[str], points: Sequence[Address | Features]) -> dict[str, Any]:
     digest = hashlib.sha256("\n".join(prompts).encode()).hexdigest()
-    return {
+    manifest = {
         "model": str(args.model),
         "backend": args.backend,
         "points": [str(p) for p in points],
         "n_prompts": len(prompts),
         "prompts_sha256": digest,
     }
+    if args.saes:  # readouts resume only with the same SAEs
+        manifest["saes"] = {name: os.path.abspath(p) if os.path.exists(p) else p for name, p in args.saes}
+    return manifest
 
 
 def prepare_parts(parts: pathlib.Path, manifest: dict[str, Any], overwrite: bool) -> set[int]:
@@ -89,20 +103,20 @@ def prepare_parts(parts: pathlib.Path, manifest: dict[str, Any], overwrite: bool
     return set()
 
 
-def write_shard(parts: pathlib.Path, index: int, acts: dict[Address, torch.Tensor], n_tokens: int) -> None:
-    """One prompt's activations as a batch-1 Cache, written atomically."""
+def write_shard(parts: pathlib.Path, index: int, acts: Results, n_tokens: int) -> None:
+    """One prompt's activations (and readouts) as a batch-1 Cache, written atomically."""
     final = shard_path(parts, index)
     tmp = final.with_suffix(".tmp")
-    Cache({a: t.unsqueeze(0) for a, t in acts.items()}, lengths=torch.tensor([n_tokens])).save(tmp)
+    Cache({a: v[None] for a, v in acts.items()}, lengths=torch.tensor([n_tokens])).save(tmp)
     os.replace(tmp, final)
 
 
 def join_parts(parts: pathlib.Path, n: int, out: pathlib.Path, metadata: dict[str, str]) -> Cache:
-    rows: list[dict[Address, torch.Tensor]] = []
+    rows: list[Results] = []
     lengths: list[int] = []
     for index in range(n):
         shard = Cache.load(shard_path(parts, index))
-        rows.append({a: t[0] for a, t in shard.items()})
+        rows.append(Results({a: v[0] for a, v in shard.items()}))
         lengths.append(int(shard.lengths[0]) if shard.lengths is not None else next(iter(rows[-1].values())).shape[0])
     cache = Cache(pad_rows(rows, lengths), lengths=torch.tensor(lengths))
     tmp = out.with_name(out.name + ".tmp")
@@ -112,18 +126,18 @@ def join_parts(parts: pathlib.Path, n: int, out: pathlib.Path, metadata: dict[st
     return cache
 
 
-def capture_chunk(sync: SyncModel, rows: list[list[int]], points: list[Address]) -> list[dict[Address, torch.Tensor]]:
+def capture_chunk(sync: SyncModel, rows: list[list[int]], points: list[Address | Features]) -> list[Results]:
     """Several prompts at once: concurrent requests, which a serving backend batches."""
 
-    async def gather() -> list[dict[Address, torch.Tensor]]:
+    async def gather() -> list[Results]:
         return list(await asyncio.gather(*(sync.model.capture(r, points) for r in rows)))
 
     return sync.run(gather)
 
 
 def cmd_capture(args: argparse.Namespace) -> int:
-    points = parse_points(args.points)
     prompts = read_prompts(args)
+    points = parse_points(args.points)
     if args.batch_size < 1:
         raise UserError(f"--batch-size must be at least 1, got {args.batch_size}")
     out = pathlib.Path(args.out)
@@ -131,7 +145,9 @@ def cmd_capture(args: argparse.Namespace) -> int:
     if out.exists() and not parts.exists() and not args.overwrite:
         raise UserError(f"{out} exists; pass --overwrite to replace it")
     with opened(args) as sync:
-        resolved = list(dict.fromkeys(p.resolve(sync.model.info.n_layers) for p in points))
+        check_readouts(sync.model, points)
+        n_layers = sync.model.info.n_layers
+        resolved = list(dict.fromkeys(p.resolve(n_layers) if isinstance(p, Address) else p for p in points))
         ids = [sync.to_tokens(p)[0].tolist() for p in prompts]
         done = prepare_parts(parts, _manifest(args, prompts, resolved), args.overwrite)
         todo = [i for i in range(len(prompts)) if i not in done]
@@ -152,7 +168,21 @@ def cmd_capture(args: argparse.Namespace) -> int:
     cache = join_parts(parts, len(prompts), out, metadata)
     shapes = ", ".join(f"{a} {list(t.shape)}" for a, t in cache.items())
     print(f"wrote {out}: {len(prompts)} prompts, {shapes}")
+    for spec, readout in cache.features().items():
+        if readout.ids is not None:
+            print(f"{spec}: {_most_read(readout.ids)}")
     return 0
+
+
+def _most_read(ids: torch.Tensor, n: int = 8) -> str:
+    """The features read on the most tokens (ids ``-1``, nothing fired or padding, left out)."""
+    fired = ids[ids >= 0]
+    if fired.numel() == 0:
+        return "no feature fired"
+    counts = torch.bincount(fired)
+    top = counts.topk(min(n, int((counts > 0).sum())))
+    listed = ", ".join(f"{int(i)} ({int(c)} tokens)" for c, i in zip(top.values, top.indices, strict=True))
+    return f"features read on the most tokens: {listed}"
 
 
 def add_capture(sub: Any) -> None:
@@ -162,12 +192,15 @@ def add_capture(sub: Any) -> None:
         description="Capture activations at --points for TEXT or every non-empty line of --input, "
         "into one safetensors file in the Cache format (Cache.load reads it): values "
         "[batch, pos, width] (attention [batch, heads, q, k]) right-padded with zeros, and "
-        "cache.lengths holding each prompt's real token count. The prompts and their token ids "
+        "cache.lengths holding each prompt's real token count. Feature readouts of SAEs attached "
+        "with --sae (features:NAME:top8) are stored beside them: cache['features:NAME:top8'] has "
+        "ids and values [batch, pos, k] and the error norm [batch, pos]. The prompts and their token ids "
         "are kept in the file's metadata (interp.prompts, interp.token_ids). Progress is kept in "
         "OUT.parts/ as each prompt finishes: re-run the same command after an interruption to "
         "continue where it stopped.",
         epilog="example: interp capture path/to/model --input prompts.txt "
-        "--points resid_post.5,blocks.3.hook_mlp_out --out acts.safetensors",
+        "--points resid_post.5,blocks.3.hook_mlp_out --out acts.safetensors; with an SAE: "
+        "interp capture path/to/model TEXT --points resid_post.2 features:res:top8 --sae res=path/to/sae",
     )
     parser.add_argument("model", metavar="MODEL", help="a local model directory, hub id or interp:tiny")
     parser.add_argument("text", metavar="TEXT", nargs="?", help="one prompt (or use --input)")
@@ -175,11 +208,15 @@ def add_capture(sub: Any) -> None:
     parser.add_argument(
         "--points",
         required=True,
-        help="comma-separated addresses: resid_post.5,mlp_post.-1,... (TransformerLens names too)",
+        nargs="+",
+        help="addresses, comma-separated or as several arguments: resid_post.5,mlp_post.-1,... (TransformerLens "
+        "names too), and feature readouts of an SAE given with --sae: features:NAME:top8, features:NAME:ids=3,17, "
+        "features:NAME:dense",
     )
     parser.add_argument("--out", default="acts.safetensors", help="output file (default: acts.safetensors)")
     parser.add_argument("--batch-size", type=int, default=8, help="prompts sent to the model at once (8)")
     parser.add_argument("--overwrite", action="store_true", help="replace OUT and discard unfinished progress")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_sae_option(parser)
     add_model_options(parser)
     parser.set_defaults(func=cmd_capture)

@@ -1,18 +1,23 @@
-"""What the commands share: loading a model from the options, reading addresses, text tables,
-the optional matplotlib and the progress display."""
+"""What the commands share: loading a model from the options (and the SAEs to attach), reading
+addresses and feature readouts, text tables, the optional matplotlib and the progress display."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import pathlib
+import re
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TextIO
 
 from .._address import Address
+from .._base import ModelBase
 from .._plugins import load_model
+from .._protocol import InterpModel
+from .._readouts import Features, check_readout, check_sae_name
+from .._sae import Sae, load_sae
 from .._sync import SyncModel, sync_model
 
 DEFAULT_MODEL = "interp:tiny"
@@ -25,12 +30,68 @@ class UserError(Exception):
     """A mistake in the command line or its inputs: printed as one line, exit status 1."""
 
 
-def parse_points(text: str) -> list[Address]:
-    """Comma-separated addresses (``resid_post.5,blocks.3.hook_mlp_out``), checked before any load."""
-    names = [part.strip() for part in text.split(",") if part.strip()]
+_IDS_TAIL = re.compile(r"^\d+(:float(16|32))?$")
+
+
+def parse_points(given: str | Sequence[str]) -> list[Address | Features]:
+    """Addresses (``resid_post.5``, ``blocks.3.hook_mlp_out``) and feature readouts
+    (``features:res:top8``), separated by commas or given as several arguments, checked before any
+    load. The commas of ``features:res:ids=3,17`` belong to the readout."""
+    names: list[str] = []
+    for text in [given] if isinstance(given, str) else given:
+        for part in (p.strip() for p in text.split(",")):
+            if not part:
+                continue
+            if names and _IDS_TAIL.match(part) and ":ids=" in names[-1] and not names[-1].endswith(("16", "32")):
+                names[-1] += "," + part  # the next id of features:NAME:ids=3,17
+            else:
+                names.append(part)
     if not names:
         raise UserError("--points is empty; give addresses such as resid_post.5,mlp_post.3")
-    return [Address.parse(name) for name in names]
+    return [Features.parse(name) if Features.is_form(name) else Address.parse(name) for name in names]
+
+
+def parse_sae(text: str) -> tuple[str, str]:
+    """``NAME=PATH`` of ``--sae``."""
+    name, sep, path = text.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH (the name to attach it as, and its folder), got {text!r}")
+    return name.strip(), path.strip()
+
+
+def add_sae_option(parser: argparse.ArgumentParser) -> None:
+    """``--sae NAME=PATH`` (repeatable): SAEs attached to the model as it loads."""
+    parser.add_argument(
+        "--sae",
+        dest="saes",
+        action="append",
+        type=parse_sae,
+        default=[],
+        metavar="NAME=PATH",
+        help="attach an SAE, transcoder or probe as NAME (repeatable): PATH is a folder in SAELens's format "
+        "(cfg.json + sae_weights.safetensors); readouts then name it (features:NAME:top8)",
+    )
+
+
+def read_saes(pairs: Sequence[tuple[str, str]]) -> dict[str, Sae]:
+    """The SAEs of ``--sae NAME=PATH`` options, read now: a bad name or folder is a one-line
+    error before the model loads."""
+    saes: dict[str, Sae] = {}
+    for name, path in pairs:
+        check_sae_name(name)
+        if name in saes:
+            raise UserError(f"--sae {name}=... is given twice; each SAE needs its own name")
+        saes[name] = load_sae(path)
+    return saes
+
+
+def check_readouts(model: InterpModel, points: Sequence[Address | Features]) -> None:
+    """``UnknownSae`` / ``InvalidFeatures`` for a readout the loaded model cannot serve, before any
+    capture (a backend outside ``ModelBase`` is left to refuse it itself)."""
+    if isinstance(model, ModelBase):
+        for point in points:
+            if isinstance(point, Features):
+                check_readout(point, model._sae(point.sae))
 
 
 def parse_option(text: str) -> tuple[str, Any]:
@@ -72,6 +133,9 @@ def load_options(args: argparse.Namespace) -> dict[str, Any]:
     if args.device:
         options["device"] = args.device
     options.update(dict(args.option))
+    pairs = getattr(args, "saes", None)  # commands with --sae NAME=PATH
+    if pairs:
+        options["saes"] = read_saes(pairs)
     return options
 
 

@@ -1,7 +1,9 @@
 """The HTTP server: a FastAPI app over any backend's async model (the seed's lifespan pattern).
 
 The app only awaits the model's protocol methods, so it serves ``eager``, ``vllm`` and
-``vllm-static`` models alike; on vLLM, concurrent requests are batched by the engine.
+``vllm-static`` models alike; on vLLM, concurrent requests are batched by the engine. SAEs
+attached to the model (``load_model(..., saes=...)``, ``interp serve --sae NAME=PATH``) give
+feature readouts in ``points`` and ``features``, and feature writes in steering specs.
 """
 
 from __future__ import annotations
@@ -30,14 +32,17 @@ from .._errors import (
     InterpError,
     InvalidActivations,
     InvalidAddress,
+    InvalidFeatures,
     InvalidOption,
     InvalidSteering,
     InvalidTokens,
+    UnknownSae,
     UnsupportedAddress,
 )
 from .._plugins import load_model
 from .._protocol import Completion, InterpModel, StaticTaps, StreamStep
-from .._steering import SteeringSpec, Write
+from .._readouts import FeatureReadout, Features, check_readout
+from .._steering import AnyWrite, FeatureWrite, SteeringSpec, Write
 from ..validation import check_spec, value_shape
 from ._asgi import BodyLimit, ClientGone, EventStream, Slots, unless_gone
 from ._errors import ApiError, blame, field_path, from_interp, limit_exceeded
@@ -53,20 +58,22 @@ from ._schemas import (
     DecodeResponse,
     EncodedTensor,
     ErrorOut,
+    FeaturesBody,
+    FeatureWriteBody,
     GenerateRequest,
     GenerateResponse,
     SteeringBody,
     TokenizeRequest,
     TokenizeResponse,
 )
-from ._tensors import SAFETENSORS, decode, encode, safetensors_response
+from ._tensors import SAFETENSORS, decode, encode, readout_out, safetensors_response
 
 logger = logging.getLogger("interp_engine.server")
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorOut, "description": text}
     for code, text in (
-        (400, "the model rejected the input (InvalidAddress, InvalidTokens, InvalidSteering, ...)"),
+        (400, "the model rejected the input (InvalidAddress, InvalidTokens, InvalidSteering, UnknownSae, ...)"),
         (413, "a ServerLimits bound was exceeded"),
         (422, "the body does not fit the schema"),
         (503, "the model is not loaded or was shut down"),
@@ -83,7 +90,27 @@ def _event(name: str, data: Any) -> str:
 
 
 def _step_out(step: StreamStep) -> dict[str, Any]:
-    return {"token_id": step.token_id, "text": step.text, "logprobs": [list(pair) for pair in step.logprobs]}
+    out = {
+        "token_id": step.token_id,
+        "text": step.text,
+        "logprobs": [list(pair) for pair in step.logprobs],
+        "position": step.position,
+    }
+    if step.features:
+        out["features"] = {str(spec): readout_out(readout) for spec, readout in step.features.items()}
+    return out
+
+
+def _tensor_of(value: torch.Tensor | FeatureReadout) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise ApiError(500, "BackendError", f"the backend returned a {type(value).__name__} for an address")
+    return value
+
+
+def _readout_of(value: torch.Tensor | FeatureReadout) -> FeatureReadout:
+    if not isinstance(value, FeatureReadout):
+        raise ApiError(500, "BackendError", f"the backend returned a {type(value).__name__} for a feature readout")
+    return value
 
 
 def _completion_out(completion: Completion) -> dict[str, Any]:
@@ -131,30 +158,66 @@ class _Served:
             raise limit_exceeded(field, f"the prompt has {len(ids)} tokens", self.limits.max_prompt_tokens)
         return ids, field
 
-    def points(self, names: Sequence[str], field: str = "points") -> list[Address]:
+    def points(
+        self, items: Sequence[str | FeaturesBody], field: str = "points"
+    ) -> tuple[list[Address], list[Features]]:
+        """The addresses and the feature readouts (string form or object) among ``items``, each
+        checked against the model (the field at fault named by index)."""
         model = self.ready()
-        if len(names) > self.limits.max_points:
-            raise limit_exceeded(field, f"{len(names)} addresses requested", self.limits.max_points)
-        out = []
-        for i, name in enumerate(names):
+        if len(items) > self.limits.max_points:
+            raise limit_exceeded(field, f"{len(items)} points requested", self.limits.max_points)
+        addresses: list[Address] = []
+        readouts: list[Features] = []
+        for i, item in enumerate(items):
+            if isinstance(item, FeaturesBody) or Features.is_form(item):
+                readouts.append(self.readout(item, f"{field}[{i}]"))
+                continue
             try:
-                address = Address.parse(name)
+                address = Address.parse(item)
                 resolved = address.resolve(model.info.n_layers)
                 if isinstance(model, ModelBase):  # a kind this model's family lacks: KindNotInFamily
                     model._check_served([resolved])
             except InvalidAddress as exc:
                 raise from_interp(exc, f"{field}[{i}]") from exc
-            out.append(address)
-        return out
+            addresses.append(address)
+        return addresses, list(dict.fromkeys(readouts))
+
+    def readout(self, item: str | FeaturesBody, field: str) -> Features:
+        """One feature readout, its SAE attached and its feature ids in range."""
+        model = self.ready()
+        try:
+            spec = Features.from_dict(item.to_dict()) if isinstance(item, FeaturesBody) else Features.parse(item)
+            if isinstance(model, ModelBase):
+                check_readout(spec, model._sae(spec.sae))
+        except InterpError as exc:
+            raise from_interp(exc, field) from exc
+        return spec
+
+    def readouts(self, items: Sequence[str | FeaturesBody], field: str) -> list[Features]:
+        """Feature readouts only (``generate``'s ``features``)."""
+        if len(items) > self.limits.max_points:
+            raise limit_exceeded(field, f"{len(items)} readouts requested", self.limits.max_points)
+        return list(dict.fromkeys(self.readout(item, f"{field}[{i}]") for i, item in enumerate(items)))
+
+    def readout_values(self, spec: Features) -> int:
+        """Numbers one token's readout holds (values, ids, error norm); a dense readout of an SAE
+        this server cannot see counts as nothing (the backend still bounds it by its width)."""
+        model = self.ready()
+        sae = model.saes.get(spec.sae) if isinstance(model, ModelBase) else None
+        width = spec.width(sae.d_sae) if sae is not None else (spec.top_k or len(spec.ids or ()))
+        return width * (1 if spec.dense else 2) + 1
 
     def values_per_position(self, address: Address, n_keys: int) -> int:
         info = self.ready().info
         size = math.prod(value_shape(address, info))
         return size * n_keys if KINDS[address.kind].width == "heads x keys" else size
 
-    def check_size(self, points: Sequence[Address], n_positions: int, field: str) -> None:
+    def check_size(
+        self, points: Sequence[Address], n_positions: int, field: str, readouts: Sequence[Features] = ()
+    ) -> None:
         """Refuse, before any compute, a result over ``max_activation_values``."""
         total = sum(n_positions * self.values_per_position(a, n_positions) for a in dict.fromkeys(points))
+        total += sum(n_positions * self.readout_values(r) for r in readouts)
         if total > self.limits.max_activation_values:
             raise limit_exceeded(
                 field,
@@ -175,9 +238,12 @@ class _Served:
         info = self.ready().info
         if len(body.writes) > self.limits.max_writes:
             raise limit_exceeded("steering.writes", f"{len(body.writes)} writes", self.limits.max_writes)
-        writes = []
+        writes: list[AnyWrite] = []
         for i, item in enumerate(body.writes):
             field = f"steering.writes[{i}]"
+            if isinstance(item, FeatureWriteBody):
+                writes.append(self.feature_write(item, field))
+                continue
             try:
                 address = Address.parse(item.address)
                 resolved = address.resolve(info.n_layers)
@@ -217,9 +283,32 @@ class _Served:
             writes.append(write)
         return SteeringSpec(writes)
 
-    def fields(self, prompt_field: str, spec: SteeringSpec | None, points_field: str = "points") -> Any:
+    def feature_write(self, item: FeatureWriteBody, field: str) -> FeatureWrite:
+        """A write by feature, its SAE attached and its feature in range (the model places it
+        at the SAE's address when the request runs)."""
+        try:
+            write = FeatureWrite(item.sae, item.feature, item.op, item.value, item.positions)
+        except InterpError as exc:
+            raise from_interp(exc, field) from exc
+        model = self.ready()
+        if isinstance(model, ModelBase):
+            try:
+                model._resolve_feature_writes([write])
+            except UnknownSae as exc:
+                raise from_interp(exc, f"{field}.sae") from exc
+            except InterpError as exc:
+                raise from_interp(exc, field) from exc
+        return write
+
+    def fields(
+        self,
+        prompt_field: str,
+        spec: SteeringSpec | None,
+        points_field: str = "points",
+        readouts: Sequence[Features] = (),
+    ) -> Any:
         """``blame`` for a model call: which request field each of the core's errors points at."""
-        return _Blame(prompt_field, spec, points_field)
+        return _Blame(prompt_field, spec, points_field, readouts)
 
     def wants_safetensors(self, request: Request, format: str) -> bool:
         return format == "safetensors" or SAFETENSORS in request.headers.get("accept", "")
@@ -228,10 +317,13 @@ class _Served:
 class _Blame:
     """Context manager mapping the core's errors raised by a model call to the request field."""
 
-    def __init__(self, prompt_field: str, spec: SteeringSpec | None, points_field: str) -> None:
+    def __init__(
+        self, prompt_field: str, spec: SteeringSpec | None, points_field: str, readouts: Sequence[Features]
+    ) -> None:
         self.prompt_field = prompt_field
-        self.written = {w.address for w in spec} if spec else set()
+        self.written = {w.address for w in spec if isinstance(w, Write)} if spec else set()
         self.points_field = points_field
+        self.read = {r.sae for r in readouts}
 
     def __enter__(self) -> None:
         return None
@@ -249,6 +341,10 @@ class _Blame:
             field = "steering"
         elif isinstance(exc, InvalidActivations):
             field = "activations"
+        elif isinstance(exc, UnknownSae):  # a readout's SAE, or a feature write's
+            field = self.points_field if exc.name in self.read else "steering"
+        elif isinstance(exc, InvalidFeatures):
+            field = self.points_field if self.read else "steering"
         raise from_interp(exc, field) from exc
 
 
@@ -358,12 +454,38 @@ async def _tensor_body(
     tensors: Mapping[str, torch.Tensor],
     head: dict[str, Any],
     n_tokens: int,
+    readouts: Mapping[str, FeatureReadout] | None = None,
 ) -> Any:
     # serialising megabytes of values runs on a worker thread, not on the serving loop
     if served.wants_safetensors(request, format):
-        return await asyncio.to_thread(safetensors_response, tensors, n_tokens, head)
+        return await asyncio.to_thread(safetensors_response, tensors, n_tokens, head, readouts)
     encoded = await asyncio.to_thread(lambda: {name: encode(t) for name, t in tensors.items()})
-    return {**head, key: encoded}
+    if readouts is None:
+        return {**head, key: encoded}
+    listed = await asyncio.to_thread(lambda: {name: readout_out(r) for name, r in readouts.items()})
+    return {**head, key: encoded, "features": listed}
+
+
+def _saes_out(model: InterpModel) -> list[dict[str, Any]]:
+    """The SAEs and probes attached to ``model``, as ``GET /v1/model`` lists them. On vllm-static
+    every one was attached before the engine was built (attaching later is refused), so each is
+    compiled into its graph."""
+    if not isinstance(model, ModelBase):
+        return []
+    out = []
+    for name, sae in model.saes.items():
+        entry: dict[str, Any] = {
+            "name": name,
+            "architecture": sae.architecture,
+            "address": str(sae.address),
+            "address_out": str(sae.address_out),
+            "d_in": sae.d_in,
+            "d_sae": sae.d_sae,
+        }
+        if isinstance(model, StaticTaps):
+            entry["compiled"] = True
+        out.append(entry)
+    return out
 
 
 def _add_routes(app: FastAPI, served: _Served) -> None:
@@ -377,7 +499,8 @@ def _add_routes(app: FastAPI, served: _Served) -> None:
     @app.get("/v1/model", responses=_ERRORS)
     async def model_info() -> dict[str, Any]:
         """The model's shapes, the kinds it serves (its family's, on its backend) over its layers,
-        and the server's limits."""
+        the server's limits, and the SAEs attached (``saes``: ``name``, ``architecture``,
+        ``address``, ``address_out``, ``d_in``, ``d_sae``; on vllm-static ``compiled``)."""
         model = served.ready()
         info = model.info
         listed = getattr(model, "points", None)  # ModelBase.points(): the kinds its family has
@@ -415,6 +538,7 @@ def _add_routes(app: FastAPI, served: _Served) -> None:
         if isinstance(model, StaticTaps):  # vllm-static: the declared taps
             out["static_points"] = [str(a) for a in model.static_points]
             out["static_writes"] = [str(a) for a in model.static_writes]
+        out["saes"] = _saes_out(model)
         return out
 
     @app.post("/v1/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
@@ -426,24 +550,27 @@ def _add_routes(app: FastAPI, served: _Served) -> None:
 
     @app.post("/v1/capture", response_model=CaptureResponse, responses=_TENSOR_RESPONSES)
     async def capture(body: CaptureRequest, request: Request) -> Any:
-        """Activations ``[n_tokens, width]`` at ``points`` over the prompt (``model.capture``)."""
+        """Activations ``[n_tokens, width]`` at ``points`` over the prompt (``model.capture``), and
+        the feature readouts among ``points`` under ``features`` (``[n_tokens, k]`` each)."""
         model = served.ready()
         ids, prompt_field = served.prompt(body)
-        points = served.points(body.points)
-        served.check_size(points, len(ids), "points")
+        points, readouts = served.points(body.points)
+        served.check_size(points, len(ids), "points", readouts)
         spec = served.steering(body.steering)
         async with served.slots:
-            with served.fields(prompt_field, spec):
-                acts = await unless_gone(request, model.capture(ids, points, steering_spec=spec))
-        tensors = {str(p): acts[p] for p in points}
-        return await _tensor_body(request, served, body.format, "activations", tensors, {"token_ids": ids}, len(ids))
+            with served.fields(prompt_field, spec, readouts=readouts):
+                acts = await unless_gone(request, model.capture(ids, [*points, *readouts], steering_spec=spec))
+        tensors = {str(p): _tensor_of(acts[p]) for p in points}
+        features = {str(r): _readout_of(acts[r]) for r in readouts}
+        head = {"token_ids": ids}
+        return await _tensor_body(request, served, body.format, "activations", tensors, head, len(ids), features)
 
     @app.post("/v1/attention", response_model=AttentionResponse, responses=_TENSOR_RESPONSES)
     async def attention(body: AttentionRequest, request: Request) -> Any:
         """Attention patterns ``[heads, q, k]`` of ``layers`` (``model.capture_attention``)."""
         model = served.ready()
         ids, prompt_field = served.prompt(body)
-        points = served.points([f"attn_pattern.{layer}" for layer in body.layers], "layers")
+        points, _ = served.points([f"attn_pattern.{layer}" for layer in body.layers], "layers")
         served.check_size(points, len(ids), "layers")
         async with served.slots:
             spec = served.steering(body.steering)
@@ -454,28 +581,30 @@ def _add_routes(app: FastAPI, served: _Served) -> None:
                     else model.capture_attention(ids, list(body.layers))
                 )
                 acts = await unless_gone(request, call)
-        tensors = {str(p): acts[p] for p in points}
+        tensors = {str(p): _tensor_of(acts[p]) for p in points}
         return await _tensor_body(request, served, body.format, "patterns", tensors, {"token_ids": ids}, len(ids))
 
     @app.post("/v1/capture_generation", response_model=CaptureGenerationResponse, responses=_TENSOR_RESPONSES)
     async def capture_generation(body: CaptureGenerationRequest, request: Request) -> Any:
-        """A completion and activations over prompt + generated tokens (``model.capture_generation``)."""
+        """A completion and activations (and feature readouts) over prompt + generated tokens
+        (``model.capture_generation``)."""
         model = served.ready()
         ids, prompt_field = served.prompt(body)
         served.check_generation(body.max_tokens)
-        points = served.points(body.points)
-        served.check_size(points, len(ids) + body.max_tokens, "points")
+        points, readouts = served.points(body.points)
+        served.check_size(points, len(ids) + body.max_tokens, "points", readouts)
         spec = served.steering(body.steering)
         async with served.slots:
-            with served.fields(prompt_field, spec):
+            with served.fields(prompt_field, spec, readouts=readouts):
                 work = model.capture_generation(
-                    ids, points, max_tokens=body.max_tokens, steering_spec=spec, **body.sampling()
+                    ids, [*points, *readouts], max_tokens=body.max_tokens, steering_spec=spec, **body.sampling()
                 )
                 completion, acts = await unless_gone(request, work)
-        tensors = {str(p): acts[p] for p in points}
+        tensors = {str(p): _tensor_of(acts[p]) for p in points}
+        features = {str(r): _readout_of(acts[r]) for r in readouts}
         head = {"token_ids": ids, "completion": _completion_out(completion)}
         n_positions = len(ids) + len(completion.token_ids)
-        return await _tensor_body(request, served, body.format, "activations", tensors, head, n_positions)
+        return await _tensor_body(request, served, body.format, "activations", tensors, head, n_positions, features)
 
     @app.post(
         "/v1/generate",
@@ -485,20 +614,27 @@ def _add_routes(app: FastAPI, served: _Served) -> None:
     )
     async def generate(body: GenerateRequest, request: Request) -> Any:
         """A completion; with ``stream: true``, server-sent events: one ``token`` event per
-        generated token (``{"token_id", "text", "logprobs"}``), then ``done`` (the completion) or
-        ``error``. Closing the connection aborts the generation."""
+        generated token (``{"token_id", "text", "logprobs", "position"}``, and ``features``, each
+        readout of ``features`` at ``position``), then ``done`` (the completion) or ``error``.
+        Closing the connection aborts the generation. Without ``stream``, ``n_logprobs`` or
+        ``features`` give the same steps under ``steps``."""
         model = served.ready()
         ids, prompt_field = served.prompt(body)
         served.check_generation(body.max_tokens, body.n_logprobs)
+        readouts = served.readouts(body.features, "features") if body.features else []
+        served.check_size([], body.max_tokens, "features", readouts)
         spec = served.steering(body.steering)
         options = body.sampling()
         if spec is not None:
             options["steering_spec"] = spec
+        if readouts:
+            options["features"] = readouts
+        fields = served.fields(prompt_field, spec, "features", readouts)
         if body.stream:
-            return await _stream(served, model, ids, body, options, served.fields(prompt_field, spec))
+            return await _stream(served, model, ids, body, options, fields)
         async with served.slots:
-            with served.fields(prompt_field, spec):
-                if body.n_logprobs == 0:
+            with fields:
+                if body.n_logprobs == 0 and not readouts:
                     work = model.generate(ids, max_tokens=body.max_tokens, **options)
                     return _completion_out(await unless_gone(request, work))
                 steps = model.stream(ids, max_tokens=body.max_tokens, n_logprobs=body.n_logprobs, **options)

@@ -2,7 +2,9 @@
 
 - request bodies that do not fit the schema (pydantic): ``422``, ``error: "ValidationError"``;
 - the core's typed input errors (``InvalidAddress``, ``InvalidTokens``, ``InvalidSteering``,
-  ``InvalidActivations``, ``InvalidOption``): ``400``, ``error`` is the type's name;
+  ``InvalidActivations``, ``InvalidOption``, and for SAEs ``UnknownSae`` -- no SAE attached under
+  that name, ``valid`` the attached ones -- ``InvalidFeatures`` and ``UnsupportedSae``): ``400``,
+  ``error`` is the type's name (an unknown SAE is a 400 like an unknown address, not a 404);
 - a :class:`ServerLimits` bound exceeded: ``413``, ``error: "LimitExceeded"``;
 - ``ModelClosed`` or a model not loaded yet: ``503``; ``BackendError`` and anything else: ``500``
   (no traceback is sent; the server logs it).
@@ -21,11 +23,14 @@ from .._errors import (
     InterpError,
     InvalidActivations,
     InvalidAddress,
+    InvalidFeatures,
     InvalidOption,
     InvalidSteering,
     InvalidTokens,
     ModelClosed,
+    UnknownSae,
     UnsupportedArchitecture,
+    UnsupportedSae,
 )
 
 _CLIENT_ERRORS = (
@@ -35,6 +40,9 @@ _CLIENT_ERRORS = (
     InvalidActivations,
     InvalidOption,
     UnsupportedArchitecture,
+    UnknownSae,
+    InvalidFeatures,
+    UnsupportedSae,
 )
 
 
@@ -107,10 +115,11 @@ def blame(fields: Mapping[type[InterpError], str]) -> Iterator[None]:
 
 
 def field_path(loc: Sequence[Any]) -> str:
-    """``("body", "steering", "writes", 0, "op")`` -> ``"steering.writes[0].op"``."""
+    """``("body", "steering", "writes", 0, "op")`` -> ``"steering.writes[0].op"`` (the tags of
+    the schema's unions, ``"<feature_write>"``, are left out)."""
     out = ""
     for part in loc:
-        if part == "body" and not out:
+        if (part == "body" and not out) or (isinstance(part, str) and part.startswith("<")):
             continue
         if isinstance(part, int):
             out += f"[{part}]"

@@ -2,13 +2,29 @@
 
 Every request model forbids unknown fields, so a misspelt field is a 422 naming it rather than
 a silently ignored option.
+
+Feature readouts of an attached SAE (or probe) go in ``points`` next to addresses, as the core's
+string form or as an object (:class:`FeaturesBody`)::
+
+    {"text": "The capital of France is",
+     "points": ["resid_post.2", "features:res:top8", {"sae": "res", "ids": [3, 17]}]}
+
+and come back under ``features``, keyed by the readout's canonical string form, as plain lists
+(:class:`ReadoutOut`; ``[n_tokens, k]`` per readout, ``ids`` ``-1`` where fewer fired)::
+
+    {"token_ids": [...], "activations": {"resid_post.2": {...}},
+     "features": {"features:res:top8": {"values": [[...]], "ids": [[...]], "error_norm": [...]},
+                  "features:res:ids=3,17": {"values": [[...]], "ids": [[...]], "error_norm": [...]}}}
+
+A steering spec's writes may be feature writes (:class:`FeatureWriteBody`, the core's
+``FeatureWrite.to_dict``): ``{"sae": "res", "feature": 17, "op": "clamp", "value": 4.0}``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictInt, Tag
 
 Format = Literal["json", "safetensors"]
 
@@ -47,10 +63,68 @@ class WriteBody(_Body):
     )
 
 
-class SteeringBody(_Body):
-    """A per-request steering spec: ``SteeringSpec.to_dict()`` of the core."""
+class FeatureWriteBody(_Body):
+    """One write by SAE feature (the core's ``FeatureWrite.to_dict`` format): the SAE attached to
+    the served model as ``sae`` is named, never sent. With ``f_i(x)`` the feature's activation and
+    ``d_i`` its decoder row: ``clamp`` writes ``x + (value - f_i(x)) d_i`` (the SAE's error term
+    kept), ``ablate`` is the clamp to 0, ``add`` writes ``x + value * d_i`` (a transcoder's at its
+    output address)."""
 
-    writes: list[WriteBody]
+    sae: str = Field(description="the name the SAE is attached under (GET /v1/model lists them)", examples=["res"])
+    feature: StrictInt = Field(ge=0, description="the feature id, 0..d_sae-1", examples=[17])
+    op: Literal["clamp", "add", "ablate"] = "clamp"
+    value: float = Field(default=0.0, description="clamp: the feature's value; add: the coefficient of d_i")
+    positions: Literal["all", "prompt", "generated"] | list[StrictInt] = "all"
+
+
+def _write_kind(value: Any) -> str:
+    by_feature = isinstance(value, FeatureWriteBody) or (isinstance(value, dict) and "sae" in value)
+    return "<feature_write>" if by_feature else "<write>"
+
+
+AnyWriteBody = Annotated[
+    Annotated[WriteBody, Tag("<write>")] | Annotated[FeatureWriteBody, Tag("<feature_write>")],
+    Discriminator(_write_kind),
+]
+"""A write at an address, or (with ``sae``) a write by feature."""
+
+
+class SteeringBody(_Body):
+    """A per-request steering spec: ``SteeringSpec.to_dict()`` of the core (writes at addresses
+    and writes by SAE feature, applied in order)."""
+
+    writes: list[AnyWriteBody]
+
+
+class FeaturesBody(_Body):
+    """A feature readout of the SAE (or probe) attached as ``sae``: the core's
+    ``Features.to_dict`` form. At most one of ``top_k`` (the k largest features per token),
+    ``ids`` (these features' values) and ``dense`` (every feature); none of them: the top 16.
+    ``dtype: "float16"`` halves the bytes a vLLM worker sends (the response is float32 either
+    way). Equivalent strings: ``"features:res:top8"``, ``"features:res:ids=3,17"``,
+    ``"features:res:dense"`` (``":float16"`` after any)."""
+
+    sae: str = Field(examples=["res"])
+    top_k: StrictInt | None = Field(default=None, ge=1, examples=[8])
+    ids: list[StrictInt] | None = Field(default=None, examples=[[3, 17]])
+    dense: bool = False
+    dtype: Literal["float32", "float16"] = "float32"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields the client set, as ``Features.from_dict`` reads them."""
+        return self.model_dump(exclude_unset=True)
+
+
+def _point_kind(value: Any) -> str:
+    return "<readout>" if isinstance(value, (dict, FeaturesBody)) else "<address>"
+
+
+Point = Annotated[
+    Annotated[str, Tag("<address>")] | Annotated[FeaturesBody, Tag("<readout>")],
+    Discriminator(_point_kind),
+]
+"""An address (``"resid_post.2"``), a readout's string form (``"features:res:top8"``) or a
+readout object (``{"sae": "res", "top_k": 8}``)."""
 
 
 class _Prompt(_Body):
@@ -71,8 +145,16 @@ class _Sampling(_Body):
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
 
+_POINTS = (
+    "addresses to capture, and feature readouts of attached SAEs (strings 'features:NAME:top8' or "
+    "objects {'sae': NAME, 'top_k': 8}), answered under 'features'"
+)
+
+
 class CaptureRequest(_Prompt):
-    points: list[str] = Field(min_length=1, examples=[["resid_post.1", "logits"]])
+    points: list[Point] = Field(
+        min_length=1, description=_POINTS, examples=[["resid_post.1", "logits"], ["resid_post.1", "features:res:top8"]]
+    )
     steering: SteeringBody | None = None
     format: Format = "json"
 
@@ -81,11 +163,17 @@ class GenerateRequest(_Prompt, _Sampling):
     max_tokens: StrictInt = Field(default=16, ge=1)
     n_logprobs: StrictInt = Field(default=0, ge=0, description="top-n (token_id, logprob) pairs per step")
     stream: bool = Field(default=False, description="server-sent events, one per generated token")
+    features: list[Point] | None = Field(
+        default=None,
+        description="feature readouts (as in points) of each generated token, at the position that produced "
+        "it: in each stream event, or in 'steps'",
+        examples=[["features:res:top8"]],
+    )
     steering: SteeringBody | None = None
 
 
 class CaptureGenerationRequest(_Prompt, _Sampling):
-    points: list[str] = Field(min_length=1)
+    points: list[Point] = Field(min_length=1, description=_POINTS)
     max_tokens: StrictInt = Field(default=16, ge=1)
     steering: SteeringBody | None = None
     format: Format = "json"
@@ -118,25 +206,49 @@ class CompletionOut(BaseModel):
     finish_reason: str
 
 
+class ReadoutOut(BaseModel):
+    """One feature readout as plain lists: ``values [n_tokens, k]``; ``ids [n_tokens, k]`` (top-k:
+    ``-1`` with value 0 where fewer than k fired; ``null`` for a dense readout, whose column j is
+    feature j); ``error_norm [n_tokens]``, ``|x - reconstruct(x)|`` (``null`` for probes and
+    transcoders). In a stream step, one token's: ``values [k]``, ``ids [k]``, ``error_norm`` a number."""
+
+    values: list[Any]
+    ids: list[Any] | None
+    error_norm: list[float] | float | None
+
+
 class StepOut(BaseModel):
     token_id: int
     text: str
     logprobs: list[tuple[int, float]]
+    position: int = Field(
+        default=-1, description="the position whose forward pass produced the token (-1: not reported)"
+    )
+    features: dict[str, dict[str, Any]] | None = Field(
+        default=None, description="when features were asked: each readout (a ReadoutOut of one token) by its key"
+    )
 
 
 class GenerateResponse(CompletionOut):
     steps: list[StepOut] | None = Field(default=None, description="per-token logprobs when n_logprobs > 0")
 
 
+_FEATURES_OUT = "the feature readouts asked for in points, keyed by their canonical string form (features:res:top8)"
+
+
 class CaptureResponse(BaseModel):
     token_ids: list[int]
     activations: dict[str, EncodedTensor]
+    features: dict[str, ReadoutOut] = Field(default_factory=dict, description=_FEATURES_OUT)
 
 
 class CaptureGenerationResponse(BaseModel):
     token_ids: list[int] = Field(description="the prompt's ids")
     completion: CompletionOut
     activations: dict[str, EncodedTensor] = Field(description="over prompt + generated tokens")
+    features: dict[str, ReadoutOut] = Field(
+        default_factory=dict, description=_FEATURES_OUT + ", over prompt + generated tokens"
+    )
 
 
 class AttentionResponse(BaseModel):

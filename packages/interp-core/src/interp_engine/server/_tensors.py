@@ -16,7 +16,8 @@ import numpy as np
 import torch
 from fastapi.responses import Response
 
-from .._cache import _LENGTHS_KEY
+from .._cache import _FEATURES_KEY, _LENGTHS_KEY
+from .._readouts import FeatureReadout
 from ._errors import ApiError, limit_exceeded
 from ._schemas import EncodedTensor
 
@@ -61,12 +62,27 @@ def decode(value: EncodedTensor | list[Any], field: str, max_values: int) -> tor
     return torch.from_numpy(array).reshape(value.shape)
 
 
-def safetensors_response(tensors: Mapping[str, torch.Tensor], n_tokens: int, extra: Mapping[str, Any]) -> Response:
-    """The tensors as a Cache file of the core (batch axis of 1, readable by ``Cache.load``);
-    ``extra`` goes into the metadata as JSON strings."""
+def readout_out(readout: FeatureReadout) -> dict[str, Any]:
+    """``{"values", "ids", "error_norm"}`` of a readout as nested lists (``null`` where absent)."""
+    return readout.to(torch.device("cpu")).to_dict()
+
+
+def safetensors_response(
+    tensors: Mapping[str, torch.Tensor],
+    n_tokens: int,
+    extra: Mapping[str, Any],
+    readouts: Mapping[str, FeatureReadout] | None = None,
+) -> Response:
+    """The tensors (and feature readouts) as a Cache file of the core (batch axis of 1, readable
+    by ``Cache.load``: a readout is stored as ``KEY/values``, ``KEY/ids`` (int64) and
+    ``KEY/error_norm``); ``extra`` goes into the metadata as JSON strings."""
     from safetensors.torch import save
 
     batched = {key: t.detach().to(device="cpu", dtype=torch.float32).contiguous()[None] for key, t in tensors.items()}
     metadata = {"format": "interp-engine-cache", _LENGTHS_KEY: json.dumps([n_tokens])}
+    for key, readout in (readouts or {}).items():
+        batched.update({name: t.detach().cpu().contiguous()[None] for name, t in readout.tensors(key).items()})
+    if readouts:
+        metadata[_FEATURES_KEY] = json.dumps(list(readouts))
     metadata.update({key: json.dumps(value) for key, value in extra.items()})
     return Response(save(batched, metadata=metadata), media_type=SAFETENSORS)
