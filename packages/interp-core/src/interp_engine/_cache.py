@@ -101,7 +101,9 @@ class Cache(Mapping[Key, Value]):
                 valid=per_layer,
             )
         values = [
-            t for a, t in self._data.items() if isinstance(a, Address) and a.kind == kind and isinstance(t, torch.Tensor)
+            t
+            for a, t in self._data.items()
+            if isinstance(a, Address) and a.kind == kind and isinstance(t, torch.Tensor)
         ]
         if not values:
             raise KeyError(f"this cache holds no {kind!r} values; it holds {', '.join(map(str, self))}")

@@ -81,6 +81,8 @@ class StreamStep:
 
 Points = Iterable[AddressLike | Features | str]
 Activations = dict[Address, torch.Tensor]
+
+
 class Results(dict[Address | Features, Any]):
     """What a capture returns: a dict of activations by :class:`Address` and feature readouts
     (:class:`FeatureReadout`) by :class:`Features`, keyed as the caller asked. Lookup also
@@ -118,7 +120,9 @@ class Results(dict[Address | Features, Any]):
             return False
 
     def get(self, key: Any, default: Any = None) -> Any:
-        return self[key] if key in self else default
+        if key not in self:
+            return default
+        return self[key]
 
 
 def _parse_key(key: str) -> Address | Features:
