@@ -48,7 +48,7 @@ from ._protocol import (
 )
 from ._readouts import FeatureReadout, Features
 from ._sae import Probe, Sae, load_sae
-from ._shipped import shipped_models, tiny_model_path
+from ._shipped import shipped_models, shipped_saes, tiny_model_path
 from ._steering import FeatureWrite, SteeringSpec, Write
 from ._sync import SyncModel, sync_model
 from .hookspecs import hookimpl
@@ -114,6 +114,7 @@ __all__ = [
     "load_sae",
     "run_with_cache",
     "shipped_models",
+    "shipped_saes",
     "sync_model",
     "tiny_model_path",
 ]

@@ -35,10 +35,11 @@ from typing import Any
 
 import torch
 from safetensors.torch import load as _load_bytes
-from safetensors.torch import load_file, save, save_file
+from safetensors.torch import load_file, save
 
 from ._address import Address, as_address
 from ._errors import InvalidAddress, InvalidFeatures, UnsupportedSae
+from ._shipped import resolve_sae
 from ._tl_names import TL_MODEL_LEVEL, TL_PER_LAYER, is_tl_name
 
 ARCHITECTURES: tuple[str, ...] = (
@@ -648,7 +649,8 @@ class Sae:
         SAELens ignores ``norm_scaling_factor``, which it applies only by folding."""
         path = pathlib.Path(folder)
         path.mkdir(parents=True, exist_ok=True)
-        save_file(self._cpu_state(), str(path / WEIGHTS_FILENAME))
+        # bytes written like any file (safetensors' save_file leaves it readable by its owner only)
+        (path / WEIGHTS_FILENAME).write_bytes(save(self._cpu_state()))
         (path / CFG_FILENAME).write_text(json.dumps(self.cfg, indent=2) + "\n")
 
     def to_bytes(self) -> bytes:
@@ -843,7 +845,8 @@ def _expect_tensors(tensors: Mapping[str, torch.Tensor], expected: set[str], arc
 
 def load_sae(source: str | os.PathLike[str] | Sae, *, device: str | torch.device | None = None) -> Sae:
     """A folder with ``cfg.json`` + ``sae_weights.safetensors`` (SAELens's format, or a probe saved
-    by :meth:`Probe.save`), or an :class:`Sae` returned as is (moved to ``device`` if given).
+    by :meth:`Probe.save`), the name of an SAE that ships with interp-core (``"interp:tiny-sae"``),
+    or an :class:`Sae` returned as is (moved to ``device`` if given).
 
     Tensors are loaded onto ``device`` (default CPU) in the cfg's dtype, as SAELens loads them.
     Raises ``UnsupportedSae`` for a folder that is not in this format or an architecture,
@@ -853,7 +856,7 @@ def load_sae(source: str | os.PathLike[str] | Sae, *, device: str | torch.device
         return source if device is None else source.to(device)
     if not isinstance(source, (str, os.PathLike)):
         raise UnsupportedSae(f"load_sae takes a folder path or an Sae, got {type(source).__name__}")
-    path = pathlib.Path(source)
+    path = pathlib.Path(resolve_sae(source))  # a shipped name ("interp:tiny-sae") is its folder
     if path.is_file() and path.name in (CFG_FILENAME, WEIGHTS_FILENAME):
         path = path.parent
     wanted = f"a folder with {CFG_FILENAME} and {WEIGHTS_FILENAME} (SAELens's save_model format)"
