@@ -4,6 +4,7 @@
     interp capture MODEL TEXT | --input prompts.txt --points resid_post.5,... --out acts.safetensors
     interp lens MODEL TEXT
     interp attention MODEL TEXT --layer L
+    interp features MODEL TEXT --sae NAME_OR_PATH [--top-k K] [--json] [--plot FILE]
     interp serve MODEL --backend eager --host 127.0.0.1 --port 8000 [--sae NAME=PATH]
 
 Every command works on any backend (``--backend``) through the model protocol. A mistake in the
@@ -24,6 +25,7 @@ from .._errors import InterpError
 from ._capture import add_capture
 from ._common import UserError, add_model_options, add_sae_option, load_options, parse_option
 from ._demo import add_demo
+from ._features import add_features
 from ._views import add_attention, add_lens
 
 __all__ = ["main"]
@@ -89,7 +91,8 @@ def add_serve(sub: Any) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="interp",
-        description="interp-engine on the command line: capture, logit lens, attention, steering, serving.",
+        description="interp-engine on the command line: capture, logit lens, attention, SAE features, steering, "
+        "serving.",
         epilog="Models are local HF directories, hub ids or interp:tiny. Addresses are interp-engine's "
         "(resid_post.5) or TransformerLens hook names (blocks.5.hook_resid_post).",
     )
@@ -99,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_capture(sub)
     add_lens(sub)
     add_attention(sub)
+    add_features(sub)
     add_serve(sub)
     return parser
 
@@ -113,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
-        parser.error("choose a command: demo, capture, lens, attention or serve")
+        parser.error("choose a command: demo, capture, lens, attention, features or serve")
     try:
         status: int = args.func(args)
     except (UserError, InterpError, OSError) as exc:

@@ -1,15 +1,20 @@
-"""``interp demo``: capture, logit lens, attention and steering on one model, as tables and PNGs."""
+"""``interp demo``: capture, logit lens, attention, steering and SAE features on one model, as
+tables and PNGs."""
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .._address import Address
-from .._errors import UnsupportedAddress
-from .._steering import SteeringSpec, Write
+from .._errors import InterpError, UnsupportedAddress
+from .._readouts import FeatureReadout, Features
+from .._sae import Sae, load_sae
+from .._steering import FeatureWrite, SteeringSpec, Write
 from .._sync import SyncModel
 from ._common import (
     DEFAULT_MODEL,
@@ -20,13 +25,20 @@ from ._common import (
     figure_class,
     opened,
     prompt_ids,
+    save_figure,
     show_token,
     table,
 )
+from ._features import attach_name, describe_sae, feature_cells, feature_names, fired, label, plot_features
 from ._views import lens_top_k, logit_lens, plot_heads, plot_lens
 
 PROMPT = "The capital of France is"
 CONTRAST = "The capital of Germany is"
+SAE = "interp:tiny-sae"
+SAE_TOP_K = 4
+"""Features shown per token in the demo's SAE section."""
+MAX_TRIALS = 16
+"""At most this many of the last token's features are ablated one at a time (the strongest)."""
 
 
 def repeated_random(sync: SyncModel, length: int, seed: int) -> tuple[list[int], int]:
@@ -159,9 +171,204 @@ def section_steering(sync: SyncModel, ids: list[int], contrast: str, layer: int,
         print(f"\n   plain:   {text_plain!r}\n   steered: {text_steered!r}")
 
 
+@dataclass
+class DemoSae:
+    """The SAE the demo attached: its source, attached name, the SAE and its named features."""
+
+    source: str
+    name: str
+    sae: Sae
+    names: dict[int, str]
+
+
+def attach_demo_sae(sync: SyncModel, source: str, sae: Sae) -> DemoSae | str:
+    """Attach ``sae`` before the first request (as ``vllm-static`` needs); the reason it was
+    not attached (another model's width, a backend without SAEs) otherwise."""
+    attach = getattr(sync.model, "attach_sae", None)
+    if attach is None:
+        return f"the {sync.model.backend} backend's models take no SAEs (no attach_sae)"
+    name = attach_name(source)
+    try:
+        attach(name, sae)
+    except (InterpError, ValueError, KeyError) as exc:
+        return " ".join(str(exc.args[0] if isinstance(exc, KeyError) and exc.args else exc).split())
+    names = {i: n for i, n in feature_names(source).items() if 0 <= i < sae.d_sae}
+    return DemoSae(source, name, sae, names)
+
+
+def next_token(sync: SyncModel, ids: list[int], spec: SteeringSpec | None = None) -> torch.Tensor:
+    """The next-token probabilities after ``ids`` (under ``spec``)."""
+    logits = Address("logits")
+    probs: torch.Tensor = sync.capture(ids, [logits], steering_spec=spec)[logits][-1].float().softmax(-1)
+    return probs
+
+
+def active(readout: FeatureReadout, position: int) -> dict[int, float]:
+    """Every feature that fires at ``position`` of a dense readout, and its value."""
+    row = readout.values[position]
+    return {int(i): float(row[i]) for i in torch.nonzero(row > 0).flatten()}
+
+
+def transplant(name: str, here: Mapping[int, float], there: Mapping[int, float], position: int) -> list[FeatureWrite]:
+    """Writes that give ``position`` the features ``there`` in place of ``here``: ablate what fires
+    only here, clamp everything that fires there to its value there (the error term is kept)."""
+    writes = [FeatureWrite(name, i, "ablate", positions=[position]) for i in here if i not in there]
+    return writes + [FeatureWrite(name, i, "clamp", v, positions=[position]) for i, v in there.items()]
+
+
+@dataclass
+class NamedHit:
+    """A named feature of the SAE that fires on the prompt: where it fires, and where most."""
+
+    feature: int
+    name: str
+    positions: list[int]
+    strongest: int
+    value: float
+
+
+def named_hits(sync: SyncModel, demo: DemoSae, ids: list[int]) -> list[NamedHit]:
+    """The named features that fire on ``ids``, strongest first (values read with ``ids=``, so
+    they count outside a token's top k too)."""
+    if not demo.names:
+        return []
+    spec = Features(demo.name, ids=sorted(demo.names))
+    values = sync.capture(ids, [spec])[spec].values  # [n, named]
+    hits = []
+    for col, feature in enumerate(sorted(demo.names)):
+        where = [int(p) for p in torch.nonzero(values[:, col] > 0).flatten()]
+        if where:
+            best = max(where, key=lambda p: float(values[p, col]))
+            hits.append(NamedHit(feature, demo.names[feature], where, best, float(values[best, col])))
+    return sorted(hits, key=lambda h: -h.value)
+
+
+def section_features(sync: SyncModel, demo: DemoSae, ids: list[int]) -> list[NamedHit]:
+    spec = Features(demo.name, top_k=SAE_TOP_K)
+    readout = sync.capture(ids, [spec])[spec]
+    tokens = sync.to_str_tokens(ids)
+    print(f"\n6. features: {describe_sae(demo.source, demo.sae)}, the top {SAE_TOP_K} at each token\n")
+    rows = []
+    for position, token in enumerate(tokens):
+        error = "-" if readout.error_norm is None else f"{float(readout.error_norm[position]):.2f}"
+        rows.append([position, show_token(token), error, feature_cells(fired(readout, position), demo.names)])
+    print(table(["pos", "token", "error", "top features (id:value; error: |x - reconstruct(x)|)"], rows))
+    hits = named_hits(sync, demo, ids)
+    if not demo.names:
+        print(f"\n   (no features.json beside {demo.source} names its features)")
+    elif not hits:
+        print(f"\n   none of the {len(demo.names)} features its features.json names fires on the prompt")
+    for hit in hits:
+        where = f"on {show_token(tokens[hit.strongest])} ({hit.value:.2f})"
+        if len(hit.positions) > 1:
+            where = f"on {len(hit.positions)} tokens, most {where}"
+        others = len(tokens) - len(hit.positions)
+        rest = f"and on none of the other {others} tokens" if others else "(every token)"
+        print(f"\n   the {hit.name!r} feature ({hit.feature}) fires {where} {rest}")
+    return hits
+
+
+def _top(sync: SyncModel, probs: torch.Tensor, k: int = 3) -> str:
+    top = probs.topk(k)
+    return ", ".join(
+        f"{show_token(sync.to_str_tokens([int(i)])[0])} {float(p):.2f}"
+        for p, i in zip(top.values, top.indices, strict=True)
+    )
+
+
+def section_feature_steering(
+    sync: SyncModel, demo: DemoSae, ids: list[int], contrast: str, hits: Sequence[NamedHit]
+) -> None:
+    """Feature writes that try to change the answer: ablate the strongest named feature where it
+    fires, ablate (one at a time) each feature of the last token and keep the one the answer
+    needs most, and give the prompt the contrast prompt's features. What each does is measured."""
+    tokens = sync.to_str_tokens(ids)
+    last = len(ids) - 1
+    plain = next_token(sync, ids)
+    answer = int(plain.argmax())
+    shown = show_token(sync.to_str_tokens([answer])[0])
+    print(
+        f"\n7. steering by feature: writes through {demo.source} at {demo.sae.address} (ablate = clamp to 0; "
+        f"a clamp keeps the SAE's error term), and what they do to the next token\n"
+    )
+    rows: list[list[object]] = [["none", _top(sync, plain), f"{float(plain[answer]):.2f}"]]
+    findings: list[str] = []
+
+    def tried(what: str, writes: list[FeatureWrite]) -> torch.Tensor:
+        probs = next_token(sync, ids, SteeringSpec(writes))
+        rows.append([what, _top(sync, probs), f"{float(probs[answer]):.2f}"])
+        return probs
+
+    def outcome(probs: torch.Tensor) -> str:
+        now = int(probs.argmax())
+        moved = f"P({shown}) {float(plain[answer]):.3f} -> {float(probs[answer]):.3f}"
+        if now == answer:
+            return f"the answer stays {shown} ({moved})"
+        return f"the answer becomes {show_token(sync.to_str_tokens([now])[0])} ({float(probs[now]):.2f}; {moved})"
+
+    if hits:
+        hit = hits[0]
+        where = " and ".join(show_token(tokens[p]) for p in hit.positions)
+        probs = tried(
+            f"ablate {label(hit.feature, demo.names)} at {where}",
+            [FeatureWrite(demo.name, hit.feature, "ablate", positions=hit.positions)],
+        )
+        findings.append(f"ablating the {hit.name!r} feature where it fires: {outcome(probs)}")
+
+    dense = Features(demo.name, dense=True)
+    mine = sync.capture(ids, [dense])[dense]
+    at_last = active(mine, last)
+    candidates = sorted(at_last, key=lambda i: -at_last[i])[:MAX_TRIALS]
+    if candidates:
+        trials = {
+            i: next_token(sync, ids, SteeringSpec([FeatureWrite(demo.name, i, "ablate", positions=[last])]))
+            for i in candidates
+        }
+        needed = min(trials, key=lambda i: float(trials[i][answer]))
+        rows.append(
+            [
+                f"ablate {label(needed, demo.names)} at {show_token(tokens[last])}",
+                _top(sync, trials[needed]),
+                f"{float(trials[needed][answer]):.2f}",
+            ]
+        )
+        tried_all = "" if len(candidates) == len(at_last) else f" strongest of the {len(at_last)}"
+        findings.append(
+            f"each of the {len(candidates)}{tried_all} features at the last token ablated in turn: "
+            f"ablating {needed} lowers P({shown}) most; {outcome(trials[needed])}"
+        )
+
+    other = prompt_ids(sync, contrast)
+    theirs = sync.capture(other, [dense])[dense]
+    pairs = [(last, len(other) - 1)]  # the last tokens, and the named feature's strongest tokens
+    if hits:
+        there = [p for p in range(len(other)) if float(theirs.values[p, hits[0].feature]) > 0]
+        if there and hits[0].strongest != last:
+            best = max(there, key=lambda p: float(theirs.values[p, hits[0].feature]))
+            pairs.insert(0, (hits[0].strongest, best))
+    writes = [w for p, q in pairs for w in transplant(demo.name, active(mine, p), active(theirs, q), p)]
+    where = ", ".join(show_token(tokens[p]) for p, _ in pairs)
+    other_tokens = sync.to_str_tokens(other)
+    source = ", ".join(show_token(other_tokens[q]) for _, q in pairs)
+    probs = tried(f"features of {source} at {where}", writes)
+    ablated = sum(w.op == "ablate" for w in writes)
+    findings.append(
+        f"{where} given the features of {source} in {contrast!r} ({ablated} ablations, "
+        f"{len(writes) - ablated} clamps): {outcome(probs)}"
+    )
+    contrast_probs = next_token(sync, other)
+    rows.append(["(the contrast prompt itself)", _top(sync, contrast_probs), f"{float(contrast_probs[answer]):.2f}"])
+
+    print(table(["feature writes", "next token (top 3)", f"P({shown})"], rows))
+    for line in findings:
+        print(f"\n   {line}")
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     figure = figure_class(args)
+    sae = load_sae(args.sae) if args.sae else None  # a bad --sae is one line, before the model loads
     with opened(args) as sync:
+        demo = attach_demo_sae(sync, args.sae, sae) if sae is not None else None  # before any request
         info = sync.model.info
         layer = info.n_layers // 2 if args.layer is None else args.layer
         if not -info.n_layers <= layer < info.n_layers:
@@ -186,6 +393,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
         section_steering(sync, ids, args.contrast, layer, args.scale, args.max_tokens)
 
+        if isinstance(demo, DemoSae):
+            hits = section_features(sync, demo, ids)
+            if demo.sae.has_decoder and not demo.sae.is_transcoder:
+                section_feature_steering(sync, demo, ids, args.contrast, hits)
+            else:
+                kind = "a transcoder" if demo.sae.is_transcoder else "a probe"
+                print(f"\n7. steering by feature: skipped: {args.sae} is {kind}; the clamps here need an SAE")
+        elif demo is not None:
+            print(f"\n6. features: skipped ({args.sae} cannot be attached here): {demo}")
+
         if figure is not None:
             print()
             plot_lens(figure, sync, lens, list(range(len(ids))), args.out, "lens.png")
@@ -194,17 +411,25 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 pattern = sync.capture_attention(rand_ids, [layer_])[Address("attn_pattern", layer_)]
                 title = f"layer {layer_} on repeated random tokens (head {head}: induction {score:.2f})"
                 plot_heads(figure, pattern, sync.to_str_tokens(rand_ids), title, args.out, "induction.png")
+            if isinstance(demo, DemoSae):
+                spec = Features(demo.name, top_k=SAE_TOP_K)
+                readout = sync.capture(ids, [spec])[spec]
+                title = f"{demo.source}: top {SAE_TOP_K} features per token of {args.prompt!r}"
+                fig = plot_features(figure, sync.to_str_tokens(ids), readout, demo.names, title)
+                save_figure(fig, args.out, "features.png")
     return 0
 
 
 def add_demo(sub: Any) -> None:
     parser = sub.add_parser(
         "demo",
-        help="a tour: capture, logit lens, attention and steering, as tables and PNGs",
+        help="a tour: capture, logit lens, attention, steering and SAE features, as tables and PNGs",
         description="A tour of one model: the residual stream's norm through the layers, the logit "
         "lens at the prompt's last token, each head's induction score on repeated random tokens, "
-        "what zero-ablating the earlier previous-token heads leaves of the strongest one, and "
-        "steering with the difference of two prompts' residuals. Writes lens.png and induction.png to --out.",
+        "what zero-ablating the earlier previous-token heads leaves of the strongest one, "
+        "steering with the difference of two prompts' residuals, an SAE's top features at the "
+        "prompt's tokens, and feature writes (ablations, clamps) that move the answer. Writes "
+        "lens.png, induction.png and features.png to --out.",
         epilog="example: interp demo --out demo-plots   (or: interp demo path/to/model --prompt '...')",
     )
     parser.add_argument(
@@ -223,6 +448,12 @@ def add_demo(sub: Any) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random tokens (0)")
     parser.add_argument(
         "--ablate-heads", type=int, default=3, help="earlier heads ablated one at a time against the induction head (3)"
+    )
+    parser.add_argument(
+        "--sae",
+        default=SAE,
+        metavar="NAME_OR_PATH",
+        help=f"the SAE of the features sections: a folder in SAELens's format or a shipped name ({SAE}); '' skips them",
     )
     add_plot_options(parser, "interp-demo")
     add_model_options(parser)
