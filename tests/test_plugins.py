@@ -356,6 +356,9 @@ ERRORS: dict[str, type[BaseException]] = {
     "RunningLoopError": RuntimeError,
     "StaticConfigError": RuntimeError,
     "BackendError": RuntimeError,
+    "UnsupportedSae": ValueError,
+    "UnknownSae": KeyError,
+    "InvalidFeatures": ValueError,
 }
 
 

@@ -9,6 +9,8 @@ import re
 
 import torch
 
+from interp_engine import Features
+
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 
 
@@ -37,7 +39,7 @@ def test_the_sae_examples_run_and_print_what_the_readme_shows() -> None:
     assert values is not None
     torch.testing.assert_close(top.values[0, 3], torch.tensor(eval(values.group(1))), atol=1e-3, rtol=0)  # type: ignore[attr-defined]
     steered = namespace["steered"]
-    readback = float(steered["features:res:ids=813"].values[3, 0])  # type: ignore[index]
+    readback = float(steered[Features("res", ids=[813])].values[3, 0])  # type: ignore[index]
     said = re.search(r"reads back\s+(\d+\.\d) instead of (\d+\.\d)", section)
     assert said is not None and f"{readback:.1f}" == said.group(1)
     assert f"{float(top.values[0, 3, 0]):.1f}" == said.group(2)  # type: ignore[attr-defined]

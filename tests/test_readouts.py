@@ -127,15 +127,13 @@ def test_bad_feature_writes_are_refused() -> None:
         SteeringSpec.from_dict({"writes": [{"sae": "res", "feature": 1, "scale": 2}]})
 
 
-def test_results_are_a_dict_that_also_takes_string_keys() -> None:
+def test_results_are_a_plain_dict_keyed_by_address_and_features() -> None:
     from interp_engine import Address, Results
 
     readout = FeatureReadout(torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.long))
     results = Results({Address("resid_post", -1): torch.zeros(2, 4), Features("res", 1): readout})
     assert isinstance(results, dict)
-    assert results["resid_post.-1"] is results[Address("resid_post", -1)]
-    assert results["features:res:top1"] is readout
-    assert "features:res:top1" in results and "resid_post.0" not in results and "nonsense" not in results
-    assert results.get("resid_post.3") is None
-    with pytest.raises(KeyError, match="they hold"):
-        results["resid_post.0"]
+    assert results[Features.parse("features:res:top1")] is readout
+    assert "features:res:top1" not in results and "resid_post.-1" not in results  # SPEC §3: not its string
+    with pytest.raises(KeyError):
+        results["resid_post.-1"]  # type: ignore[call-overload]

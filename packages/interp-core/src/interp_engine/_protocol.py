@@ -84,9 +84,10 @@ Activations = dict[Address, torch.Tensor]
 
 
 class Results(dict[Address | Features, Any]):
-    """What a capture returns: a dict of activations by :class:`Address` and feature readouts
-    (:class:`FeatureReadout`) by :class:`Features`, keyed as the caller asked. Lookup also
-    takes the string forms: ``acts["resid_post.2"]``, ``acts["features:res:top8"]``."""
+    """What a capture returns: a plain dict of activations by :class:`Address` and feature
+    readouts (:class:`FeatureReadout`) by :class:`Features`, keyed as the caller asked (a string
+    key is a ``KeyError``, as for any dict keyed by ``Address``; ``Cache`` takes strings). The
+    class only types the lookups."""
 
     @overload
     def __getitem__(self, key: Address) -> torch.Tensor: ...
@@ -94,39 +95,8 @@ class Results(dict[Address | Features, Any]):
     @overload
     def __getitem__(self, key: Features) -> FeatureReadout: ...
 
-    @overload
-    def __getitem__(self, key: str) -> Any: ...
-
-    def __getitem__(self, key: Address | Features | str) -> Any:
-        try:
-            return super().__getitem__(key)  # type: ignore[index]  # a str key misses, then is parsed
-        except KeyError:
-            if not isinstance(key, str):
-                raise
-        parsed = _parse_key(key)
-        if not super().__contains__(parsed):
-            held = ", ".join(map(str, self)) or "nothing"
-            raise KeyError(f"{key} is not in these results; they hold {held}")
-        return super().__getitem__(parsed)
-
-    def __contains__(self, key: object) -> bool:
-        if super().__contains__(key):
-            return True
-        if not isinstance(key, str):
-            return False
-        try:
-            return super().__contains__(_parse_key(key))
-        except ValueError:  # InvalidAddress / InvalidFeatures: not a key of any result
-            return False
-
-    def get(self, key: Any, default: Any = None) -> Any:
-        if key not in self:
-            return default
-        return self[key]
-
-
-def _parse_key(key: str) -> Address | Features:
-    return Features.parse(key) if Features.is_form(key) else Address.parse(key)
+    def __getitem__(self, key: Address | Features) -> Any:
+        return super().__getitem__(key)
 
 
 @runtime_checkable

@@ -7,7 +7,7 @@ top-k features (``top_k``), the values of chosen feature ids (``ids``), or every
     acts = await model.capture(ids, ["resid_post.2", Features("res2", top_k=8)])
     acts[Features("res2", top_k=8)].ids       # [n_tokens, 8] feature ids (-1: fewer fired)
     acts[Features("res2", top_k=8)].values    # [n_tokens, 8]
-    acts["features:res2:top8"]                # the same, by its string form (a Cache / HTTP key)
+    cache["features:res2:top8"]               # a Cache (run_with_cache) also takes the string form
 
 :func:`read_features` is the one definition of a readout; every backend calls it on the rows of
 the activation it captured (the vLLM workers on each step's rows, so only the readout leaves them).
