@@ -9,12 +9,14 @@ captured for it with ``collective_rpc``.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import gc
+import itertools
 import os
 import uuid
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -24,7 +26,11 @@ from interp_engine import (
     BackendError,
     CheckedRequest,
     Completion,
+    FeatureReadout,
+    Features,
+    FeatureWrite,
     ForeignEventLoop,
+    InvalidFeatures,
     InvalidOption,
     InvalidSteering,
     InvalidTokens,
@@ -32,6 +38,8 @@ from interp_engine import (
     ModelClosed,
     ModelInfo,
     ModelLoadError,
+    Results,
+    Sae,
     SamplingOptions,
     SteeringSpec,
     StreamStep,
@@ -175,6 +183,17 @@ class VllmModel(TokenizerMixin, ModelBase):
         # every request that finished while the previous batch was on its way
         self._fetch_queue: list[tuple[str, asyncio.Future[list[dict[str, Any]]]]] = []
         self._fetch_task: asyncio.Task[None] | None = None
+        # streaming readouts are drained the same way, one round trip for every waiting stream
+        self._drain_queue: list[tuple[str, asyncio.Future[list[dict[str, Any]]]]] = []
+        self._drain_task: asyncio.Task[None] | None = None
+        # the SAEs the workers hold, by key: each attachment is sent once, under a key of its own
+        # ("name#n"), before the first request that names it; a request carries its names' keys
+        self._worker_saes: dict[str, tuple[str, Sae]] = {}
+        self._sae_serial = itertools.count()
+        # how many requests in flight use each key: a key whose SAE is no longer attached is
+        # dropped from the workers once none does
+        self._key_users: collections.Counter[str] = collections.Counter()
+        self._sae_lock: asyncio.Lock | None = None
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "running" if self._engine is not None else "not started"
@@ -280,19 +299,118 @@ class VllmModel(TokenizerMixin, ModelBase):
         except (TypeError, ValueError, VLLMClientError) as exc:
             raise InvalidOption(f"invalid sampling parameters: {exc}") from exc
 
+    async def _sync_saes(self, engine: Any, request: CheckedRequest) -> None:
+        """Send the workers the SAEs ``request`` names that they do not hold yet: each attachment
+        once, under a key of its own, so a name re-attached to another SAE never changes what a
+        request already sent (and perhaps still queued in vLLM) reads."""
+        self._check_tp_saes(request)
+        await self._drop_stale_saes(engine)
+        if all(self._sae_key(name, sae) is not None for name, sae in request.saes.items()):
+            return
+        async with self._lock_saes():
+            for name, sae in request.saes.items():
+                if self._sae_key(name, sae) is not None:
+                    continue
+                key = f"{name}#{next(self._sae_serial)}"
+                try:
+                    await engine.collective_rpc("interp_attach", args=(key, sae.to_bytes()))
+                except Exception as exc:
+                    raise BackendError(f"the workers could not load SAE {name!r}: {exc}") from exc
+                self._worker_saes[key] = (name, sae)
+
+    def _lock_saes(self) -> asyncio.Lock:
+        if self._sae_lock is None:
+            self._sae_lock = asyncio.Lock()
+        return self._sae_lock
+
+    def _sae_key(self, name: str, sae: Sae) -> str | None:
+        """The key the workers hold this attachment under, if they hold it."""
+        for key, (held_name, held) in self._worker_saes.items():
+            if held_name == name and held is sae:
+                return key
+        return None
+
+    def _use_saes(self, request: CheckedRequest) -> dict[str, str]:
+        """The keys of the SAEs ``request`` names (sent by :meth:`_sync_saes` just before, with no
+        await in between), counted as in use until :meth:`_unuse_saes`."""
+        keys = {}
+        for name, sae in request.saes.items():
+            key = self._sae_key(name, sae)
+            if key is not None:  # a backend that holds SAEs by name (vllm-static) has no keys
+                keys[name] = key
+                self._key_users[key] += 1
+        return keys
+
+    async def _unuse_saes(self, engine: Any, keys: dict[str, str]) -> None:
+        for key in keys.values():
+            self._key_users[key] -= 1
+            if self._key_users[key] <= 0:
+                del self._key_users[key]
+        if keys:
+            await self._drop_stale_saes(engine)
+
+    async def _drop_stale_saes(self, engine: Any) -> None:
+        """Free the workers' copies of SAEs that were detached (or re-attached under their name to
+        another SAE) once no request in flight uses them."""
+
+        def stale() -> list[str]:
+            return [
+                key
+                for key, (name, sae) in self._worker_saes.items()
+                if self._saes.get(name) is not sae and not self._key_users.get(key)
+            ]
+
+        if self._closed or not stale():
+            return
+        async with self._lock_saes():
+            for key in stale():
+                del self._worker_saes[key]  # first: a request from now on sends its SAE again
+                with contextlib.suppress(Exception):  # the engine is going away
+                    await engine.collective_rpc("interp_detach", args=(key,))
+
+    def _check_request(self, request: CheckedRequest) -> None:
+        self._check_tp_saes(request)
+
+    def _check_tp_saes(self, request: CheckedRequest) -> None:
+        """SAEs at values tensor parallelism splits across ranks are not served (readouts and
+        feature writes need whole rows)."""
+        if self.tp_size <= 1:
+            return
+        for name, sae in request.saes.items():
+            if SITES[sae.address.kind].shard is not None:
+                raise InvalidFeatures(
+                    f"SAE {name!r} reads {sae.address}, which tensor parallelism splits across ranks "
+                    f"(tensor_parallel_size={self.tp_size}); SAEs are served at whole-row addresses "
+                    "under TP (resid_*, attn_out, mlp_out, attn_in, mlp_in)"
+                )
+
     def _payload(
-        self, rid: str, points: Iterable[Address], writes: list[Write], n_prompt: int, n_total: int
+        self,
+        rid: str,
+        points: Iterable[Address],
+        writes: list[Write | FeatureWrite],
+        n_prompt: int,
+        n_total: int,
+        readouts: Iterable[Features] = (),
+        *,
+        stream: bool = False,
     ) -> RequestPayload:
         from interp_engine._writes import WHOLE_ROW_OPS
 
-        split = [w for w in writes if w.op in WHOLE_ROW_OPS and SITES[w.address.kind].shard == "last"]
+        split = [
+            w
+            for w in writes
+            if isinstance(w, Write) and w.op in WHOLE_ROW_OPS and SITES[w.address.kind].shard == "last"
+        ]
         if self.tp_size > 1 and split:
             raise InvalidSteering(
                 f"{split[0].op} at {split[0].address} is not available under tensor parallelism (its values "
                 f"are split across ranks, and {split[0].op} needs a projection or a norm over all of them); "
                 f"use add or set there (ops that need the whole vector: {', '.join(WHOLE_ROW_OPS)})"
             )
-        return RequestPayload(rid, tuple(points), tuple(writes), n_prompt, n_total)
+        return RequestPayload(
+            rid, tuple(points), tuple(writes), n_prompt, n_total, readouts=tuple(readouts), stream=stream
+        )
 
     async def _outputs(
         self, engine: Any, ids: list[int], params: Any, rid: str, salt: str | None
@@ -326,14 +444,19 @@ class VllmModel(TokenizerMixin, ModelBase):
         future: asyncio.Future[list[dict[str, Any]]] = asyncio.get_running_loop().create_future()
         self._fetch_queue.append((rid, future))
         if self._fetch_task is None or self._fetch_task.done():
-            self._fetch_task = asyncio.ensure_future(self._fetch_batches(engine))
+            self._fetch_task = asyncio.ensure_future(self._batches(engine, "interp_fetch_many", self._fetch_queue))
         return await future
 
-    async def _fetch_batches(self, engine: Any) -> None:
-        while self._fetch_queue:
-            batch, self._fetch_queue = self._fetch_queue, []
+    async def _batches(
+        self, engine: Any, method: str, queue: list[tuple[str, asyncio.Future[list[dict[str, Any]]]]]
+    ) -> None:
+        """Answer every waiter in ``queue`` (drained in place) with ``method`` over their ids:
+        one engine-core round trip for all requests waiting while the previous one was out."""
+        while queue:
+            batch = list(queue)
+            queue.clear()
             try:
-                ranks = await engine.collective_rpc("interp_fetch_many", args=([rid for rid, _ in batch],))
+                ranks = await engine.collective_rpc(method, args=([rid for rid, _ in batch],))
             except BaseException as exc:
                 for _, future in batch:
                     if not future.done():
@@ -349,7 +472,9 @@ class VllmModel(TokenizerMixin, ModelBase):
         """The request finished or was aborted in vLLM and captured nothing: the workers forget
         it on their own when vLLM tells them (before any later request is admitted)."""
 
-    async def _fetch(self, engine: Any, rid: str, points: Iterable[Address], n: int) -> dict[Address, torch.Tensor]:
+    async def _fetch(
+        self, engine: Any, rid: str, points: Iterable[Address], n: int, readouts: Iterable[Features] = ()
+    ) -> tuple[dict[Address, torch.Tensor], dict[Features, FeatureReadout]]:
         try:
             blobs = await self._fetch_blobs(engine, rid)
         except Exception as exc:
@@ -377,7 +502,15 @@ class VllmModel(TokenizerMixin, ModelBase):
             if address.info.width == "heads x keys":  # [q, heads, k] -> [heads, q, k]
                 value = value[:, :, :n].permute(1, 0, 2).contiguous()
             values[address] = value
-        return values
+        found = {}
+        for spec in readouts:  # rank 0 computes them
+            if spec not in ranks[0].readouts:
+                raise BackendError(f"the readout {spec} did not fire for this request")
+            positions, readout = ranks[0].readouts[spec]
+            if positions.shape[0] < n or not torch.equal(positions[:n], torch.arange(n)):
+                raise BackendError(f"the readout {spec} saw {positions.shape[0]} of the {n} positions of this request")
+            found[spec] = readout[:n]
+        return values, found
 
     async def _release(self, engine: Any, rid: str) -> None:
         if not self._closed:
@@ -386,25 +519,30 @@ class VllmModel(TokenizerMixin, ModelBase):
 
     async def capture(
         self, token_ids: Sequence[int], points: Iterable[Any], *, steering_spec: SteeringSpec | None = None
-    ) -> dict[Address, torch.Tensor]:
+    ) -> Results:
         """Activations ``[n_tokens, width]`` (attention ``[heads, q, k]``, computed from the
         post-rotary queries and keys vLLM's kernels receive) over the prompt."""
         request = self._check_capture(token_ids, points, steering_spec)
         ids, writes, resolved = request.token_ids, request.writes, request.addresses
         engine = await self._ready()
-        rid = f"interp-{uuid.uuid4().hex}"
-        payload = self._payload(rid, resolved, writes, len(ids), len(ids))
-        params = self._sampling(1, SamplingOptions(), extra_args=payload.extra_args())
-        fetched = False
+        await self._sync_saes(engine, request)
+        keys = self._use_saes(request)
         try:
-            async for _ in self._outputs(engine, ids, params, rid, rid):
-                pass
-            values = await self._fetch(engine, rid, resolved, len(ids))
-            fetched = True
+            rid = f"interp-{uuid.uuid4().hex}"
+            payload = self._payload(rid, resolved, writes, len(ids), len(ids), request.readouts)
+            params = self._sampling(1, SamplingOptions(), extra_args=_keyed(payload, keys).extra_args())
+            fetched = False
+            try:
+                async for _ in self._outputs(engine, ids, params, rid, rid):
+                    pass
+                values, readouts = await self._fetch(engine, rid, resolved, len(ids), request.readouts)
+                fetched = True
+            finally:
+                if not fetched:
+                    await self._release(engine, rid)
         finally:
-            if not fetched:
-                await self._release(engine, rid)
-        return request.keyed(values)
+            await self._unuse_saes(engine, keys)
+        return request.keyed(values, readouts)
 
     async def capture_generation(
         self,
@@ -414,7 +552,7 @@ class VllmModel(TokenizerMixin, ModelBase):
         max_tokens: int,
         steering_spec: SteeringSpec | None = None,
         **sampling: Any,
-    ) -> tuple[Completion, dict[Address, torch.Tensor]]:
+    ) -> tuple[Completion, Results]:
         """A completion and activations ``[n_prompt + n_generated, width]``.
 
         vLLM never runs the forward of the last token it samples, so the request asks for one
@@ -422,17 +560,29 @@ class VllmModel(TokenizerMixin, ModelBase):
         request = self._check_generation(
             token_ids, points, max_tokens=max_tokens, steering_spec=steering_spec, sampling=sampling
         )
-        ids, writes, resolved, max_tokens = request.token_ids, request.writes, request.addresses, request.max_tokens
         engine = await self._ready()
+        await self._sync_saes(engine, request)
+        keys = self._use_saes(request)
+        try:
+            return await self._capture_generation(engine, request, keys)
+        finally:
+            await self._unuse_saes(engine, keys)
+
+    async def _capture_generation(
+        self, engine: Any, request: CheckedRequest, keys: dict[str, str]
+    ) -> tuple[Completion, Results]:
+        ids, writes, resolved, max_tokens = request.token_ids, request.writes, request.addresses, request.max_tokens
         rid = f"interp-{uuid.uuid4().hex}"
         n = len(ids)
+        captures = bool(resolved or request.readouts)
         limit = min(max_tokens + 1, self.info.n_ctx + 1 - n)
         from vllm.sampling_params import RequestOutputKind
 
+        payload = self._payload(rid, resolved, writes, n, n + max_tokens + 1, request.readouts)
         params = self._sampling(
             limit,
             dataclasses.replace(request.sampling, ignore_eos=True),  # the stop is found here
-            extra_args=self._payload(rid, resolved, writes, n, n + max_tokens + 1).extra_args(),
+            extra_args=_keyed(payload, keys).extra_args(),
             output_kind=RequestOutputKind.DELTA,
         )
         tokens: list[int] = []
@@ -445,14 +595,16 @@ class VllmModel(TokenizerMixin, ModelBase):
                 if len(tokens) > keep or output.finished:
                     break
             keep = min(keep, len(tokens))
-            values = await self._fetch(engine, rid, resolved, n + keep) if resolved else {}
+            values, readouts = (
+                await self._fetch(engine, rid, resolved, n + keep, request.readouts) if captures else ({}, {})
+            )
             fetched = True
         finally:
-            if not resolved:
+            if not captures:
                 await self._done(engine, rid)
             elif not fetched:
                 await self._release(engine, rid)
-        return self._completion(tokens[:keep], request.sampling), request.keyed(values)
+        return self._completion(tokens[:keep], request.sampling), request.keyed(values, readouts)
 
     async def generate(
         self,
@@ -476,12 +628,15 @@ class VllmModel(TokenizerMixin, ModelBase):
         max_tokens: int,
         n_logprobs: int = 0,
         steering_spec: SteeringSpec | None = None,
+        features: Iterable[Any] = (),
         **sampling: Any,
     ) -> AsyncIterator[StreamStep]:
-        """Generated tokens one by one, with the top-``n_logprobs`` pairs from vLLM's sampler."""
+        """Generated tokens one by one, with the top-``n_logprobs`` pairs from vLLM's sampler and
+        the ``features`` readouts at the position that produced each (encoded in the workers,
+        drained step by step: only the readouts leave them)."""
         request = self._check_generation(
             token_ids,
-            [],
+            self._stream_readouts(features),
             max_tokens=max_tokens,
             steering_spec=steering_spec,
             sampling=sampling,
@@ -491,34 +646,82 @@ class VllmModel(TokenizerMixin, ModelBase):
             yield step
 
     async def _steps(self, request: CheckedRequest) -> AsyncIterator[StreamStep]:
-        ids, writes, max_tokens, n_logprobs = request.token_ids, request.writes, request.max_tokens, request.n_logprobs
         engine = await self._ready()
+        await self._sync_saes(engine, request)
+        keys = self._use_saes(request)
+        steps = self._stream_steps(engine, request, keys)
+        try:
+            async for step in steps:
+                yield step
+        finally:
+            try:
+                await steps.aclose()  # a caller that stops early: abort and release the request now
+            finally:
+                await self._unuse_saes(engine, keys)
+
+    async def _stream_steps(
+        self, engine: Any, request: CheckedRequest, keys: dict[str, str]
+    ) -> AsyncGenerator[StreamStep, None]:
+        ids, writes, max_tokens, n_logprobs = request.token_ids, request.writes, request.max_tokens, request.n_logprobs
+        readouts = request.readouts
         from vllm.sampling_params import RequestOutputKind
 
         rid = f"interp-{uuid.uuid4().hex}"
         extra: dict[str, Any] = {"output_kind": RequestOutputKind.DELTA}
         if n_logprobs:
             extra["logprobs"] = n_logprobs
-        if writes:
-            extra["extra_args"] = self._payload(rid, [], writes, len(ids), len(ids) + max_tokens).extra_args()
+        if writes or readouts:
+            payload = self._payload(rid, [], writes, len(ids), len(ids) + max_tokens, readouts, stream=True)
+            extra["extra_args"] = _keyed(payload, keys).extra_args()
         params = self._sampling(max_tokens, request.sampling, **extra)
         pieces = TextPieces(self.completion_text)
-        # a steered request neither reuses cached KV (its writes must run on every prompt token)
-        # nor leaves its steered KV behind for others: a unique salt keeps it out of the cache
-        salt = rid if writes else None
+        # a steered or read request neither reuses cached KV (its taps must run on every prompt
+        # token) nor leaves its steered KV behind for others: a unique salt keeps it out of the cache
+        salt = rid if writes or readouts else None
+        position = len(ids) - 1  # the forward that produces the first token runs at the prompt's last
+        pending: dict[int, dict[Features, FeatureReadout]] = {}
         try:
             async for output in self._outputs(engine, ids, params, rid, salt):
                 choice = output.outputs[0]
+                if readouts and choice.token_ids:
+                    await self._drain(engine, rid, pending)
                 for i, token in enumerate(choice.token_ids):
                     last = output.finished and i == len(choice.token_ids) - 1
                     top: list[tuple[int, float]] = []
                     if n_logprobs and choice.logprobs:
                         ranked = sorted(choice.logprobs[i].items(), key=lambda kv: -kv[1].logprob)
                         top = [(int(t), float(lp.logprob)) for t, lp in ranked[:n_logprobs]]
-                    yield StreamStep(int(token), pieces.add(int(token), last=last), top)
+                    step_features = pending.pop(position, {}) if readouts else {}
+                    if readouts and len(step_features) != len(readouts):
+                        raise BackendError(f"the readouts of position {position} did not come back from the workers")
+                    yield StreamStep(
+                        int(token), pieces.add(int(token), last=last), top, position=position, features=step_features
+                    )
+                    position += 1
         finally:
-            if writes:
+            if readouts:
+                await self._release(engine, rid)
+            elif writes:
                 await self._done(engine, rid)
+
+    async def _drain(self, engine: Any, rid: str, pending: dict[int, dict[Features, FeatureReadout]]) -> None:
+        """Add a streaming request's readouts so far to ``pending`` (by position)."""
+        future: asyncio.Future[list[dict[str, Any]]] = asyncio.get_running_loop().create_future()
+        self._drain_queue.append((rid, future))
+        if self._drain_task is None or self._drain_task.done():
+            self._drain_task = asyncio.ensure_future(self._batches(engine, "interp_drain_many", self._drain_queue))
+        try:
+            blobs = await future
+        except Exception as exc:
+            if self._closed:
+                raise ModelClosed("the model was shut down while this call was in flight") from exc
+            raise BackendError(f"the workers could not return this request's readouts: {exc}") from exc
+        fetched = Fetched.decode(blobs[0])  # rank 0 computes readouts
+        for blob in blobs:
+            Fetched.decode(blob).raise_error()
+        for spec, (positions, readout) in fetched.readouts.items():
+            for row, p in enumerate(positions.tolist()):
+                pending.setdefault(int(p), {})[spec] = readout[row]
 
     async def worker_stats(self) -> list[dict[str, int]]:
         """Per-worker counters: live requests (for leak checks) and vLLM's and Dynamo's
@@ -556,6 +759,11 @@ class VllmModel(TokenizerMixin, ModelBase):
                 process.join(timeout=10)
             del engine
             gc.collect()  # let AsyncLLM.__del__ run now, not during interpreter teardown
+
+
+def _keyed(payload: RequestPayload, keys: dict[str, str]) -> RequestPayload:
+    """``payload`` naming the keys its SAEs are held under in the workers."""
+    return dataclasses.replace(payload, sae_keys=keys) if keys else payload
 
 
 def _engine_processes(engine: Any) -> list[Any]:

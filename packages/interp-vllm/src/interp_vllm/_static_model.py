@@ -8,12 +8,24 @@ the ``vllm`` backend, checked against the declared set.
 
 Steering uses slot tables in the workers; a request holds its slots from submission until its
 values are fetched or released, and waits here (not in vLLM) while the tables are full.
+
+SAEs attached before the engine is built are compiled in: each is saved to a folder this model
+owns (removed at shutdown) and named in the static config; the workers load them before
+compiling and encode every token in-graph (:class:`~._static.StaticSae`). Readouts are served
+from what the graph keeps (the top ``static_sae_top_k`` features per token, every feature of a
+dictionary no wider than ``static_sae_dense_max``); feature clamps are per-token tables filled
+by the workers (no slots to reserve). Attaching or detaching after the build is a
+``StaticConfigError``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
+import pathlib
+import shutil
+import tempfile
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -22,24 +34,45 @@ import torch
 from interp_engine import (
     Address,
     CheckedRequest,
+    FeatureReadout,
+    Features,
+    FeatureWrite,
+    InvalidFeatures,
     InvalidOption,
     InvalidSteering,
+    Sae,
     StaticConfigError,
     UndeclaredAddress,
+    UnknownSae,
     UnsupportedAddress,
     Write,
 )
-from interp_engine.validation import heads_of, requested_points
+from interp_engine.validation import heads_of, requested_points, write_positions
 
 from ._model import ENGINE_DEFAULTS, VllmModel
 from ._sites import POINT_KINDS as STATIC_POINT_KINDS
-from ._sites import STATIC_WRITE_KINDS
-from ._static import plan_writes
+from ._sites import SITES, STATIC_WRITE_KINDS
+from ._static import SaeLayout, plan_writes
 from ._static_worker import CONFIG_KEY
 from ._wire import RequestPayload
 
 DEFAULT_SLOTS = 256
-STATIC_OPTIONS = ("static_points", "static_writes", "static_write_slots")
+DEFAULT_SAE_TOP_K = 64
+DEFAULT_SAE_DENSE_MAX = 1024
+STATIC_OPTIONS = (
+    "static_points",
+    "static_writes",
+    "static_write_slots",
+    "static_sae_top_k",
+    "static_sae_dense_max",
+)
+
+
+def _count_option(options: dict[str, Any], name: str, default: int, least: int) -> int:
+    value = options.pop(name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise InvalidOption(f"{name} must be an int >= {least}, got {value!r}")
+    return value
 
 
 class StaticVllmModel(VllmModel):
@@ -57,11 +90,15 @@ class StaticVllmModel(VllmModel):
         options = dict(options)
         points = options.pop("static_points", "auto")
         writes = options.pop("static_writes", None)
-        slots = options.pop("static_write_slots", DEFAULT_SLOTS)
-        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
-            raise InvalidOption(f"static_write_slots must be an int >= 1, got {slots!r}")
+        slots = _count_option(options, "static_write_slots", DEFAULT_SLOTS, 1)
+        sae_top_k = _count_option(options, "static_sae_top_k", DEFAULT_SAE_TOP_K, 1)
+        sae_dense_max = _count_option(options, "static_sae_dense_max", DEFAULT_SAE_DENSE_MAX, 0)
         super().__init__(name_or_path, options)
         self.static_write_slots = slots
+        self.static_sae_top_k = sae_top_k
+        self.static_sae_dense_max = sae_dense_max
+        self._compiled_saes: dict[str, Sae] = {}  # what the engine was built with
+        self._sae_folder: str | None = None  # where they were saved for the workers (ours)
         self._points: list[Address] | None = None
         self._writes: list[Address] = []
         self._frozen = False
@@ -139,12 +176,130 @@ class StaticVllmModel(VllmModel):
         extra = args.get("additional_config") or {}
         if not isinstance(extra, dict):
             raise InvalidOption("vllm-static needs additional_config to be a dict (it adds its tap set there)")
-        declared = {
+        declared: dict[str, Any] = {
             "points": [str(a) for a in self.static_points],
             "writes": [str(a) for a in self.static_writes],
             "slots": self.static_write_slots + 1,  # slot 0 is the identity
         }
+        if self.saes:
+            declared["saes"] = self._save_saes()
+            declared["sae_top_k"] = self.static_sae_top_k
+            declared["sae_dense_max"] = self.static_sae_dense_max
         return {**args, "additional_config": {**extra, CONFIG_KEY: declared}}
+
+    def _save_saes(self) -> dict[str, dict[str, str]]:
+        """Write each attached SAE into a folder of ours for the workers to load; the config names
+        the folder and a digest of the SAE (the compile hash covers what the graph holds)."""
+        if self._sae_folder is None:
+            self._sae_folder = tempfile.mkdtemp(prefix="interp-engine-static-saes-")
+        entries = {}
+        for index, (name, sae) in enumerate(self.saes.items()):
+            folder = pathlib.Path(self._sae_folder) / str(index)
+            if folder.exists():
+                shutil.rmtree(folder)
+            sae.save(folder)
+            digest = hashlib.sha256(sae.to_bytes()).hexdigest()[:32]
+            entries[name] = {"path": str(folder), "digest": digest}
+        self._compiled_saes = dict(self.saes)
+        return entries
+
+    def _close_resources(self) -> None:
+        try:
+            super()._close_resources()
+        finally:
+            if self._sae_folder is not None:
+                shutil.rmtree(self._sae_folder, ignore_errors=True)
+                self._sae_folder = None
+
+    # -- SAEs: compiled in when the engine is built -----------------------------------------------
+    def _built(self) -> bool:
+        return self._frozen or self._building is not None or self._engine is not None
+
+    def _attach(self, name: str, sae: Sae) -> None:
+        if self._built():
+            raise StaticConfigError(
+                f"cannot attach SAE {name!r}: this vllm-static engine is already built, and its SAEs are "
+                f"compiled into its graph ({', '.join(sorted(self._compiled_saes)) or 'none'}). Attach SAEs "
+                "before warmup() or the first request (or load_model(..., saes={...})), or use the vllm backend."
+            )
+        site = SITES.get(sae.address.kind)
+        if site is not None and site.where == "model_out":
+            raise InvalidFeatures(
+                f"SAE {name!r} reads {sae.address}, which vllm-static reads after the compiled graph; it encodes "
+                "SAEs inside the graph, at the layers' hooks: use the vllm backend for an SAE there"
+            )
+        tp = self.engine_kwargs.get("tensor_parallel_size") or 1
+        if isinstance(tp, int) and tp > 1 and site is not None and site.shard is not None:
+            raise InvalidFeatures(
+                f"SAE {name!r} reads {sae.address}, which tensor parallelism splits across ranks "
+                f"(tensor_parallel_size={tp}); SAEs are served at whole-row addresses under TP"
+            )
+
+    def _detach(self, name: str) -> None:
+        if self._built():
+            raise StaticConfigError(
+                f"cannot detach SAE {name!r}: it is compiled into this vllm-static engine's graph; load the "
+                "model again to change its SAEs"
+            )
+
+    async def _sync_saes(self, engine: Any, request: CheckedRequest) -> None:
+        """The workers loaded the compiled-in SAEs at build: nothing is sent, only checked."""
+        for name, sae in request.saes.items():
+            if self._compiled_saes.get(name) is not sae:
+                raise UnknownSae(
+                    f"SAE {name!r} is not compiled into this vllm-static engine; compiled in: "
+                    f"{', '.join(sorted(self._compiled_saes)) or 'none'} (attach SAEs before the engine is built)",
+                    name=name,
+                    valid=sorted(self._compiled_saes),
+                )
+
+    def _check_features(self, request: CheckedRequest) -> None:
+        """What the compiled graph can serve of the request's readouts and feature clamps."""
+        n = self.info.n_layers
+        for spec in request.readouts:
+            sae = request.saes[spec.sae]
+            why = SaeLayout.of(sae, self.static_sae_top_k, self.static_sae_dense_max).refusal(spec, sae.d_sae)
+            if why is not None:
+                raise InvalidFeatures(why)
+        clamps = [w for w in request.writes if isinstance(w, FeatureWrite)]
+        if not clamps:
+            return
+        n_prompt = len(request.token_ids)
+        n_total = n_prompt + request.max_tokens + 1
+        taken: dict[Address, set[int]] = {}
+        for write in clamps:
+            assert write.address is not None  # bound by the core's checks
+            site = SITES[write.address.kind]
+            if not site.static_write or site.shard is not None:
+                raise InvalidSteering(
+                    f"vllm-static cannot clamp features at {write.address} in its compiled graph; use the vllm backend"
+                )
+            positions = set(write_positions(write, n_prompt, n_total))
+            seen = taken.setdefault(write.address, set())
+            if seen & positions:
+                raise InvalidSteering(
+                    f"two feature clamps at {write.address} touch the same position; vllm-static applies one "
+                    "clamp per token and address in its compiled graph (the vllm and eager backends apply several)"
+                )
+            seen |= positions
+        clamped = set(taken)
+        after: set[Address] = set()
+        for item in request.writes:
+            if isinstance(item, FeatureWrite):
+                after.add(item.address)  # type: ignore[arg-type]
+            elif item.address in after:
+                raise InvalidSteering(
+                    f"a plain write at {item.address} comes after a feature clamp there; vllm-static applies "
+                    "the plain writes at an address first: put the clamp last, or use the vllm backend"
+                )
+        for spec in request.readouts:
+            address = request.saes[spec.sae].address.resolve(n)
+            if address in clamped:
+                raise InvalidSteering(
+                    f"this request clamps features at {address} and reads {spec} there; vllm-static encodes each "
+                    "token once per SAE (before the clamp), so it cannot read the clamped activation's features: "
+                    "read them at a later address, or use the vllm backend"
+                )
 
     def _check_workers(self, pings: list[dict[str, Any]]) -> str | None:
         problem = super()._check_workers(pings)
@@ -158,6 +313,7 @@ class StaticVllmModel(VllmModel):
     # -- requests: checked against the declaration ------------------------------------------------
     def _check_request(self, request: CheckedRequest) -> None:
         super()._check_request(request)
+        self._check_features(request)
         declared = set(self.static_points)
         for requested, address in request.points.items():
             if address not in declared:
@@ -169,7 +325,7 @@ class StaticVllmModel(VllmModel):
                     valid=tuple(str(a) for a in self.static_points),
                 )
         for write in request.writes:
-            if write.address not in self._writes:
+            if isinstance(write, Write) and write.address not in self._writes:
                 raise UndeclaredAddress(
                     f"cannot write at {write.address}: not a write point of this vllm-static engine; "
                     f"declared: {self._names(self.static_writes)} (declare them with static_writes=)",
@@ -178,11 +334,20 @@ class StaticVllmModel(VllmModel):
                 )
 
     def _payload(
-        self, rid: str, points: Iterable[Address], writes: list[Write], n_prompt: int, n_total: int
+        self,
+        rid: str,
+        points: Iterable[Address],
+        writes: list[Write | FeatureWrite],
+        n_prompt: int,
+        n_total: int,
+        readouts: Iterable[Features] = (),
+        *,
+        stream: bool = False,
     ) -> RequestPayload:
-        payload = super()._payload(rid, points, writes, n_prompt, n_total)
-        if writes:
-            plans = plan_writes(writes, n_prompt, n_total, lambda a: heads_of(a, self.info))
+        payload = super()._payload(rid, points, writes, n_prompt, n_total, readouts, stream=stream)
+        plain = [w for w in writes if isinstance(w, Write)]  # feature clamps need no slots
+        if plain:
+            plans = plan_writes(plain, n_prompt, n_total, lambda a: heads_of(a, self.info))
             needs = {a: len(plan.ops) for a, plan in plans.items()}
             for address, need in needs.items():
                 if need > self.static_write_slots:
@@ -226,9 +391,11 @@ class StaticVllmModel(VllmModel):
                 self._slots_used[address] -= need
             self._slots_free.notify_all()
 
-    async def _fetch(self, engine: Any, rid: str, points: Iterable[Address], n: int) -> dict[Address, torch.Tensor]:
+    async def _fetch(
+        self, engine: Any, rid: str, points: Iterable[Address], n: int, readouts: Iterable[Features] = ()
+    ) -> tuple[dict[Address, torch.Tensor], dict[Features, FeatureReadout]]:
         try:
-            return await super()._fetch(engine, rid, points, n)
+            return await super()._fetch(engine, rid, points, n, readouts)
         finally:
             await self._unreserve(rid)
 

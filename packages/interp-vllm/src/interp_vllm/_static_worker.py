@@ -12,11 +12,18 @@ hook per site, and every hook is pure tensor work on buffers registered on the h
 - ``attn_scores`` and ``attn_pattern`` tap the post-rotary queries and keys; ``final_norm``,
   ``logits_raw`` and ``logits`` are read from the forward's output, as in the dynamic backend;
 - ``mlp_pre`` / ``mlp_pre_linear`` are the gate / up half of the fused ``gate_up_proj`` output: a
-  write there rebuilds the output from the written half and the other one.
+  write there rebuilds the output from the written half and the other one;
+- an SAE compiled in (``saes`` in the config: a folder per name, written by the front end) is a
+  :class:`~._static.StaticSae` at its address: it encodes every row of every step and keeps the
+  top features, the error norm and (small dictionaries) every feature in buffers, and applies
+  the step's per-token feature clamps. At one address the order is: the write table, the SAEs
+  (each reads what the previous one left, then clamps), the capture tap.
 
 Host work per step happens in :meth:`StaticTapManager.run`: fill the indices from each request's
-slot plan (slots are held for the request's whole life, allocated when it first appears),
-run the compiled forward, read each capturing request's rows out of the buffers.
+slot plan (slots are held for the request's whole life, allocated when it first appears) and
+each SAE's per-token clamps, run the compiled forward, read each capturing request's rows out of
+the buffers and each reading request's readouts out of its SAEs' (only the readouts, compacted
+as the dynamic worker's, ever leave the worker).
 
 vLLM's deferred residual is handled in-graph: a write on ``resid_pre``/``resid_post`` gives
 ``(where(steered, new_stream, hidden), where(steered, 0, residual))``.
@@ -30,6 +37,7 @@ before the write, silently.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections import defaultdict
@@ -39,11 +47,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from interp_engine import Address
+from interp_engine import Address, FeatureWrite, Write, load_sae
+from interp_engine.validation import write_positions
 
 from ._sites import SITES, HookKey, VllmSite, columns, hook_key, owned_heads
-from ._static import StaticTap, StaticWrites, plan_writes
-from ._wire import Fetched, RequestPayload
+from ._static import SaeLayout, StaticSae, StaticTap, StaticWrites, plan_writes
+from ._wire import Fetched, RequestPayload, compact
 from ._worker import RequestTaps, TapManager, _arg, _get, _Hook, _set_arg, _Slice, arg_slot
 
 logger = logging.getLogger(__name__)
@@ -95,23 +104,34 @@ def _tap(module: nn.Module, name: str) -> StaticTap:
     return tap
 
 
-Names = list[tuple[str | None, str | None]]
-"""Per address at a hook: the attribute names of its write table and of its tap (or None)."""
+Stage = tuple[str | None, tuple[str, ...], tuple[str, ...], str | None]
+"""One address at a hook: the attribute names of its write table, of its SAEs (and of those
+among them that clamp) and of its tap (``None`` / empty where it has none)."""
+Names = list[Stage]
 
 
 def _chain(module: nn.Module, names: Names, x: torch.Tensor) -> torch.Tensor:
-    """Apply each address's writes, then copy it into its tap (in-graph)."""
-    for write, tap in names:
+    """Apply each address's writes, encode it with its SAEs (which may clamp), then copy it
+    into its tap (in-graph)."""
+    for write, saes, _, tap in names:
         if write is not None:
             x = getattr(module, write)(x)
+        for sae in saes:
+            x = getattr(module, sae)(x)
         if tap is not None:
             getattr(module, tap)(x)
     return x
 
 
+def _writes(names: Names) -> bool:
+    """Whether anything at these addresses may change the value (a write table or a clamp)."""
+    return any(write is not None or clamps for write, _, clamps, _ in names)
+
+
 def _steered(module: nn.Module, names: Names, n: Any) -> torch.Tensor:
-    """``[n, 1]``: tokens any write at this hook touches this step (in-graph)."""
-    masks = [getattr(module, write).steered(n) for write, _ in names if write is not None]
+    """``[n, 1]``: tokens any write or clamp at this hook touches this step (in-graph)."""
+    masks = [getattr(module, write).steered(n) for write, _, _, _ in names if write is not None]
+    masks += [getattr(module, sae).steered(n) for _, _, clamps, _ in names for sae in clamps]
     mask: torch.Tensor = masks[0]
     for other in masks[1:]:
         mask = mask | other
@@ -135,13 +155,25 @@ class StaticTapManager(TapManager):
         self.qk: dict[int, tuple[StaticTap, StaticTap]] = {}
         self.held: dict[str, dict[Address, tuple[list[int], torch.Tensor, torch.Tensor]]] = {}
         self.failed: dict[str, str] = {}
+        # SAEs compiled in: loaded from the folders the front end wrote, one StaticSae each
+        self.sae_top_k = int(config.get("sae_top_k", 64))
+        self.sae_dense_max = int(config.get("sae_dense_max", 0))
+        self.sae_modules: dict[str, StaticSae] = {}
+        self.sae_names: dict[Address, list[str]] = defaultdict(list)
+        n_layers = len(self.layers)
+        for name, entry in (config.get("saes") or {}).items():
+            sae = load_sae(entry["path"]).to(device=self.device)
+            self.saes[name] = sae
+            self.sae_names[sae.address.resolve(n_layers)].append(name)
+        # per request: per SAE, the feature and value clamped at each position (-1: none)
+        self.clamps: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
         keep_inductor_mutation_order()  # before warm-up compiles the graph with the hooks in it
         self._install_static()
 
     # -- installation (before compilation) ------------------------------------------------
     def _install_static(self) -> None:
         hooks: dict[HookKey, list[Address]] = defaultdict(list)
-        for address in dict.fromkeys([*self.points, *self.write_addresses]):
+        for address in dict.fromkeys([*self.points, *self.write_addresses, *self.sae_names]):
             if SITES[address.kind].where == "model_out":
                 continue
             hooks[hook_key(address, self.family)].append(address)
@@ -185,11 +217,24 @@ class StaticTapManager(TapManager):
             return width // cols[1] if cols is not None else width
         return self.d_model
 
-    def _names(self, module: nn.Module, address: Address) -> tuple[str | None, str | None]:
-        """Register the table and tap of ``address`` on ``module``; their attribute names."""
+    def _names(self, module: nn.Module, address: Address) -> Stage:
+        """Register the table, SAEs and tap of ``address`` on ``module``; their attribute names."""
         site = SITES[address.kind]
         width = self._width(module, site)
         write = tap = None
+        saes: list[str] = []
+        clamps: list[str] = []
+        for name in self.sae_names.get(address, ()):
+            sae = self.saes[name]
+            layout = SaeLayout.of(sae, self.sae_top_k, self.sae_dense_max)
+            clamping = sae.has_decoder and not sae.is_transcoder and site.static_write and site.shard is None
+            attr = f"interp_sae_{len(self.sae_modules)}"  # SAE names may hold '.', not valid here
+            module_ = StaticSae(sae, layout, self.max_tokens, clamps=clamping, device=self.device, onednn=True)
+            setattr(module, attr, module_)
+            self.sae_modules[name] = module_
+            saes.append(attr)
+            if clamping:
+                clamps.append(attr)
         if address in self.write_addresses:
             write = f"interp_w_{address.kind}"
             if site.per_head:  # one row per (token, head), d_head wide
@@ -202,7 +247,7 @@ class StaticTapManager(TapManager):
         if address in self.points:
             tap = f"interp_t_{address.kind}"
             self.taps[address] = self._new_tap(module, tap, width)
-        return write, tap
+        return write, tuple(saes), tuple(clamps), tap
 
     # -- the hooks: tensor work only, traced into the compiled graph ------------------------
     def _layer_in_hook(self, block: nn.Module, layer: int, addresses: list[Address]) -> Callable[..., Any]:
@@ -214,7 +259,7 @@ class StaticTapManager(TapManager):
             self._new_tap(_get(block, attn_path), "interp_stash", self.d_model)
         deferred = self.family.deferred_residual
         hidden_at = (1, "hidden_states") if deferred else (0, "hidden_states")
-        writes = any(w is not None for w, _ in names)
+        writes = _writes(names)
 
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             hidden = _arg(args, kwargs, *hidden_at)
@@ -235,7 +280,7 @@ class StaticTapManager(TapManager):
 
     def _layer_out_hook(self, block: nn.Module, addresses: list[Address]) -> Callable[..., Any]:
         names = [self._names(block, a) for a in addresses]
-        writes = any(w is not None for w, _ in names)
+        writes = _writes(names)
 
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
             if isinstance(output, tuple):
@@ -266,7 +311,7 @@ class StaticTapManager(TapManager):
                 qk = True
             else:
                 steps.append((arg_slot(module, site), [self._names(module, address)]))
-        writes = any(w is not None for _, names in steps for w, _ in names)
+        writes = any(_writes(names) for _, names in steps)
 
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             for (index, name), names in steps:
@@ -286,8 +331,8 @@ class StaticTapManager(TapManager):
             if not SITES[a.kind].derived:
                 parts.setdefault(columns(SITES[a.kind], self.family), []).append(self._names(module, a))
         mid_names = [self._names(module, a) for a in addresses if SITES[a.kind].derived]  # resid_mid
-        out_writes = any(w is not None for names in parts.values() for w, _ in names)
-        mid_writes = any(w is not None for w, _ in mid_names)
+        out_writes = any(_writes(names) for names in parts.values())
+        mid_writes = _writes(mid_names)
 
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
             value = output[0] if isinstance(output, tuple) else output
@@ -299,7 +344,7 @@ class StaticTapManager(TapManager):
                 index, count = cols
                 pieces = list(new.split(new.shape[-1] // count, dim=-1))
                 pieces[index] = _chain(module, names, pieces[index])
-                if any(w is not None for w, _ in names):
+                if _writes(names):
                     new = torch.cat(pieces, dim=-1)
             if mid_names:
                 n = new.shape[0]
@@ -322,11 +367,20 @@ class StaticTapManager(TapManager):
     def _admit(self, payload: RequestPayload) -> RequestTaps:
         from interp_engine import InvalidSteering
 
-        taps = RequestTaps(payload)
         rid = payload.rid
-        held: dict[Address, tuple[list[int], torch.Tensor, torch.Tensor]] = {}
         try:
-            for address, plan in plan_writes(list(payload.writes), taps.n_prompt, taps.n_total, self.heads_of).items():
+            taps = RequestTaps(payload, self.saes)
+        except Exception as exc:  # an SAE this engine was not built with: reported at the fetch
+            self.failed[rid] = f"this request cannot be served by this vllm-static engine: {type(exc).__name__}: {exc}"
+            logger.warning("interp-engine: request %s refused in the worker: %s", rid, exc)
+            taps = RequestTaps(dataclasses.replace(payload, writes=(), readouts=()))
+            self.held[rid] = {}
+            return taps
+        held: dict[Address, tuple[list[int], torch.Tensor, torch.Tensor]] = {}
+        plain = [w for w in payload.writes if isinstance(w, Write)]
+        try:
+            self.clamps[rid] = self._clamp_plan(payload, taps)
+            for address, plan in plan_writes(plain, taps.n_prompt, taps.n_total, self.heads_of).items():
                 table = self.tables[address]
                 part = None
                 if table.width != plan.ops[0].width:  # a tensor-parallel shard (mlp_post)
@@ -348,10 +402,34 @@ class StaticTapManager(TapManager):
             for address, (slots, _, _) in held.items():
                 self.tables[address].release(slots)
             held = {}
+            self.clamps.pop(rid, None)
             self.failed[rid] = f"this request could not be steered in the compiled graph: {type(exc).__name__}: {exc}"
             logger.warning("interp-engine: request %s cannot be steered in-graph: %s", rid, exc)
         self.held[rid] = held
         return taps
+
+    def _clamp_plan(self, payload: RequestPayload, taps: RequestTaps) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Per SAE the request clamps: the feature (-1: none) and the value at each position."""
+        from interp_engine import InvalidSteering
+
+        plans: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for write in payload.writes:
+            if not isinstance(write, FeatureWrite):
+                continue
+            module = self.sae_modules.get(write.sae)
+            if module is None or not module.clamps:
+                raise InvalidSteering(f"{write.sae!r} cannot clamp features in this engine's compiled graph")
+            feature, value = plans.setdefault(
+                write.sae, (torch.full((taps.n_total,), -1, dtype=torch.long), torch.zeros(taps.n_total))
+            )
+            positions = torch.tensor(
+                [p for p in write_positions(write, taps.n_prompt, taps.n_total) if p < taps.n_total], dtype=torch.long
+            )
+            if bool((feature[positions] >= 0).any()):
+                raise InvalidSteering(f"two feature writes of {write.sae!r} at one position")
+            feature[positions] = write.feature
+            value[positions] = write.value
+        return plans
 
     def _run(self, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         slices = self._slices(kwargs.get("positions"))
@@ -384,9 +462,30 @@ class StaticTapManager(TapManager):
                 rows[inside] = slot_of[combo[positions[inside]]].view(-1, per_token)
                 index[sl.start : sl.end] = rows
             table.set_index(index.flatten().to(table.index.device))
+        for name, module in self.sae_modules.items():
+            if not module.clamps:
+                continue
+            clamped = [
+                (sl, *self.clamps[sl.taps.rid][name]) for sl in slices if name in self.clamps.get(sl.taps.rid, {})
+            ]
+            if not clamped:
+                module.set_clamps(None)
+                continue
+            features = torch.full((n,), -1, dtype=torch.long)
+            values = torch.zeros(n)
+            for sl, feature, value in clamped:
+                positions = sl.positions
+                inside = positions < feature.shape[0]
+                features[sl.start : sl.end][inside] = feature[positions[inside]]
+                values[sl.start : sl.end][inside] = value[positions[inside]]
+            on = features >= 0
+            device = module.clamp_on.device
+            module.set_clamps((on.to(device), features.clamp_min(0).to(device), values.to(device)))
 
     def _read(self, slices: list[_Slice], output: Any) -> None:
         hook = _Hook()
+        if self.rank == 0:  # the SAEs' rows are whole on every rank
+            self._readouts(slices)
         for sl in slices:
             for address in sl.taps.points:
                 site = SITES[address.kind]
@@ -403,8 +502,38 @@ class StaticTapManager(TapManager):
         if hook.members:
             self._read_output(output, hook)
 
+    def _readouts(self, slices: list[_Slice]) -> None:
+        """This step's readouts, out of the SAEs' buffers: per SAE, one read of every reading
+        request's rows and each distinct readout once, then each request's rows of it."""
+        readers: dict[str, list[tuple[_Slice, torch.Tensor]]] = defaultdict(list)
+        for sl in slices:
+            keep = sl.positions >= sl.taps.first_readout
+            if not sl.taps.readouts_at or not bool(keep.any()):
+                continue
+            for name in dict.fromkeys(spec.sae for specs in sl.taps.readouts_at.values() for spec in specs):
+                readers[name].append((sl, keep))
+        for name, group in readers.items():
+            module = self.sae_modules[name]
+            rows = torch.cat([torch.nonzero(keep).flatten() + sl.start for sl, keep in group])
+            wanted = [spec for sl, _ in group for specs in sl.taps.readouts_at.values() for spec in specs]
+            whole = {
+                spec: compact(readout, spec.dtype, module.d_sae)
+                for spec, readout in module.readout(rows, [s for s in wanted if s.sae == name]).items()
+            }
+            start = 0
+            for sl, keep in group:
+                count = int(keep.sum())
+                part = slice(start, start + count)
+                start += count
+                positions = sl.positions if count == len(keep) else sl.positions[keep]
+                for specs in sl.taps.readouts_at.values():
+                    for spec in specs:
+                        if spec.sae == name:
+                            sl.taps.readout_values[spec].append((positions, whole[spec][part]))
+
     # -- after the request -------------------------------------------------------------------
     def _forget(self, rid: str) -> None:
+        self.clamps.pop(rid, None)
         for address, (slots, _, _) in self.held.pop(rid, {}).items():
             self.tables[address].release(slots)
 
@@ -423,4 +552,5 @@ class StaticTapManager(TapManager):
         out["held_slots"] = sum(len(slots) for held in self.held.values() for slots, _, _ in held.values())
         out["static_taps"] = len(self.taps) + 2 * len(self.qk)
         out["static_tables"] = len(self.tables)
+        out["static_saes"] = len(self.sae_modules)
         return out

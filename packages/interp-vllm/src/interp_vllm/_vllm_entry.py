@@ -59,6 +59,21 @@ def interp_fetch_many(self: Any, rids: list[str]) -> list[dict[str, Any]]:
     return [taps.fetch(rid).encode() for rid in rids]
 
 
+def interp_drain_many(self: Any, rids: list[str]) -> list[dict[str, Any]]:
+    """Streaming requests' readouts so far (``Fetched.encode()`` each), dropped from the worker."""
+    taps = _taps(self.model_runner)
+    return [taps.drain(rid).encode() for rid in rids]
+
+
+def interp_attach(self: Any, name: str, blob: bytes) -> None:
+    """Hold an SAE or probe (``Sae.to_bytes()``) under ``name`` for readouts and feature writes."""
+    _taps(self.model_runner).attach(name, blob)
+
+
+def interp_detach(self: Any, name: str) -> None:
+    _taps(self.model_runner).detach(name)
+
+
 def interp_release(self: Any, rid: str) -> None:
     """Forget a request's values (cancelled or failed requests)."""
     _taps(self.model_runner).release(rid)
@@ -113,7 +128,16 @@ def _wrap_update_states(runner_class: Any) -> None:
     runner_class._update_states = _update_states
 
 
-_RPCS = (interp_ping, interp_fetch_many, interp_release, interp_decode, interp_stats)
+_RPCS = (
+    interp_ping,
+    interp_fetch_many,
+    interp_drain_many,
+    interp_attach,
+    interp_detach,
+    interp_release,
+    interp_decode,
+    interp_stats,
+)
 
 
 def register() -> None:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from interp_engine import Address, BackendError, SteeringSpec, Write
+from interp_engine import Address, BackendError, FeatureReadout, Features, FeatureWrite, SteeringSpec, Write
 
 PAYLOAD_KEY = "interp_engine"
 """The ``SamplingParams.extra_args`` entry that carries a request's payload."""
@@ -50,13 +50,22 @@ class RequestPayload:
 
     rid: str
     points: tuple[Address, ...] = ()
-    writes: tuple[Write, ...] = ()
+    writes: tuple[Write | FeatureWrite, ...] = ()
     n_prompt: int = 0
     n_total: int = 0
     slots: Mapping[Address, int] = field(default_factory=dict)
+    readouts: tuple[Features, ...] = ()
+    """Feature readouts, each naming an SAE the workers hold (``interp_attach``)."""
+    stream: bool = False
+    """Readouts are drained step by step (``interp_drain_many``); positions before the prompt's
+    last token are not kept."""
+    sae_keys: Mapping[str, str] = field(default_factory=dict)
+    """Per SAE name the readouts and feature writes use, the key the workers hold it under (one
+    key per attachment: a request queued while its name is re-attached keeps the SAE it was
+    checked with). A name without a key is held under the name itself."""
 
     def encode(self) -> dict[str, Any]:
-        return {
+        data: dict[str, Any] = {
             "id": self.rid,
             "points": [str(p) for p in self.points],
             "writes": [w.to_dict() for w in self.writes],
@@ -64,6 +73,13 @@ class RequestPayload:
             "n_total": self.n_total,
             "slots": {str(a): n for a, n in self.slots.items()},
         }
+        if self.readouts:
+            data["readouts"] = [str(r) for r in self.readouts]
+        if self.stream:
+            data["stream"] = True
+        if self.sae_keys:
+            data["sae_keys"] = dict(self.sae_keys)
+        return data
 
     @classmethod
     def decode(cls, data: Mapping[str, Any]) -> RequestPayload:
@@ -74,6 +90,9 @@ class RequestPayload:
             n_prompt=int(data["n_prompt"]),
             n_total=int(data["n_total"]),
             slots={Address.parse(a): int(n) for a, n in (data.get("slots") or {}).items()},
+            readouts=tuple(Features.parse(r) for r in data.get("readouts", ())),
+            stream=bool(data.get("stream", False)),
+            sae_keys={str(n): str(k) for n, k in (data.get("sae_keys") or {}).items()},
         )
 
     def extra_args(self) -> dict[str, Any]:
@@ -93,19 +112,34 @@ class RequestPayload:
         return None if data is None else str(data["id"])
 
 
+def compact(readout: FeatureReadout, dtype: str, d_sae: int) -> FeatureReadout:
+    """A readout as it crosses the process boundary: ids in the narrowest integer type that
+    holds ``d_sae`` (int16 up to 32767 features), values in ``dtype`` (``Features.dtype``)."""
+    ids = readout.ids
+    if ids is not None:
+        ids = ids.to(torch.int16 if d_sae <= torch.iinfo(torch.int16).max else torch.int32)
+    values = readout.values.to(torch.float16 if dtype == "float16" else torch.float32)
+    return FeatureReadout(values, ids, readout.error_norm)
+
+
 @dataclass(frozen=True)
 class Fetched:
     """One rank's values for one request: per address, the absolute positions it saw and the
-    values there (sorted by position, one value per position), or why it could not serve it."""
+    values there (sorted by position, one value per position), per feature readout the same
+    (only rank 0 computes readouts), or why it could not serve it."""
 
     values: Mapping[Address, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     error: str | None = None
+    readouts: Mapping[Features, tuple[torch.Tensor, FeatureReadout]] = field(default_factory=dict)
 
     def encode(self) -> dict[str, Any]:
         tensors: dict[str, torch.Tensor] = {}
         for address, (positions, values) in self.values.items():
             tensors[f"positions/{address}"] = positions.contiguous()
             tensors[f"values/{address}"] = values.contiguous()
+        for spec, (positions, readout) in self.readouts.items():
+            tensors[f"rpositions/{spec}"] = positions.to(torch.int32).contiguous()
+            tensors.update(readout.tensors(f"readout/{spec}"))
         return {"error": self.error, "values": pack(tensors)}
 
     @classmethod
@@ -116,7 +150,13 @@ class Fetched:
             for key in tensors
             if key.startswith("positions/")
         }
-        return cls(values, data.get("error"))
+        readouts = {}
+        for key in tensors:
+            if key.startswith("rpositions/"):
+                name = key.partition("/")[2]
+                readout = FeatureReadout.from_tensors(tensors, f"readout/{name}")
+                readouts[Features.parse(name)] = (tensors[key].long(), readout)
+        return cls(values, data.get("error"), readouts)
 
     def raise_error(self) -> None:
         if self.error is not None:

@@ -20,19 +20,20 @@ import inspect
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from interp_engine import Address, Write
+from interp_engine import Address, FeatureReadout, Features, FeatureWrite, Sae, UnknownSae, Write
 from interp_engine.validation import write_positions
 
 from ._families import VllmFamily, family_for
 from ._sites import SITES, HookKey, VllmSite, columns, hook_key, local_write
-from ._wire import Fetched, RequestPayload
+from ._static import SaeLayout, SaeMath, pick
+from ._wire import PAYLOAD_KEY, Fetched, RequestPayload, compact
 
 logger = logging.getLogger(__name__)
 
@@ -117,21 +118,36 @@ _Local = tuple[Write, torch.Tensor, torch.Tensor | None]
 class _WriteTable:
     """One write, resolved over the request's whole sequence."""
 
-    write: Write
+    write: Write | FeatureWrite
     mask: torch.Tensor  # [n_total] bool: positions the write touches
     row: torch.Tensor  # [n_total] long: the (per-position) vector and target row for each touched position
     local: dict[tuple[int, torch.device, torch.dtype], _Local | None] = field(default_factory=dict)
 
 
 class RequestTaps:
-    """One request's points, writes and captured values, for its whole life in the worker."""
+    """One request's points, writes, readouts and captured values, for its whole life in the worker."""
 
-    def __init__(self, payload: RequestPayload) -> None:
+    def __init__(self, payload: RequestPayload, saes: dict[str, Sae] | None = None) -> None:
         self.payload = payload
         self.rid = payload.rid
         self.points = list(payload.points)
         self.n_prompt = payload.n_prompt
         self.n_total = payload.n_total
+        # the SAEs by the names the request uses, each the one it was checked with (held by
+        # reference: a detach or re-attach in the worker does not reach an admitted request)
+        self.saes: dict[str, Sae] = {}
+        self.readouts_at: dict[Address, list[Features]] = defaultdict(list)
+        for spec in payload.readouts:
+            self.saes[spec.sae] = _held(saes, spec.sae, payload.sae_keys)
+            self.readouts_at[self.saes[spec.sae].address].append(spec)
+        for write in payload.writes:
+            if isinstance(write, FeatureWrite):
+                self.saes[write.sae] = _held(saes, write.sae, payload.sae_keys)
+        # the front end fetches (or releases) what a request captured or read; the others are
+        # forgotten when vLLM finishes them
+        self.awaits_fetch = bool(payload.points or payload.readouts)
+        self.readout_values: dict[Features, list[tuple[torch.Tensor, FeatureReadout]]] = defaultdict(list)
+        self.first_readout = payload.n_prompt - 1 if payload.stream else 0
         self.writes: dict[Address, list[_WriteTable]] = defaultdict(list)
         for write in payload.writes:
             positions = write_positions(write, self.n_prompt, self.n_total)
@@ -140,13 +156,25 @@ class RequestTaps:
             index = torch.tensor([p for p in positions if p < self.n_total], dtype=torch.long)
             mask[index] = True
             row[index] = torch.arange(len(index))
+            assert write.address is not None  # the front end binds feature writes
             self.writes[write.address].append(_WriteTable(write, mask, row))
         self.values: dict[Address, list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
         self.keys: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # layer -> (positions, keys, step)
         self.steps = 0
 
     def addresses(self) -> set[Address]:
-        return set(self.points) | set(self.writes)
+        return set(self.points) | set(self.writes) | set(self.readouts_at)
+
+
+def _held(saes: dict[str, Sae] | None, name: str, keys: Mapping[str, str] | None = None) -> Sae:
+    """The SAE this worker holds for ``name``: under the request's key for it, or under the name
+    (the front end sends it before any request names it)."""
+    key = (keys or {}).get(name, name)
+    if saes is None or key not in saes:
+        raise UnknownSae(
+            f"this vLLM worker holds no SAE named {name!r} (key {key!r})", name=name, valid=list(saes or ())
+        )
+    return saes[key]
 
 
 @dataclass(eq=False)  # compared by identity
@@ -199,12 +227,26 @@ class TapManager:
         # bring their state back
         self.retired: collections.OrderedDict[str, None] = collections.OrderedDict()
         # where the worker's time goes (nanoseconds), reported by stats(): the whole of each
-        # forward call with taps, the forward alone, and answering fetches
-        self.timing = {"steps": 0, "step_ns": 0, "forward_ns": 0, "fetch_ns": 0, "fetches": 0}
+        # forward call with taps, the forward alone (SAE readouts and feature clamps in it:
+        # sae_ns), and answering fetches
+        self.timing = {"steps": 0, "step_ns": 0, "forward_ns": 0, "sae_ns": 0, "fetch_ns": 0, "fetches": 0}
         # requests whose taps raised in this worker: the error, reported at their fetch (the
         # hook gave the forward its values back unchanged, so the engine and the rest of the
         # batch go on)
         self.failed: dict[str, str] = {}
+        # SAEs and probes the front end attached, on the model's device (interp_attach)
+        self.saes: dict[str, Sae] = {}
+        self._sae_math: dict[tuple[int, str], tuple[Sae, SaeMath]] = {}  # batched encoders, per SAE
+
+    def attach(self, key: str, blob: bytes) -> None:
+        """Hold an SAE sent once by the front end (``Sae.to_bytes``) under ``key``, on the
+        model's device."""
+        param = next(self.model.parameters())
+        self.saes[key] = Sae.from_bytes(blob).to(device=param.device)
+
+    def detach(self, key: str) -> None:
+        """Drop the SAE held under ``key`` (requests already admitted keep their reference)."""
+        self.saes.pop(key, None)
 
     def total_heads(self, site: VllmSite) -> int:
         return self.n_kv_heads if site.shard == "kv_heads" else self.n_heads
@@ -240,10 +282,10 @@ class TapManager:
                 continue
             taps = self.requests.get(rid)
             if taps is None:
-                payload = RequestPayload.of(params)
-                if payload is None:  # pragma: no cover - rid_of just found it
+                taps = self._admit_safely(rid, params)
+                if taps is None:  # pragma: no cover - rid_of just found a payload
                     continue
-                taps = self.requests[rid] = self._admit(payload)
+                self.requests[rid] = taps
             wanted.append((index, taps))
         if not wanted:
             return []
@@ -260,6 +302,21 @@ class TapManager:
                 slices.append(_Slice(taps, start, end, flat_positions[start:end]))
         return slices
 
+    def _admit_safely(self, rid: str, params: Any) -> RequestTaps | None:
+        """:meth:`_admit`, or if the request's taps cannot be set up here (a payload this worker
+        cannot read, an SAE it does not hold), a request that reads and writes nothing, its error
+        reported at its fetch: one request's state never stops the engine."""
+        try:
+            payload = RequestPayload.of(params)
+            return None if payload is None else self._admit(payload)
+        except Exception as exc:
+            self.failed[rid] = f"this request's taps could not be set up in vLLM's worker: {type(exc).__name__}: {exc}"
+            logger.warning("interp-engine: request %s refused in the worker: %s", rid, exc)
+            data = (getattr(params, "extra_args", None) or {}).get(PAYLOAD_KEY) or {}
+            taps = RequestTaps(RequestPayload(rid))
+            taps.awaits_fetch = bool(data.get("points") or data.get("readouts"))
+            return taps
+
     def _params(self, req_id: str) -> Any:
         """The ``SamplingParams`` of a live vLLM request."""
         return getattr(self.runner.requests.get(req_id), "sampling_params", None)
@@ -267,16 +324,16 @@ class TapManager:
     def finished(self, req_ids: Any) -> None:
         """vLLM finished or aborted these requests (its own ids). A request that captured
         nothing (steering only) is forgotten now, with no round trip from the front end;
-        captured values wait for their fetch."""
+        captured values and readouts wait for their fetch."""
         for req_id in req_ids:
             rid = RequestPayload.rid_of(self._params(req_id))
             taps = self.requests.get(rid) if rid is not None else None
-            if taps is not None and not taps.points:
+            if taps is not None and not taps.awaits_fetch:
                 self.release(taps.rid)
 
     def _admit(self, payload: RequestPayload) -> RequestTaps:
         """The state of a request seen for the first time."""
-        return RequestTaps(payload)
+        return RequestTaps(payload, self.saes)
 
     # -- one forward ----------------------------------------------------------------------
     def run(self, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -308,9 +365,25 @@ class TapManager:
         out_hook = hooks.get(("model_out", None, 0))
         if out_hook is not None:
             try:
-                self._read_output(output, out_hook)
+                output = self._model_out(output, out_hook)
             except Exception as exc:
                 self._fail([sl for members in out_hook.members.values() for sl in members], exc)
+        return output
+
+    def _model_out(self, output: Any, hook: _Hook) -> Any:
+        """The forward's output with the step's writes at ``final_norm`` applied (to a copy: vLLM
+        computes the logits from what this returns), its reads and readouts there recorded, then
+        the logits read from it."""
+        final = Address("final_norm")
+        members = hook.members.get(final, [])
+        if members:
+            hidden = output[0] if isinstance(output, tuple) else output
+            if any(final in sl.taps.writes for sl in members):
+                hidden = hidden.clone()
+            if self._visit(hidden, members, final):
+                output = (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+        rest = _Hook(members=defaultdict(list, {a: m for a, m in hook.members.items() if a != final}))
+        self._read_output(output, rest)
         return output
 
     def _install(self, key: HookKey, hook: _Hook) -> Any:
@@ -350,18 +423,133 @@ class TapManager:
         reads. Returns whether anything was written."""
         site = SITES[address.kind]
         changed = False
+        # write i of every member in one round (members' rows are disjoint, so only each
+        # member's own order matters): the round's feature clamps of one SAE are one batch
+        depth = max((len(sl.taps.writes.get(address, ())) for sl in members), default=0)
+        for i in range(depth):
+            clamps: dict[int, list[tuple[_Slice, _WriteTable]]] = defaultdict(list)
+            for sl in members:
+                tables = sl.taps.writes.get(address, ())
+                if i >= len(tables):
+                    continue
+                write = tables[i].write
+                if isinstance(write, FeatureWrite):
+                    clamps[id(sl.taps.saes[write.sae])].append((sl, tables[i]))
+                else:
+                    changed |= self._apply(value, sl, tables[i], site)
+            for group in clamps.values():
+                began = time.perf_counter_ns()
+                changed |= self._apply_features(value, group)
+                self.timing["sae_ns"] += time.perf_counter_ns() - began
+        readers = []
         for sl in members:
-            for table in sl.taps.writes.get(address, ()):
-                changed |= self._apply(value, sl, table, site)
             if address in sl.taps.points:
                 rows = value[sl.start : sl.end]
                 if site.per_head:
                     rows = rows.reshape(rows.shape[0], -1, self.d_head)
                 sl.taps.values[address].append((sl.positions, _copy(rows)))
+            if address in sl.taps.readouts_at and self.rank == 0:  # the residual is whole on every rank
+                readers.append(sl)
+        if readers:
+            began = time.perf_counter_ns()
+            self._read_features_many(readers, value, address)
+            self.timing["sae_ns"] += time.perf_counter_ns() - began
         return changed
+
+    def _math(self, sae: Sae, device: torch.device) -> SaeMath:
+        """``sae``'s batched encoder (:class:`~._static.SaeMath`) on ``device``, built once."""
+        key = (id(sae), str(device))
+        held = self._sae_math.get(key)
+        if held is None or held[0] is not sae:
+            held = self._sae_math[key] = (sae, SaeMath(sae, device, onednn=True))
+        return held[1]
+
+    def _read_features_many(self, readers: list[_Slice], value: torch.Tensor, address: Address) -> None:
+        """The readouts of every reader at ``address`` this step: per SAE, one encode of all
+        their kept rows (keeping what the widest readout asks for) and one copy to the CPU;
+        only the readouts are kept."""
+        keeps = [sl.positions >= sl.taps.first_readout for sl in readers]
+        users: dict[int, tuple[Sae, list[int]]] = {}  # per SAE: it, and the readers reading it
+        for index, sl in enumerate(readers):
+            if not bool(keeps[index].any()):
+                continue
+            for spec in sl.taps.readouts_at[address]:
+                sae = sl.taps.saes[spec.sae]
+                entry = users.setdefault(id(sae), (sae, []))
+                if not entry[1] or entry[1][-1] != index:
+                    entry[1].append(index)
+        for sae, indices in users.values():
+            specs = [
+                spec
+                for index in indices
+                for spec in readers[index].taps.readouts_at[address]
+                if readers[index].taps.saes[spec.sae] is sae
+            ]
+            math = self._math(sae, value.device)
+            width = max((spec.width(sae.d_sae) for spec in specs if spec.top_k is not None), default=1)
+            dense = any(spec.top_k is None for spec in specs)
+            rows = torch.cat([torch.nonzero(keeps[i]).flatten() + readers[i].start for i in indices])
+            enc = math.encode(value[rows.to(value.device)], width, dense=dense)
+            kept = math.kept(width)
+            layout = SaeLayout(kept, complete=kept >= width or kept == sae.k, dense=dense)
+            error = math.error(enc).to("cpu") if math.has_error else None
+            top, ids = enc.top[:, :kept].to("cpu"), enc.ids[:, :kept].to("cpu")
+            features = enc.features.to("cpu") if dense and enc.features is not None else None
+            whole = {  # each distinct readout once over the batch, then each reader's rows of it
+                spec: compact(
+                    pick(spec, layout, sae.d_sae, math.sparse, top, ids, error, features), spec.dtype, sae.d_sae
+                )
+                for spec in dict.fromkeys(specs)
+            }
+            start = 0
+            for index in indices:
+                sl, keep = readers[index], keeps[index]
+                count = int(keep.sum())
+                part = slice(start, start + count)
+                start += count
+                positions = sl.positions if count == len(keep) else sl.positions[keep]
+                for spec in sl.taps.readouts_at[address]:
+                    if sl.taps.saes[spec.sae] is sae:
+                        sl.taps.readout_values[spec].append((positions, whole[spec][part]))
+
+    def _apply_features(self, value: torch.Tensor, group: list[tuple[_Slice, _WriteTable]]) -> bool:
+        """Feature clamps (or ablations) of one SAE for several requests, in one encode (whole
+        rows: the SAE's address is never sharded)."""
+        rows, features, targets = [], [], []
+        for sl, table in group:
+            local_rows = self._picked(sl, table)
+            if local_rows is None:
+                continue
+            write = table.write
+            assert isinstance(write, FeatureWrite)
+            rows.append(local_rows + sl.start)
+            features.append(torch.full((len(local_rows), 1), write.feature, dtype=torch.long))
+            targets.append(torch.full((len(local_rows), 1), write.value))
+        if not rows:
+            return False
+        sl, table = group[0]
+        assert isinstance(table.write, FeatureWrite)
+        math = self._math(sl.taps.saes[table.write.sae], value.device)
+        index = torch.cat(rows).to(value.device)
+        current = value[index]
+        enc = math.encode(current, 0, dense=math.k is None)  # no readout: keep no top features
+        out = math.clamp(enc, torch.cat(features).to(value.device), torch.cat(targets).to(value.device))
+        value[index] = out.reshape(current.shape).to(value.dtype)
+        return True
+
+    def _picked(self, sl: _Slice, table: _WriteTable) -> torch.Tensor | None:
+        """The rows of ``sl`` (within the step's batch) that ``table``'s write touches, or ``None``."""
+        positions = sl.positions
+        inside = positions < sl.taps.n_total
+        picked = inside.clone()
+        picked[inside] = table.mask[positions[inside]]
+        if not bool(picked.any()):
+            return None
+        return torch.nonzero(picked).flatten()
 
     def _local(self, table: _WriteTable, site: VllmSite, value: torch.Tensor) -> _Local | None:
         """This rank's part of a write, its vector and target on ``value``'s device (cached)."""
+        assert isinstance(table.write, Write)
         key = (int(value.shape[-1]), value.device, value.dtype)
         if key not in table.local:
             write = local_write(table.write, site, self.rank, self.tp_size, self.total_heads(site), key[0])
@@ -373,16 +561,15 @@ class TapManager:
         return table.local[key]
 
     def _apply(self, value: torch.Tensor, sl: _Slice, table: _WriteTable, site: VllmSite) -> bool:
+        if isinstance(table.write, FeatureWrite):
+            return self._apply_features(value, [(sl, table)])
         local = self._local(table, site, value)
         if local is None:
             return False
         positions = sl.positions
-        inside = positions < sl.taps.n_total
-        picked = inside.clone()
-        picked[inside] = table.mask[positions[inside]]
-        if not bool(picked.any()):
+        local_rows = self._picked(sl, table)
+        if local_rows is None:
             return False
-        local_rows = torch.nonzero(picked).flatten()
         rows = (local_rows + sl.start).to(value.device)
         write, vec, target = local
         if write.per_position or write.target_per_position:
@@ -592,7 +779,19 @@ class TapManager:
             last = torch.ones_like(positions, dtype=torch.bool)
             last[:-1] = positions[1:] != positions[:-1]
             out[address] = (positions[last], values[last])
-        return Fetched(out)
+        return Fetched(out, readouts=_merged_readouts(taps))
+
+    def drain(self, rid: str) -> Fetched:
+        """A streaming request's readouts so far (then dropped here); the request lives on."""
+        error = self.failed.get(rid)
+        if error is not None:
+            return Fetched(error=error)
+        taps = self.requests.get(rid)
+        if taps is None:
+            return Fetched()
+        merged = _merged_readouts(taps)
+        taps.readout_values.clear()
+        return Fetched(readouts=merged)
 
     def release(self, rid: str) -> None:
         self.failed.pop(rid, None)
@@ -605,9 +804,9 @@ class TapManager:
             self.retired.popitem(last=False)
 
     def stats(self) -> dict[str, int]:
-        """How many requests hold state in this worker (for leak checks), and vLLM's and
-        Dynamo's compilation counters (for recompilation checks)."""
-        out = {"live_requests": len(self.requests), **self.timing}
+        """How many requests hold state in this worker and how many SAEs it holds (for leak
+        checks), and vLLM's and Dynamo's compilation counters (for recompilation checks)."""
+        out = {"live_requests": len(self.requests), "saes": len(self.saes), **self.timing}
         try:
             from vllm.compilation.counter import compilation_counter
 
@@ -628,3 +827,25 @@ class TapManager:
             x = residuals.to(device=param.device, dtype=param.dtype)
             logits: torch.Tensor = self.model.compute_logits(norm(x))  # type: ignore[operator]
         return logits.to("cpu", torch.float32)
+
+
+def _merged_readouts(taps: RequestTaps) -> dict[Features, tuple[torch.Tensor, FeatureReadout]]:
+    """Each readout's chunks in position order (a recomputed position keeps its last value)."""
+    out = {}
+    for spec, chunks in taps.readout_values.items():
+        positions = torch.cat([p for p, _ in chunks])
+        parts = [r for _, r in chunks]
+        values = torch.cat([r.values for r in parts])
+        ids = None if parts[0].ids is None else torch.cat([r.ids for r in parts if r.ids is not None])
+        errors = [r.error_norm for r in parts if r.error_norm is not None]
+        error = torch.cat(errors) if len(errors) == len(parts) else None
+        order = torch.argsort(positions, stable=True)
+        positions = positions[order]
+        last = torch.ones_like(positions, dtype=torch.bool)
+        last[:-1] = positions[1:] != positions[:-1]
+        keep = order[last]
+        out[spec] = (
+            positions[last],
+            FeatureReadout(values[keep], None if ids is None else ids[keep], None if error is None else error[keep]),
+        )
+    return out
