@@ -121,23 +121,11 @@ def check_spec(spec: SteeringSpec | None, info: ModelInfo, writable: Collection[
         if isinstance(item, FeatureWrite):
             if item.address is None:
                 raise InvalidSteering(f"the feature write on {item.sae!r} is not bound to an address by a model")
-            bound = item.address.resolve(info.n_layers)
-            if writable is not None and bound.kind not in writable:
-                raise UnsupportedAddress(
-                    f"cannot write at {bound} here; writable kinds: {', '.join(writable)}",
-                    address=bound,
-                    valid=tuple(writable),
-                )
+            bound = _writable(item.address.resolve(info.n_layers), writable)
             writes.append(item.bound(bound))
             continue
         write = item
-        address = write.address.resolve(info.n_layers)
-        if writable is not None and address.kind not in writable:
-            raise UnsupportedAddress(
-                f"cannot write at {address} here; writable kinds: {', '.join(writable)}",
-                address=address,
-                valid=tuple(writable),
-            )
+        address = _writable(write.address.resolve(info.n_layers), writable)
         expected = width_of(address, info)
         per = " per head" if address.info.per_head else ""
         tensors = [("vector", write.vector, write.head_rows)]
@@ -154,6 +142,17 @@ def check_spec(spec: SteeringSpec | None, info: ModelInfo, writable: Collection[
                 _check_heads(write, address, info, name, rows)
         writes.append(dataclasses.replace(write, address=address))
     return writes
+
+
+def _writable(address: Address, writable: Collection[str] | None) -> Address:
+    """``address``, or ``UnsupportedAddress`` if its kind is not among ``writable``."""
+    if writable is not None and address.kind not in writable:
+        raise UnsupportedAddress(
+            f"cannot write at {address} here; writable kinds: {', '.join(writable)}",
+            address=address,
+            valid=tuple(writable),
+        )
+    return address
 
 
 def _check_heads(write: Write, address: Address, info: ModelInfo, name: str, rows: int | None) -> None:
