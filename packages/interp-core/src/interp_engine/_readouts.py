@@ -9,8 +9,9 @@ top-k features (``top_k``), the values of chosen feature ids (``ids``), or every
     acts[Features("res2", top_k=8)].values    # [n_tokens, 8]
     cache["features:res2:top8"]               # a Cache (run_with_cache) also takes the string form
 
-:func:`read_features` is the one definition of a readout; every backend calls it on the rows of
-the activation it captured (the vLLM workers on each step's rows, so only the readout leaves them).
+:func:`read_features` is the one definition of a readout: the eager backend calls it on the rows
+of the activation it captured; the vLLM workers batch the same computation over each step's rows
+(``interp_vllm._static.SaeMath``, tested equal to it), so only the readout leaves them.
 """
 
 from __future__ import annotations
