@@ -57,7 +57,8 @@ def pad_rows(rows: Sequence[Results], lengths: Sequence[int]) -> Results:
         padded = []
         for row in rows:
             value = row[address]
-            assert isinstance(value, torch.Tensor)
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"{address} came back as {type(value).__name__}, not a tensor")
             pad: tuple[int, ...]
             fill = 0.0
             if address.info.width == "heads x keys":  # [heads, q, k]; scores are -inf where masked

@@ -311,7 +311,8 @@ class _Edit:
 
     def _vector(self, like: torch.Tensor, target: bool = False) -> torch.Tensor:
         """The write's vector (or its target) on ``like``'s device and dtype (the vector cached)."""
-        assert isinstance(self.write, Write)
+        if not isinstance(self.write, Write):
+            raise UnsupportedAddress(f"a feature write has no vector: {self.write!r}")
         if target and self.write.target is not None:
             return self.write.target.to(device=like.device, dtype=like.dtype)
         if self.vector is None or self.vector.device != like.device or self.vector.dtype != like.dtype:

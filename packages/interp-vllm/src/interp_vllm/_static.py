@@ -476,7 +476,8 @@ class SaeMath(nn.Module):
             weights = enc.top / self.dec_norm[enc.ids] if self.rescale else enc.top
             linear = F.embedding_bag(enc.ids, self.W_dec, per_sample_weights=weights, mode="sum")
         else:
-            assert enc.features is not None
+            if enc.features is None:
+                raise RuntimeError("the SAE encode kept no features to read from")
             linear = enc.features @ self.W_dec
         recon = self._denorm(linear + self.b_dec, *enc.denorm)
         norm: torch.Tensor = (enc.x - recon).norm(dim=-1)
@@ -490,7 +491,8 @@ class SaeMath(nn.Module):
             fired = enc.pre.gather(-1, feature).relu()
             current = torch.where(member, fired, torch.zeros_like(fired))
         else:
-            assert enc.features is not None
+            if enc.features is None:
+                raise RuntimeError("the SAE encode kept no features to read from")
             current = enc.features.gather(-1, feature)
         direction = self.W_dec[feature.squeeze(-1)]
         if self.rescale:

@@ -268,7 +268,8 @@ class StaticVllmModel(VllmModel):
         n_total = n_prompt + request.max_tokens + 1
         taken: dict[Address, set[int]] = {}
         for write in clamps:
-            assert write.address is not None  # bound by the core's checks
+            if write.address is None:  # bound by the core's checks
+                raise InvalidSteering(f"the feature write on {write.sae!r} is not bound to an address")
             site = SITES[write.address.kind]
             if not site.static_write or site.shard is not None:
                 raise InvalidSteering(

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from interp_engine import Address, FeatureReadout, Features, FeatureWrite, Sae, UnknownSae, Write
+from interp_engine import Address, BackendError, FeatureReadout, Features, FeatureWrite, Sae, UnknownSae, Write
 from interp_engine.validation import write_positions
 
 from ._families import VllmFamily, family_for
@@ -156,7 +156,8 @@ class RequestTaps:
             index = torch.tensor([p for p in positions if p < self.n_total], dtype=torch.long)
             mask[index] = True
             row[index] = torch.arange(len(index))
-            assert write.address is not None  # the front end binds feature writes
+            if write.address is None:  # the front end binds feature writes
+                raise BackendError(f"an unbound feature write reached the worker: {write!r}")
             self.writes[write.address].append(_WriteTable(write, mask, row))
         self.values: dict[Address, list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
         self.keys: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # layer -> (positions, keys, step)
@@ -521,14 +522,16 @@ class TapManager:
             if local_rows is None:
                 continue
             write = table.write
-            assert isinstance(write, FeatureWrite)
+            if not isinstance(write, FeatureWrite):
+                raise BackendError(f"a plain write among feature clamps: {write!r}")
             rows.append(local_rows + sl.start)
             features.append(torch.full((len(local_rows), 1), write.feature, dtype=torch.long))
             targets.append(torch.full((len(local_rows), 1), write.value))
         if not rows:
             return False
         sl, table = group[0]
-        assert isinstance(table.write, FeatureWrite)
+        if not isinstance(table.write, FeatureWrite):
+            raise BackendError(f"a plain write among feature clamps: {table.write!r}")
         math = self._math(sl.taps.saes[table.write.sae], value.device)
         index = torch.cat(rows).to(value.device)
         current = value[index]
@@ -549,7 +552,8 @@ class TapManager:
 
     def _local(self, table: _WriteTable, site: VllmSite, value: torch.Tensor) -> _Local | None:
         """This rank's part of a write, its vector and target on ``value``'s device (cached)."""
-        assert isinstance(table.write, Write)
+        if not isinstance(table.write, Write):
+            raise BackendError(f"a feature write where a plain write was expected: {table.write!r}")
         key = (int(value.shape[-1]), value.device, value.dtype)
         if key not in table.local:
             write = local_write(table.write, site, self.rank, self.tp_size, self.total_heads(site), key[0])
