@@ -57,6 +57,9 @@ def test_vocabulary_is_the_spec_table() -> None:
         "attn_out_post",
         "mlp_out_post",
         "logits_raw",
+        "router_logits",
+        "expert_indices",
+        "expert_weights",
     ]
     assert MODEL_LEVEL == ["embed", "final_norm", "logits", "logits_raw"]
     assert KINDS["mlp_post"].width == "d_mlp"
@@ -65,7 +68,17 @@ def test_vocabulary_is_the_spec_table() -> None:
     assert KINDS["attn_scores"].width == "heads x keys"
     assert KINDS["q_norm_out"].per_head and KINDS["k_norm_in"].width == "kv_heads x d_head"
     read_only = [kind for kind, info in KINDS.items() if not info.writable]
-    assert read_only == ["attn_pattern", "logits", "attn_q", "attn_k", "attn_scores", "logits_raw"]
+    assert read_only == [
+        "attn_pattern",
+        "logits",
+        "attn_q",
+        "attn_k",
+        "attn_scores",
+        "logits_raw",
+        "expert_indices",
+        "expert_weights",
+    ]
+    assert KINDS["router_logits"].writable and KINDS["expert_weights"].width == "experts per token"
 
 
 @pytest.mark.parametrize(

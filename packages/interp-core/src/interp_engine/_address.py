@@ -8,7 +8,9 @@ from typing import Literal
 from ._errors import InvalidAddress, LayerOutOfRange, UnknownKind
 from ._tl_names import is_tl_name, parse_tl_name, tl_name
 
-Width = Literal["d_model", "d_mlp", "heads x keys", "heads x d_head", "kv_heads x d_head", "vocab"]
+Width = Literal[
+    "d_model", "d_mlp", "heads x keys", "heads x d_head", "kv_heads x d_head", "vocab", "experts", "experts per token"
+]
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,22 @@ KINDS: dict[str, KindInfo] = {
     "logits_raw": KindInfo(
         False, "vocab", False, "the bare unembedding of final_norm, before any logit soft-cap or scaling"
     ),
+    "router_logits": KindInfo(
+        True, "experts", True, "mixture-of-experts layers: the router's logits per expert, before softmax and top-k"
+    ),
+    "expert_indices": KindInfo(
+        True,
+        "experts per token",
+        False,
+        "mixture-of-experts layers: the experts each token is routed to (int64), in the router's order",
+    ),
+    "expert_weights": KindInfo(
+        True,
+        "experts per token",
+        False,
+        "mixture-of-experts layers: the weights the chosen experts' outputs are multiplied by "
+        "(after the family's renormalisation), in the order of expert_indices",
+    ),
 }
 """The address vocabulary (TransformerLens meanings), in the order of SPEC §3's table."""
 
@@ -98,6 +116,9 @@ MISSING_REASONS: dict[str, str] = {
     "attn_out_post": "it has no post-attention (sandwich) norm: attn_out is what is added to the residual",
     "mlp_out_post": "it has no post-MLP (sandwich) norm: mlp_out is what is added to the residual",
     "resid_mid": "there is no residual between its attention and MLP",
+    "router_logits": "it is not a mixture of experts",
+    "expert_indices": "it is not a mixture of experts",
+    "expert_weights": "it is not a mixture of experts",
 }
 """Why a family may lack a kind (the default reason a backend gives with ``KindNotInFamily``)."""
 
@@ -139,6 +160,9 @@ _KIND_ORDER = {  # the order values are computed in, inside one layer
             "attn_out_post",
             "resid_mid",
             "mlp_in",
+            "router_logits",
+            "expert_indices",
+            "expert_weights",
             "mlp_pre",
             "mlp_pre_linear",
             "mlp_post",

@@ -47,6 +47,10 @@ class ModelInfo:
     parallel_attn: bool = False
     d_head: int = 0
     """Width of one attention head (``0``: ``d_model // n_heads``, filled in)."""
+    n_experts: int = 0
+    """Experts per mixture-of-experts layer (``0``: a dense model)."""
+    experts_per_token: int = 0
+    """How many experts each token is routed to (top-k) on a mixture-of-experts layer."""
 
     def __post_init__(self) -> None:
         if not self.d_head:

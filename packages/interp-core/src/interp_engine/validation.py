@@ -92,7 +92,13 @@ def width_of(address: Address, info: ModelInfo) -> int:
     width = address.info.width
     if address.info.per_head:
         return info.d_head
-    return {"d_mlp": info.d_mlp, "vocab": info.vocab_size}.get(width, info.d_model)
+    widths = {
+        "d_mlp": info.d_mlp,
+        "vocab": info.vocab_size,
+        "experts": info.n_experts,
+        "experts per token": info.experts_per_token,
+    }
+    return widths.get(width, info.d_model)
 
 
 def heads_of(address: Address, info: ModelInfo) -> int:

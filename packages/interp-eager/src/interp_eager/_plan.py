@@ -180,6 +180,8 @@ class Architecture:
                 continue
             if kind == "resid_mid" and self.post_norm:
                 continue
+            if KINDS[kind].width in ("experts", "experts per token"):  # mixture-of-experts layers only
+                continue
             kinds[kind] = "recompute" if kind == "attn_scores" else "hook"
         return kinds
 
