@@ -40,6 +40,7 @@ MAPPED = [
     ("blocks.1.mlp.hook_pre", Address("mlp_pre", 1)),
     ("blocks.1.mlp.hook_pre_linear", Address("mlp_pre_linear", 1)),
     ("blocks.1.attn.hook_attn_scores", Address("attn_scores", 1)),
+    ("blocks.1.mlp.hook_expert_indices", Address("expert_indices", 1)),
 ]
 
 
@@ -74,6 +75,7 @@ def test_tl_name_of_every_kind() -> None:
         ("blocks.2.hook_attn_in", "attn_in.2"),
         ("ln_final.hook_scale", "ln_final.hook_normalized"),
         ("blocks.2.hook_nonsense", "not part of the address vocabulary"),
+        ("blocks.2.mlp.hook_expert_weights", "router_logits.2"),
         ("hook_resid_post", "blocks.L.hook_resid_post"),
         ("blocks.x.hook_resid_post", "blocks.L"),
     ],

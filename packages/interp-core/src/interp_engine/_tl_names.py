@@ -23,6 +23,10 @@ divided by the weight). ``hook_attn_out``/``hook_mlp_out`` are ``attn_out``/``ml
 sublayer's output; on the sandwich-norm families (Gemma 2/3, OLMo 2) TransformerLens fires them
 after the post-sublayer norms, i.e. they are our ``attn_out_post``/``mlp_out_post`` there.
 ``tests/test_tl_oracle.py`` checks each of these against TransformerLens itself.
+
+Mixtures of experts: ``mlp.hook_expert_indices`` is ``expert_indices``; TransformerLens's
+``mlp.hook_expert_weights`` (the softmax over every expert) is not an address, ``router_logits``
+holds the logits it is taken of.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ TL_PER_LAYER: dict[str, str] = {
     "mlp.hook_pre": "mlp_pre",
     "mlp.hook_pre_linear": "mlp_pre_linear",
     "attn.hook_attn_scores": "attn_scores",
+    "mlp.hook_expert_indices": "expert_indices",
 }
 """``blocks.L.<suffix>`` -> our per-layer kind."""
 
@@ -75,6 +80,9 @@ _NEAR_MISSES: dict[str, str] = {  # unmapped suffixes of blocks.L.* -> what to u
     "attn.hook_result": "per-head results are not an address; attn_out.L is their sum",
     "ln1.hook_scale": "norm scales are not addresses; resid_pre.L is the norm's input, attn_in.L its output",
     "ln2.hook_scale": "norm scales are not addresses; resid_mid.L is the norm's input, mlp_in.L its output",
+    "mlp.hook_expert_weights": "TransformerLens's hook_expert_weights is the softmax over every expert, before the "
+    "top-k; router_logits.L are the logits it is taken of, expert_weights.L the chosen experts' weights after the "
+    "family's renormalisation",
 }
 
 _BLOCK = re.compile(r"blocks\.(-?\d+)\.(.+)")
