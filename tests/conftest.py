@@ -21,6 +21,45 @@ MODELS = ROOT / ".cache" / "test-models"
 REQUIRED_FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gpt_neox", "opt", "phi")
 EXTRA_FAMILIES = ("gemma3_text", "gptj", "olmo2", "phi3", "stablelm")
 ALL_FAMILIES = REQUIRED_FAMILIES + EXTRA_FAMILIES
+SWEEP_DENSE = (
+    "apertus",
+    "arcee",
+    "biogpt",
+    "cohere",
+    "cohere2",
+    "ernie4_5",
+    "exaone4",
+    "glm",
+    "glm4",
+    "gpt_bigcode",
+    "gpt_neo",
+    "granite",
+    "helium",
+    "hunyuan_v1_dense",
+    "ministral",
+    "nemotron",
+    "olmo",
+    "olmo3",
+    "persimmon",
+    "seed_oss",
+    "smollm3",
+    "starcoder2",
+)
+SWEEP_MOE = (
+    "ernie4_5_moe",
+    "flex_olmo",
+    "gpt_oss",
+    "hunyuan_v1_moe",
+    "mixtral",
+    "olmoe",
+    "phimoe",
+    "qwen2_moe",
+    "qwen3_moe",
+)
+SWEEP_FAMILIES = SWEEP_DENSE + SWEEP_MOE
+"""Model types the eager breadth sweep (tests/test_eager_families.py) verifies against HF."""
+REFUSED_FAMILIES = ("bitnet", "bloom", "codegen", "falcon", "mpt", "xglm")
+"""Model types the eager backend refuses with ``UnsupportedArchitecture`` (the sweep checks why)."""
 
 
 @functools.cache

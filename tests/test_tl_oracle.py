@@ -205,6 +205,8 @@ def _relation(family: str, suffix: str) -> str:
         return "tl_has_no_resid_mid"
     if suffix == "mlp.hook_pre_linear" and family in NOT_GATED:
         return "neither"
+    if suffix == "mlp.hook_expert_indices":  # dense families: no experts on either side
+        return "neither"
     if suffix == "attn.hook_attn_scores":
         return "scores"
     return "equal"

@@ -1,41 +1,33 @@
-"""Architecture knowledge, one small table entry per model family.
+"""What the eager backend knows about a model family: the resolved :class:`Family`, and the data
+structure cannot tell.
 
-Each :class:`Family` names, relative to the HF ``*ForCausalLM`` module, where the decoder
-layers, the final norm and the unembedding are, and, relative to one decoder layer, where each
-point of the address vocabulary is read:
+A :class:`Family` names, relative to the HF ``*ForCausalLM`` module, where the decoder layers, the
+final norm and the unembedding are, and, relative to one decoder layer, where each point of the
+address vocabulary is read:
 
 - the attention module (its input is ``attn_in``, its output ``attn_out``, its weights
-  ``attn_pattern``) and the MLP (input ``mlp_in``, output ``mlp_out``);
+  ``attn_pattern``) and the MLP (input ``mlp_in``, output ``mlp_out``; on a mixture-of-experts
+  layer the whole block, shared experts included);
 - the MLP's input projections (their outputs are ``mlp_pre`` and, in a gated MLP, the linear
-  branch ``mlp_pre_linear``; Phi-3's fused ``gate_up_proj`` holds both, as halves) and the
-  linear layer that reads the post-nonlinearity neurons (``mlp_post``);
-- the q/k norms (``q_norm_in``/``q_norm_out``/``k_norm_in``/``k_norm_out``, and how heads are
-  laid out in the tensors they see) and the sandwich norms after each sublayer
-  (``attn_out_post``/``mlp_out_post``): optional, served where the loaded model has them;
+  branch ``mlp_pre_linear``; a fused ``gate_up_proj`` holds both, as halves) and the linear layer
+  that reads the post-nonlinearity neurons (``mlp_post``);
+- a mixture of experts' router (whose logits are ``router_logits``) and experts module (called
+  with the chosen experts and their weights: ``expert_indices``, ``expert_weights``);
+- the q/k norms and the sandwich norms after each sublayer (optional, served where present);
 - the per-head values: the projection whose output holds the values (and how they are laid out
   in it), the output projection (whose input is ``attn_z``) and, for a family whose attention
-  does not call transformers' attention interface, the method that receives queries and keys
-  (and how it scales their product, for ``attn_scores``).
+  does not call transformers' attention interface, the method that receives queries and keys.
 
-The capture code never branches on the family; it only reads these tables.
+Families are not listed here: :func:`interp_eager._resolve.resolve` builds the :class:`Family` of
+a loaded model from its module tree and one traced forward. :data:`FAMILY_DATA` holds the little
+that structure cannot tell, by ``model_type``. The capture code never branches on the family; it
+only reads the resolved table.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
-
-from interp_engine import UnsupportedArchitecture
-
-
-def _never(config: Any) -> bool:
-    return False
-
-
-def _uses_parallel_residual(config: Any) -> bool:
-    return bool(getattr(config, "use_parallel_residual", False))
-
 
 QkvLayout = Literal["v", "q|k|v", "per-head q|k|v"]
 """How values sit in the output of :attr:`Family.attn_v`: alone (``v_proj``), after the
@@ -66,15 +58,16 @@ class Family:
     """The module whose first input is ``mlp_in`` (the MLP; OPT, which has no MLP module: ``fc1``)."""
     mlp_out: str = "mlp"
     """The module whose output is ``mlp_out``, the MLP's own output (OPT: ``fc2``)."""
-    mlp_pre: str = "mlp.gate_proj"
-    """The linear layer whose output is ``mlp_pre`` (the gate branch of a gated MLP)."""
+    mlp_pre: str | None = "mlp.gate_proj"
+    """The linear layer whose output is ``mlp_pre`` (the gate branch of a gated MLP); ``None``: no
+    layer has a dense MLP (every layer is a mixture of experts)."""
     mlp_pre_linear: str | None = "mlp.up_proj"
     """The linear layer whose output is ``mlp_pre_linear`` (a gated MLP's up branch); ``None``:
     the MLP is not gated."""
     gate_up_fused: bool = False
     """Whether :attr:`mlp_pre` and :attr:`mlp_pre_linear` name one module whose output is
     ``[gate | up]``: ``mlp_pre`` is its first half, ``mlp_pre_linear`` its second (Phi-3)."""
-    mlp_down: str = "mlp.down_proj"
+    mlp_down: str | None = "mlp.down_proj"
     """The linear layer whose input is the post-nonlinearity MLP hidden (``mlp_post``)."""
     attn_post_norm: str | None = None
     """The sandwich norm applied to the attention's output before it is added to the residual
@@ -90,9 +83,9 @@ class Family:
     """How heads are laid out in the tensors the q/k norms see."""
     before_unembed: tuple[str, ...] = ()
     """Modules applied between the final norm and the unembedding, when present (OPT)."""
-    parallel: Callable[[Any], bool] = _never
-    """Whether attention and MLP both read ``resid_pre`` (GPT-NeoX, Phi, GPT-J)."""
-    post_norm: Callable[[Any], bool] = _never
+    parallel: bool = False
+    """Whether attention and MLP both read ``resid_pre`` (GPT-NeoX, Phi, GPT-J, Cohere)."""
+    post_norm: bool = False
     """Whether the residual stream is normalised after each block (OPT-350m): no ``resid_mid``."""
     attn_o: str = "self_attn.o_proj"
     """The attention's output projection; its input, split per head, is ``attn_z``."""
@@ -108,143 +101,108 @@ class Family:
     """For :attr:`attn_fn`: the attention module's attribute that method divides ``q @ k^T`` by,
     in float32 (GPT-J's ``scale_attn``); ``None``: the attention function's ``scaling`` argument
     multiplies it (default ``d_head ** -0.5``)."""
+    attn_scores_at_softmax: bool = False
+    """For :attr:`attn_fn`: read ``attn_scores`` where the method's softmax receives them (its own
+    masks applied: GPT-Neo's local-attention band) instead of recomputing them from q and k."""
+    n_heads: int = 0
+    """Query heads, as the attention function receives them (``0``: the config's)."""
+    n_kv_heads: int = 0
+    """Key/value heads, read off the value projection (``0``: the config's)."""
+    d_head: int = 0
+    """Width of one head, as the attention function receives them (``0``: the config's)."""
+    router: str | None = None
+    """The router of a mixture-of-experts layer (its first linear output is ``router_logits``);
+    ``None``: no layer is a mixture of experts. Present only on the layers that are."""
+    experts: str | None = None
+    """The experts module, called with the chosen experts and their weights."""
+    expert_index_arg: int = 1
+    """Which positional argument of :attr:`experts` holds the chosen experts (``expert_indices``)."""
+    expert_weight_arg: int = 2
+    """Which holds their weights (``expert_weights``)."""
+    n_experts: int = 0
+    experts_per_token: int = 0
+    attention_sinks: bool = False
+    """Whether the attention function also normalises over a per-head sink logit (gpt-oss): no
+    ``attn_scores`` then (their softmax would not be the pattern)."""
+    logit_multiplier: float = 1.0
+    """The constant the model multiplies its unembedding's output by (Cohere's ``logit_scale``)."""
 
 
-def _llama_like(name: str, model_types: tuple[str, ...], **overrides: Any) -> Family:
-    """A family laid out like Llama: ``model.layers``, ``self_attn``, a gated ``mlp`` (``gate_proj``,
-    ``up_proj``, ``down_proj``), ``model.norm``."""
-    return Family(name, model_types, layers="model.layers", final_norm="model.norm", **overrides)
+FAMILY_DATA: dict[str, dict[str, Any]] = {
+    # GPT-J computes attention in its own ``_attn`` method and divides ``q @ k^T`` by ``scale_attn``.
+    "gptj": {"attn_fn": "_attn", "attn_score_divisor": "scale_attn"},
+}
+"""What structure cannot tell, by ``model_type``: how GPT-J's own attention method scales its scores
+(an own ``_attn(query, key, value, mask)`` method is otherwise found from the module tree -- GPT-Neo's
+-- and its scores read where its softmax receives them). Everything else -- fused or per-head q/k/v
+layouts, soft-caps, logit and embedding scales, sandwich and post norms, parallel blocks -- is
+read from the module tree, the config and one traced forward (:mod:`interp_eager._resolve`)."""
 
-
-_NOT_GATED: dict[str, Any] = {"mlp_pre_linear": None}
-
-FAMILIES: tuple[Family, ...] = (
-    Family(
-        "gpt2",
-        ("gpt2",),
-        layers="transformer.h",
-        final_norm="transformer.ln_f",
-        attn="attn",
-        mlp_pre="mlp.c_fc",
-        mlp_down="mlp.c_proj",
-        attn_o="attn.c_proj",
-        attn_v="attn.c_attn",
-        qkv_layout="q|k|v",
-        **_NOT_GATED,
-    ),
-    _llama_like("llama", ("llama",)),
-    _llama_like("mistral", ("mistral",)),
-    _llama_like("qwen2", ("qwen2",)),
-    _llama_like(
-        "qwen3", ("qwen3",), q_norm="self_attn.q_norm", k_norm="self_attn.k_norm", qk_norm_layout="tokens x heads"
-    ),
-    _llama_like("gemma", ("gemma",)),
-    _llama_like(
-        "gemma2",
-        ("gemma2", "gemma3_text"),
-        attn_post_norm="post_attention_layernorm",
-        mlp_post_norm="post_feedforward_layernorm",
-        q_norm="self_attn.q_norm",  # Gemma 3 only
-        k_norm="self_attn.k_norm",
-    ),
-    _llama_like(
-        "olmo2",
-        ("olmo2",),
-        attn_post_norm="post_attention_layernorm",
-        mlp_post_norm="post_feedforward_layernorm",
-        q_norm="self_attn.q_norm",
-        k_norm="self_attn.k_norm",
-        qk_norm_layout="flat",
-    ),
-    _llama_like(
-        "stablelm",
-        ("stablelm",),
-        parallel=_uses_parallel_residual,
-        q_norm="self_attn.q_layernorm",  # with qk_layernorm
-        k_norm="self_attn.k_layernorm",
-    ),
-    _llama_like(
-        "phi3",
-        ("phi3",),
-        mlp_pre="mlp.gate_up_proj",
-        mlp_pre_linear="mlp.gate_up_proj",
-        gate_up_fused=True,
-        attn_v="self_attn.qkv_proj",
-        qkv_layout="q|k|v",
-    ),
-    Family(
-        "phi",
-        ("phi",),
-        layers="model.layers",
-        final_norm="model.final_layernorm",
-        mlp_pre="mlp.fc1",
-        mlp_down="mlp.fc2",
-        q_norm="self_attn.q_layernorm",  # with qk_layernorm
-        k_norm="self_attn.k_layernorm",
-        parallel=lambda c: True,
-        attn_o="self_attn.dense",
-        **_NOT_GATED,
-    ),
-    Family(
-        "gpt_neox",
-        ("gpt_neox",),
-        layers="gpt_neox.layers",
-        final_norm="gpt_neox.final_layer_norm",
-        attn="attention",
-        mlp_pre="mlp.dense_h_to_4h",
-        mlp_down="mlp.dense_4h_to_h",
-        parallel=lambda c: bool(getattr(c, "use_parallel_residual", True)),
-        attn_o="attention.dense",
-        attn_v="attention.query_key_value",
-        qkv_layout="per-head q|k|v",
-        **_NOT_GATED,
-    ),
-    Family(
-        "gptj",
-        ("gptj",),
-        layers="transformer.h",
-        final_norm="transformer.ln_f",
-        attn="attn",
-        mlp_pre="mlp.fc_in",
-        mlp_down="mlp.fc_out",
-        parallel=lambda c: True,
-        attn_o="attn.out_proj",
-        attn_v="attn.v_proj",
-        attn_fn="_attn",
-        attn_score_divisor="scale_attn",
-        **_NOT_GATED,
-    ),
-    Family(
-        "opt",
-        ("opt",),
-        layers="model.decoder.layers",
-        final_norm="model.decoder.final_layer_norm",
-        mlp_in="fc1",
-        mlp_out="fc2",
-        mlp_pre="fc1",
-        mlp_down="fc2",
-        before_unembed=("model.decoder.project_out",),
-        post_norm=lambda c: not bool(getattr(c, "do_layer_norm_before", True)),
-        attn_o="self_attn.out_proj",
-        **_NOT_GATED,
-    ),
+VERIFIED_MODEL_TYPES: tuple[str, ...] = (
+    "apertus",
+    "arcee",
+    "biogpt",
+    "cohere",
+    "cohere2",
+    "ernie4_5",
+    "ernie4_5_moe",
+    "exaone4",
+    "flex_olmo",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "glm",
+    "glm4",
+    "gpt2",
+    "gpt_bigcode",
+    "gpt_neo",
+    "gpt_neox",
+    "gpt_oss",
+    "gptj",
+    "granite",
+    "helium",
+    "hunyuan_v1_dense",
+    "hunyuan_v1_moe",
+    "llama",
+    "ministral",
+    "mistral",
+    "mixtral",
+    "nemotron",
+    "olmo",
+    "olmo2",
+    "olmo3",
+    "olmoe",
+    "opt",
+    "persimmon",
+    "phi",
+    "phi3",
+    "phimoe",
+    "qwen2",
+    "qwen2_moe",
+    "qwen3",
+    "qwen3_moe",
+    "seed_oss",
+    "smollm3",
+    "stablelm",
+    "starcoder2",
 )
+"""The ``model_type`` values the test suite verifies against HF on this backend
+(``tests/test_eager_families.py``); named in error messages, never consulted by resolution."""
 
-_BY_MODEL_TYPE = {model_type: family for family in FAMILIES for model_type in family.model_types}
+
+def verified_model_types() -> list[str]:
+    """The ``model_type`` values verified against HF on the eager backend, sorted."""
+    return sorted(VERIFIED_MODEL_TYPES)
 
 
 def supported_model_types() -> list[str]:
-    """Every HF ``model_type`` the eager backend has an adapter for, sorted."""
-    return sorted(_BY_MODEL_TYPE)
+    """The verified ``model_type`` values (any decoder-only model whose structure resolves is served)."""
+    return verified_model_types()
 
 
-def family_for(config: Any) -> Family:
-    """The adapter for an HF config, or ``UnsupportedArchitecture`` naming the supported ones."""
-    model_type = getattr(config, "model_type", None)
-    family = _BY_MODEL_TYPE.get(str(model_type))
-    if family is None:
-        raise UnsupportedArchitecture(
-            f"the eager backend has no adapter for model_type {model_type!r}; "
-            f"supported: {', '.join(supported_model_types())}"
-        )
-    return family
+def family_for(model: Any) -> Family:
+    """The resolved :class:`Family` of a loaded HF causal LM, or ``UnsupportedArchitecture`` naming
+    what could not be placed."""
+    from ._resolve import resolve
+
+    return resolve(model)

@@ -4,8 +4,10 @@ Every address kind is read by a hook where the model computes it (see ``_plan``;
 is rebuilt, with the eager attention's own operations, from the queries, keys and mask its
 attention function receives, so ``softmax(attn_scores)`` is ``attn_pattern``); which kinds a
 loaded model has -- a gated MLP's ``mlp_pre_linear``, the q/k-norm points, the sandwich norms'
-``attn_out_post``/``mlp_out_post`` -- comes from its family's table and the modules it actually
-built (:meth:`EagerModel.points`); asking for one it lacks raises ``KindNotInFamily``.
+``attn_out_post``/``mlp_out_post``, a mixture of experts' router points -- comes from its
+:class:`~interp_eager._families.Family`, resolved from the loaded model's module tree and one
+traced forward (:mod:`interp_eager._resolve`; :attr:`EagerModel.family`); asking for one it lacks
+raises ``KindNotInFamily``.
 """
 
 from __future__ import annotations
@@ -41,9 +43,10 @@ from interp_engine import (
 from interp_engine._readouts import read_features
 from interp_engine.tokens import TextPieces, TokenizerMixin, pad_rows
 
-from ._families import family_for
+from ._families import Family, family_for
 from ._generate import choose, generator_for, top_logprobs
 from ._plan import EAGER_KINDS, Architecture, Chunk, Plan
+from ._resolve import resolve_config
 
 T = TypeVar("T")
 
@@ -86,7 +89,7 @@ def load(name_or_path: str, options: dict[str, Any]) -> EagerModel:
         config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust, revision=revision)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot read a model config from {name_or_path!r}: {exc}") from exc
-    family_for(config)  # an unsupported architecture fails before any weights load
+    resolve_config(config, trust)  # an unresolvable module tree fails before any weights load
     kwargs: dict[str, Any] = {"dtype": _dtype(options.get("dtype", "float32")), "revision": revision}
     if options.get("attn_implementation"):
         kwargs["attn_implementation"] = options["attn_implementation"]
@@ -95,6 +98,7 @@ def load(name_or_path: str, options: dict[str, Any]) -> EagerModel:
         kwargs["attn_implementation"] = "eager"
     try:
         hf_model: Any = AutoModelForCausalLM.from_pretrained(name_or_path, trust_remote_code=trust, **kwargs)
+        family = family_for(hf_model)  # the traced checks, before the tokenizer loads
         tokenizer_source = options.get("tokenizer") or name_or_path
         tokenizer = (
             AutoTokenizer.from_pretrained(tokenizer_source, trust_remote_code=trust, revision=revision)
@@ -109,7 +113,7 @@ def load(name_or_path: str, options: dict[str, Any]) -> EagerModel:
             hf_model.to(device=torch.device(device))
         except (RuntimeError, AssertionError) as exc:
             raise InvalidOption(f"cannot place the model on device {device!r}: {exc}") from exc
-    return EagerModel(hf_model, tokenizer)
+    return EagerModel(hf_model, tokenizer, family=family)
 
 
 def _ctx_length(config: Any, tokenizer: Any) -> int:
@@ -130,24 +134,37 @@ def _in_width(module: nn.Module) -> int:
     raise UnsupportedAddress("cannot read the MLP width of this model", address="mlp_post")
 
 
+def _d_mlp(arch: Architecture) -> int:
+    """The width of ``mlp_post``: a dense layer's MLP hidden; on a model whose every layer is a
+    mixture of experts (no ``mlp_post``), one expert's hidden, from the config."""
+    if arch.dense_layers and arch.family.mlp_down is not None:
+        return _in_width(arch.layer_module(min(arch.dense_layers), arch.family.mlp_down))
+    config: Any = arch.config
+    for name in ("moe_intermediate_size", "intermediate_size", "ffn_dim"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return int(config.hidden_size) * 4
+
+
 class EagerModel(TokenizerMixin, ModelBase):
     """A HuggingFace causal LM served through the interp-engine async protocol.
 
     Forwards run on a worker thread (the event loop stays free) one at a time, each with only
     its own request's hooks installed, so concurrent calls never see each other's captures or
     steering. Build one with ``load_model(path, backend="eager")`` or :meth:`from_hf`.
-    :meth:`points` lists the kinds the loaded model has (its family's table, less the optional
-    modules -- gated MLP, q/k norms, sandwich norms -- it lacks).
+    :meth:`points` lists the kinds the loaded model has; :attr:`family` is what its structure
+    resolved to (where each point is read).
     """
 
     backend = "eager"
     supported_points = EAGER_KINDS
 
-    def __init__(self, hf_model: nn.Module, tokenizer: Any) -> None:
+    def __init__(self, hf_model: nn.Module, tokenizer: Any, *, family: Family | None = None) -> None:
         self._hf: nn.Module | None = hf_model.eval()
         self.tokenizer = tokenizer
         config: Any = hf_model.config
-        self.family = family_for(config)
+        self.family = family if family is not None else family_for(hf_model)
         self.arch = Architecture(hf_model, self.family)
         self._kinds = self.arch.served_kinds()
         embed = hf_model.get_input_embeddings()  # type: ignore[operator]
@@ -155,13 +172,15 @@ class EagerModel(TokenizerMixin, ModelBase):
             architecture=str(config.model_type),
             n_layers=len(self.arch.layers),
             d_model=int(config.hidden_size),
-            d_mlp=_in_width(self.arch.layer_module(0, self.family.mlp_down)),
+            d_mlp=_d_mlp(self.arch),
             n_heads=self.arch.n_heads,
             n_kv_heads=self.arch.n_kv_heads,
             vocab_size=int(embed.num_embeddings),
             n_ctx=_ctx_length(config, tokenizer),
             parallel_attn=self.arch.parallel,
             d_head=self.arch.d_head,
+            n_experts=self.family.n_experts,
+            experts_per_token=self.family.experts_per_token,
         )
         generation_config = getattr(hf_model, "generation_config", None)
         super().__init__(info, eos_ids=ModelBase.eos_ids_of(generation_config, config))
@@ -209,6 +228,9 @@ class EagerModel(TokenizerMixin, ModelBase):
     def _missing_reason(self, kind: str) -> str:
         if kind == "resid_mid" and self.arch.post_norm:
             return "it normalises the residual after each block (post-LN); read attn_out or resid_post"
+        structural = self.arch.missing_reason(kind)
+        if structural:
+            return structural
         reason = super()._missing_reason(kind)
         module = self.arch.missing_module(kind)
         return f"{reason}: its layers have no {module} module" if module else reason
@@ -508,6 +530,9 @@ def _readouts(
 
 
 def _to_cpu(value: torch.Tensor) -> torch.Tensor:
+    """On the CPU, floats as float32 (integer values -- ``expert_indices`` -- keep their dtype)."""
+    if not value.is_floating_point():
+        return value.detach().to(device="cpu")
     return value.detach().to(device="cpu", dtype=torch.float32)
 
 
@@ -519,10 +544,11 @@ def _zero_padding(address: Address, value: torch.Tensor, lengths: list[int]) -> 
         return value
     value = value.clone()
     fill = float("-inf") if address.kind == "attn_scores" else 0.0
+    pad = -1 if address.kind == "expert_indices" else 0
     for row, n in enumerate(lengths):
         if address.info.width == "heads x keys":  # attn_pattern, attn_scores: [heads, q, k]
             value[row, :, n:, :] = fill
             value[row, :, :, n:] = fill
         else:
-            value[row, n:] = 0
+            value[row, n:] = pad
     return value

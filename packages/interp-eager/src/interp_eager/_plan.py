@@ -22,6 +22,11 @@ Queries and keys (``attn_q``/``attn_k``, read-only) and the pre-softmax scores
 read where the attention function receives them, after rotary embeddings and q/k norms: an
 *attention tap* (:func:`add_attention_tap`) on the attention module, called by transformers'
 attention interface (or by the family's own attention method, GPT-J's ``_attn``).
+
+On a mixture-of-experts layer, ``router_logits`` are read (and written) by a *router tap*
+(:func:`add_router_tap`): while the router runs, the first linear map to ``n_experts`` outputs it
+computes is handed to the plan, and the router routes from what the plan returns, so a write
+reroutes; ``expert_indices``/``expert_weights`` are the experts module's positional arguments.
 """
 
 from __future__ import annotations
@@ -34,8 +39,9 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
-from interp_engine import KINDS, Address, FeatureWrite, Sae, UnsupportedAddress, Write
+from interp_engine import KINDS, Address, FeatureWrite, KindNotInFamily, Sae, UnsupportedAddress, Write
 from interp_engine.validation import write_positions
 
 from ._families import Family, QkNormLayout, QkvLayout
@@ -86,7 +92,7 @@ class ColumnSlice:
         return x[..., self.part * width : (self.part + 1) * width]
 
 
-_VALUE_SLICES: dict[QkvLayout, Callable[[int, int, int], HeadSlice]] = {
+VALUE_SLICES: dict[QkvLayout, Callable[[int, int, int], HeadSlice]] = {
     "v": lambda heads, kv_heads, d: HeadSlice(kv_heads, d),
     "q|k|v": lambda heads, kv_heads, d: HeadSlice(kv_heads, d, start=(heads + kv_heads) * d),
     "per-head q|k|v": lambda heads, kv_heads, d: HeadSlice(kv_heads, d, stride=3 * d, offset=2 * d),
@@ -97,6 +103,9 @@ _VALUE_SLICES: dict[QkvLayout, Callable[[int, int, int], HeadSlice]] = {
 EAGER_KINDS = tuple(KINDS)
 """Every kind the eager backend knows where to read (:meth:`Architecture.site`)."""
 
+_MOE_KINDS = frozenset({"router_logits", "expert_indices", "expert_weights"})
+_DENSE_MLP_KINDS = frozenset({"mlp_pre", "mlp_pre_linear", "mlp_post"})
+
 ATTENTION_SCORES = 2
 """The :attr:`Site.index` of an attention site that reads the pre-softmax scores."""
 
@@ -106,11 +115,13 @@ class Site:
     """A hookable tensor: the first input (``pre``) or an output element (``post``) of a module,
     or, at a module's attention function (``attention``), the query (``index`` 0) or key (1) it
     receives (``[batch, heads, keys, d_head]``) or the scores it computes (2, ``[batch, heads,
-    queries, keys]``). ``cols`` selects a block of the tensor's last axis; ``heads`` views the
-    tensor (or that block) per head."""
+    queries, keys]``); or, at a router (``router``), the logits its first linear layer with
+    ``index`` outputs computes. A ``pre`` site with ``index > 0`` reads that positional argument
+    (the experts module's chosen experts and weights). ``cols`` selects a block of the tensor's
+    last axis; ``heads`` views the tensor (or that block) per head."""
 
     module: nn.Module
-    when: Literal["pre", "post", "attention"]
+    when: Literal["pre", "post", "attention", "router"]
     index: int = 0
     heads: HeadSlice | None = None
     cols: ColumnSlice | None = None
@@ -126,7 +137,7 @@ class Chunk:
 
 
 class Architecture:
-    """A loaded HF model seen through its family adapter: modules by address."""
+    """A loaded HF model seen through its resolved family: modules by address."""
 
     def __init__(self, hf_model: nn.Module, family: Family) -> None:
         self.family = family
@@ -138,20 +149,24 @@ class Architecture:
             raise UnsupportedAddress("this model has no output embedding (unembedding)", address="logits")
         self.unembed: nn.Module = unembed
         self.before_unembed = [m for m in (_maybe(hf_model, p) for p in family.before_unembed) if m is not None]
-        self.parallel = family.parallel(self.config)
-        self.post_norm = family.post_norm(self.config)
+        self.parallel = family.parallel
+        self.post_norm = family.post_norm
         config: Any = self.config
-        self.n_heads = int(config.num_attention_heads)
-        self.n_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.n_heads)
-        self.d_head = int(getattr(config, "head_dim", None) or config.hidden_size // self.n_heads)
+        self.n_heads = family.n_heads or int(config.num_attention_heads)
+        self.n_kv_heads = family.n_kv_heads or int(getattr(config, "num_key_value_heads", None) or self.n_heads)
+        self.d_head = family.d_head or int(getattr(config, "head_dim", None) or config.hidden_size // self.n_heads)
         self._paths = {kind: path for kind, path in self._optional_paths().items() if self._in_every_layer(path)}
         self.sandwich = "attn_out_post" in self._paths
         """Whether a post-attention norm sits between ``attn_out`` and the residual (Gemma 2/3, OLMo 2)."""
+        self.moe_layers = frozenset(
+            i for i, layer in enumerate(self.layers) if family.router and _maybe(layer, family.router) is not None
+        )
+        """The mixture-of-experts layers (their MLP is a router and experts)."""
+        self.dense_layers = frozenset(range(len(self.layers))) - self.moe_layers
 
     def _optional_paths(self) -> dict[str, str | None]:
         family = self.family
         return {
-            "mlp_pre_linear": family.mlp_pre_linear,
             "q_norm_in": family.q_norm,
             "q_norm_out": family.q_norm,
             "k_norm_in": family.k_norm,
@@ -170,20 +185,45 @@ class Architecture:
         return path is not None and all(_maybe(layer, path) is not None for layer in self.layers)
 
     def served_kinds(self) -> dict[str, str]:
-        """Every kind this loaded model has (the family's table, less the optional modules -- gated
-        MLP, q/k norms, sandwich norms -- it lacks), mapped to how it is read: by a hook, or, for
-        ``attn_scores``, recomputed from the queries, keys and mask the attention function got."""
+        """Every kind this loaded model has (the resolved family, less the optional modules -- gated
+        MLP, q/k norms, sandwich norms, a mixture of experts' router -- it lacks), mapped to how it is
+        read: by a hook, or, for ``attn_scores``, recomputed from the queries, keys and mask the
+        attention function got. A kind some layers lack (``mlp_pre`` on a mixture-of-experts layer of
+        a model whose other layers are dense) is served and refused on those layers."""
         optional = self._optional_paths()
+        family = self.family
         kinds = {}
         for kind in EAGER_KINDS:
             if kind in optional and kind not in self._paths:
                 continue
             if kind == "resid_mid" and self.post_norm:
                 continue
-            if KINDS[kind].width in ("experts", "experts per token"):  # mixture-of-experts layers only
+            if kind in _MOE_KINDS and not self.moe_layers:
+                continue
+            if kind in _DENSE_MLP_KINDS and not self.dense_layers:
+                continue
+            if kind == "mlp_pre_linear" and family.mlp_pre_linear is None:
+                continue
+            if kind == "attn_scores" and family.attention_sinks:
                 continue
             kinds[kind] = "recompute" if kind == "attn_scores" else "hook"
         return kinds
+
+    def missing_reason(self, kind: str) -> str | None:
+        """Why this model lacks ``kind`` when structure says so, else ``None``."""
+        if kind == "attn_scores" and self.family.attention_sinks:
+            return (
+                "its attention also normalises over a learned sink logit per head, so no scores over the "
+                "keys alone are what its softmax sees; read attn_pattern"
+            )
+        if kind in _MOE_KINDS and not self.moe_layers:
+            return "it is not a mixture of experts"
+        if kind in _DENSE_MLP_KINDS and not self.dense_layers:
+            return (
+                "every layer's MLP is a mixture of experts: there is no single MLP hidden; "
+                "read mlp_in, mlp_out or the router points"
+            )
+        return None
 
     def layer_module(self, layer: int, path: str) -> nn.Module:
         module: nn.Module = _get(self.layers[layer], path)
@@ -194,6 +234,24 @@ class Architecture:
         if path is None or address.layer is None:
             raise UnsupportedAddress(f"{address}: this model has no {address.kind}", address=address)
         return self.layer_module(address.layer, path)
+
+    def _layer_kind(self, address: Address, path: str | None) -> nn.Module:
+        """The module of a kind only some layers have (dense-MLP or router points)."""
+        layer = address.layer if address.layer is not None else 0
+        index = layer % len(self.layers)
+        if address.kind in _MOE_KINDS:
+            if index not in self.moe_layers or path is None:
+                raise KindNotInFamily(
+                    f"{address}: layer {index} of this model has a dense MLP, not a mixture of experts",
+                    address=address,
+                )
+        elif index in self.moe_layers or path is None:
+            raise KindNotInFamily(
+                f"{address}: layer {index} of this model is a mixture of experts, so there is no single MLP "
+                "hidden; read mlp_in, mlp_out or router_logits/expert_indices/expert_weights there",
+                address=address,
+            )
+        return self.layer_module(layer, path)
 
     def site(self, address: Address) -> Site:
         """Where ``address`` is read and written (not for derived ``resid_mid``)."""
@@ -223,12 +281,18 @@ class Architecture:
             return Site(self.layer_module(layer, family.mlp_out), "post")
         if kind == "mlp_pre":
             cols = ColumnSlice(0, 2) if family.gate_up_fused else None
-            return Site(self.layer_module(layer, family.mlp_pre), "post", cols=cols)
+            return Site(self._layer_kind(address, family.mlp_pre), "post", cols=cols)
         if kind == "mlp_pre_linear":
             cols = ColumnSlice(1, 2) if family.gate_up_fused else None
-            return Site(self._optional(address), "post", cols=cols)
+            return Site(self._layer_kind(address, family.mlp_pre_linear), "post", cols=cols)
         if kind == "mlp_post":
-            return Site(self.layer_module(layer, family.mlp_down), "pre")
+            return Site(self._layer_kind(address, family.mlp_down), "pre")
+        if kind == "router_logits":
+            return Site(self._layer_kind(address, family.router), "router", index=family.n_experts)
+        if kind == "expert_indices":
+            return Site(self._layer_kind(address, family.experts), "pre", index=family.expert_index_arg)
+        if kind == "expert_weights":
+            return Site(self._layer_kind(address, family.experts), "pre", index=family.expert_weight_arg)
         if kind in ("attn_out_post", "mlp_out_post"):
             return Site(self._optional(address), "post")
         if kind == "attn_pattern":
@@ -236,7 +300,7 @@ class Architecture:
         if kind == "attn_z":
             return Site(self.layer_module(layer, family.attn_o), "pre", heads=HeadSlice(self.n_heads, self.d_head))
         if kind == "attn_v":
-            values = _VALUE_SLICES[family.qkv_layout](self.n_heads, self.n_kv_heads, self.d_head)
+            values = VALUE_SLICES[family.qkv_layout](self.n_heads, self.n_kv_heads, self.d_head)
             return Site(self.layer_module(layer, family.attn_v), "post", heads=values)
         if kind in ("q_norm_in", "q_norm_out", "k_norm_in", "k_norm_out"):
             heads = self.n_heads if kind.startswith("q") else self.n_kv_heads
@@ -263,12 +327,14 @@ class Architecture:
 
     def unembed_residuals(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm, anything between it and the unembedding, the unembedding, and the
-        family's logit post-processing (Gemma 2's soft-capping)."""
+        model's logit post-processing (a constant logit scale, Gemma 2's soft-capping)."""
         if self.final_norm is not None:
             x = self.final_norm(x)
         for module in self.before_unembed:
             x = module(x)
         logits: torch.Tensor = self.unembed(x)
+        if self.family.logit_multiplier != 1.0:
+            logits = logits * self.family.logit_multiplier
         cap = getattr(self.config, "final_logit_softcapping", None)
         if cap:
             logits = torch.tanh(logits / cap) * cap
@@ -498,7 +564,31 @@ class Plan:
                 self._handle(site, site_plan, value)
                 self._finish_site()
 
-            return add_attention_tap(site.module, tap, method=self.arch.family.attn_fn)
+            family = self.arch.family
+            owner, method = attention_owner(site.module, family.attn_fn)
+            return add_attention_tap(owner, tap, method=method, scores_at_softmax=family.attn_scores_at_softmax)
+
+        if site.when == "router":
+
+            def logits(value: torch.Tensor) -> torch.Tensor:
+                edited = self._handle(site, site_plan, value)
+                self._finish_site()
+                return edited
+
+            return add_router_tap(site.module, site.index, logits)
+
+        if site.when == "pre" and site.index:  # a later positional argument: read-only
+
+            def arg(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+                if len(args) <= site.index:
+                    raise UnsupportedAddress(
+                        f"{type(module).__name__} was not called with argument {site.index} positionally",
+                        address=site_plan.reads[0] if site_plan.reads else None,
+                    )
+                self._handle(site, site_plan, args[site.index])
+                self._finish_site()
+
+            return site.module.register_forward_pre_hook(arg, with_kwargs=True)
 
         if site.when == "pre":
 
@@ -583,6 +673,11 @@ class AttentionCall:
     attention_mask: torch.Tensor | None
     scaling: float | None = None
     softcap: float | None = None
+    value: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None
+    scores: torch.Tensor | None = None
+    """What the method's softmax received (an own attention method read at its softmax: GPT-Neo)."""
+    """Per-head learned sink logits the softmax also normalises over (gpt-oss's ``s_aux``)."""
 
 
 AttentionTap = Callable[[AttentionCall], None]
@@ -599,6 +694,9 @@ def attention_scores(call: AttentionCall, *, divisor: str | None = None) -> torc
     that attribute of the module, in float32, as GPT-J's ``_attn`` does), soft-capped where
     ``softcap`` is given, the mask applied; ``-inf`` where masked. The operations are the eager
     attention's own, in its order, so ``softmax`` of the result is its attention weights."""
+    if call.scores is not None:  # read at the method's softmax: masked entries hold the dtype's minimum
+        scores = call.scores
+        return scores.masked_fill(scores <= torch.finfo(scores.dtype).min / 2, float("-inf"))
     query, key = call.query, call.key
     if key.shape[1] != query.shape[1]:  # grouped-query attention: each key head serves a group of query heads
         key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
@@ -637,7 +735,9 @@ def _tapped(function: Callable[..., Any]) -> Callable[..., Any]:
     def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *a: Any, **kw: Any) -> Any:
         _run_taps(
             module,
-            lambda: AttentionCall(module, query, key, _mask_argument(a, kw), kw.get("scaling"), kw.get("softcap")),
+            lambda: AttentionCall(
+                module, query, key, _mask_argument(a, kw), kw.get("scaling"), kw.get("softcap"), value, kw.get("s_aux")
+            ),
         )
         return function(module, query, key, value, *a, **kw)
 
@@ -677,13 +777,43 @@ class _TapHandle:
                 self.module.__dict__.pop(self.method, None)
 
 
-def add_attention_tap(module: nn.Module, tap: AttentionTap, *, method: str | None = None) -> _TapHandle:
+def attention_owner(attention: nn.Module, attn_fn: str | None) -> tuple[nn.Module, str | None]:
+    """The module that owns a family's own attention method and the method's name: ``attn_fn`` is
+    relative to the attention module (``"_attn"``; GPT-Neo's ``"attention._attn"``)."""
+    if attn_fn is None or "." not in attn_fn:
+        return attention, attn_fn
+    path, method = attn_fn.rsplit(".", 1)
+    owner: nn.Module = _get(attention, path)
+    return owner, method
+
+
+class _SoftmaxInput(TorchFunctionMode):
+    """While an attention method runs: keep what its first softmax receives (the masked scores)."""
+
+    _SOFTMAX = frozenset({torch.nn.functional.softmax, torch.softmax, torch.Tensor.softmax})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scores: torch.Tensor | None = None
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        if self.scores is None and func in self._SOFTMAX and args and isinstance(args[0], torch.Tensor):
+            self.scores = args[0].detach().clone()
+        return func(*args, **(kwargs or {}))
+
+
+def add_attention_tap(
+    module: nn.Module, tap: AttentionTap, *, method: str | None = None, scores_at_softmax: bool = False
+) -> _TapHandle:
     """Call ``tap(call)`` each time ``module``'s attention function runs, with an
     :class:`AttentionCall` holding what it received (keys include any cached ones, the current
     tokens last). ``method`` names the module's own attention method, called as
     ``method(query, key, value, attention_mask)``, when the family does not use transformers'
-    attention interface (GPT-J's ``_attn``); it is shadowed on the instance while taps are
-    installed. Remove with the returned handle's ``remove()``."""
+    attention interface (GPT-J's and GPT-Neo's ``_attn``); it is shadowed on the instance while
+    taps are installed, and, with ``scores_at_softmax``, the call also carries what the method's
+    softmax received. Remove with the returned handle's ``remove()``."""
     taps: list[AttentionTap] = module.__dict__.setdefault(_TAPS, [])
     if not taps:
         if method is None:
@@ -692,9 +822,73 @@ def add_attention_tap(module: nn.Module, tap: AttentionTap, *, method: str | Non
             original = getattr(module, method)
 
             def call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *a: Any, **kw: Any) -> Any:
-                _run_taps(module, lambda: AttentionCall(module, query, key, _mask_argument(a, kw)))
-                return original(query, key, value, *a, **kw)
+                if not scores_at_softmax:
+                    _run_taps(module, lambda: AttentionCall(module, query, key, _mask_argument(a, kw), value=value))
+                    return original(query, key, value, *a, **kw)
+                with _SoftmaxInput() as seen:
+                    result = original(query, key, value, *a, **kw)
+                mask = _mask_argument(a, kw)
+                _run_taps(module, lambda: AttentionCall(module, query, key, mask, value=value, scores=seen.scores))
+                return result
 
             module.__dict__[method] = call
     taps.append(tap)
     return _TapHandle(module, tap, method)
+
+
+# -- router taps: a mixture of experts' logits, where the router computes them --------------------
+
+
+class _RouterLogits(TorchFunctionMode):
+    """While a router runs: hand the output of its first linear map to ``n_experts`` columns (its
+    logits) to ``handle``, and let the router route from what ``handle`` returns."""
+
+    _LINEAR = frozenset({torch.nn.functional.linear, torch.matmul, torch.Tensor.__matmul__, torch.mm, torch.addmm})
+
+    def __init__(self, n_experts: int, handle: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.n_experts = n_experts
+        self.handle = handle
+        self.done = False
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        result = func(*args, **(kwargs or {}))
+        if (
+            not self.done
+            and func in self._LINEAR
+            and isinstance(result, torch.Tensor)
+            and result.is_floating_point()
+            and result.shape[-1] == self.n_experts
+        ):
+            self.done = True
+            result = self.handle(result)
+        return result
+
+
+class _RouterHandle:
+    def __init__(self, module: nn.Module, prior: Any) -> None:
+        self.module, self.prior = module, prior
+
+    def remove(self) -> None:
+        if self.prior is None:
+            self.module.__dict__.pop("forward", None)
+        else:  # a forward set on the instance before (accelerate's hooks): put it back
+            self.module.__dict__["forward"] = self.prior
+
+
+def add_router_tap(module: nn.Module, n_experts: int, handle: Callable[[torch.Tensor], torch.Tensor]) -> _RouterHandle:
+    """Call ``handle(logits)`` with the router logits ``module`` (a mixture of experts' router)
+    computes in each forward -- the first linear map to ``n_experts`` outputs it runs -- and route
+    from the tensor it returns (so a write there reroutes). The module's ``forward`` is shadowed on
+    the instance until the returned handle's ``remove()``."""
+    prior = module.__dict__.get("forward")
+    original = module.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with _RouterLogits(n_experts, handle):
+            return original(*args, **kwargs)
+
+    module.__dict__["forward"] = forward
+    return _RouterHandle(module, prior)

@@ -80,8 +80,8 @@ _FILES: Final = (
     "tokenizer_config.json",
 )
 _QK_NAMES: Final = frozenset({"q_proj", "k_proj", "c_attn", "query_key_value", "qkv_proj"})
-_QK_NORMS: Final = frozenset({"q_norm", "k_norm", "q_layernorm", "k_layernorm"})
-_FINAL_NORMS: Final = frozenset({"norm", "ln_f", "final_layer_norm", "final_layernorm"})
+_QK_NORMS: Final = frozenset({"q_norm", "k_norm", "q_layernorm", "k_layernorm", "query_layernorm", "key_layernorm"})
+_FINAL_NORMS: Final = frozenset({"norm", "ln_f", "final_layer_norm", "final_layernorm", "norm_f", "layer_norm"})
 _PREPENDS_BOS: Final = frozenset({"llama", "mistral", "gemma", "gemma2", "gemma3_text", "opt"})
 
 _CORPUS: Final = (
@@ -252,6 +252,83 @@ _CONFIGS: Final[dict[str, Callable[[_Dims], dict[str, Any]]]] = {
     },
     "stablelm": lambda d: _llama_like(d, gqa=False, head_dim=False),
     "olmo2": lambda d: _llama_like(d, gqa=False, head_dim=False),
+    # -- the eager backend's breadth sweep (tests/test_eager_families.py): llama-like layouts with
+    # their own norms, fused projections, parallel blocks, and mixtures of experts (4 experts, top 2)
+    "olmo": lambda d: _llama_like(d, gqa=True),
+    "olmo3": lambda d: {**_llama_like(d, gqa=True), "sliding_window": d.window},
+    "cohere": lambda d: _llama_like(d, gqa=True),
+    "cohere2": lambda d: {**_llama_like(d, gqa=True), "sliding_window": d.window},
+    "starcoder2": lambda d: {**_llama_like(d, gqa=True, ff=4), "sliding_window": d.window, "residual_dropout": 0.0},
+    "nemotron": lambda d: _llama_like(d, gqa=True, ff=4),
+    "glm": lambda d: _llama_like(d, gqa=True),
+    "glm4": lambda d: _llama_like(d, gqa=True),
+    "helium": lambda d: _llama_like(d, gqa=True),
+    "exaone4": lambda d: {**_llama_like(d, gqa=True), "sliding_window": d.window},
+    "smollm3": lambda d: _llama_like(d, gqa=True),
+    "arcee": lambda d: _llama_like(d, gqa=True, ff=4),
+    "ernie4_5": lambda d: _llama_like(d, gqa=True),
+    "seed_oss": lambda d: _llama_like(d, gqa=True),
+    "hunyuan_v1_dense": lambda d: _llama_like(d, gqa=True),
+    "apertus": lambda d: _llama_like(d, gqa=True, ff=4),
+    "ministral": lambda d: {**_llama_like(d, gqa=True), "sliding_window": d.window},
+    "persimmon": lambda d: {
+        k: v for k, v in _llama_like(d, gqa=False, ff=4, head_dim=False).items() if k != "num_key_value_heads"
+    },
+    "gpt_bigcode": lambda d: {**_gpt_style(d), "multi_query": True},
+    "biogpt": lambda d: {
+        **{k: v for k, v in _llama_like(d, gqa=False, ff=4, head_dim=False).items() if k != "num_key_value_heads"},
+        **dict.fromkeys(("hidden_dropout_prob", "attention_probs_dropout_prob", "activation_dropout"), 0.0),
+        "layerdrop": 0.0,
+        "scale_embedding": False,  # sqrt(d_model) times EMBED_STD-sized embeddings: the current token dominates
+    },
+    "mixtral": lambda d: {**_llama_like(d, gqa=True, ff=2), "num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen2_moe": lambda d: {
+        **_llama_like(d, gqa=True, ff=2),
+        **{"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 2 * d.d_model},
+        "shared_expert_intermediate_size": 3 * d.d_model,
+    },
+    "qwen3_moe": lambda d: {
+        **_llama_like(d, gqa=True, ff=2),
+        **{"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 2 * d.d_model},
+    },
+    "olmoe": lambda d: {**_llama_like(d, gqa=True, ff=2), "num_experts": 4, "num_experts_per_tok": 2},
+    "phimoe": lambda d: {**_llama_like(d, gqa=True, ff=2), "num_local_experts": 4, "num_experts_per_tok": 2},
+    "flex_olmo": lambda d: {**_llama_like(d, gqa=True, ff=2), "num_experts": 4, "num_experts_per_tok": 2},
+    "hunyuan_v1_moe": lambda d: {**_llama_like(d, gqa=True, ff=2), "num_experts": 4, "moe_topk": 2},
+    # GPT-Neo alternates global and local attention (a window of 8: local layers matter at test lengths)
+    "gpt_neo": lambda d: {
+        **{"hidden_size": d.d_model, "num_layers": d.n_layers, "num_heads": d.n_heads},
+        "attention_types": [[["global", "local"], d.n_layers // 2], [["global"], d.n_layers % 2]],
+        "window_size": min(d.window, 8),
+        "max_position_embeddings": d.max_positions,
+        **dict.fromkeys(("embed_dropout", "attention_dropout", "resid_dropout"), 0.0),
+    },
+    "gpt_oss": lambda d: {
+        **_llama_like(d, gqa=True, ff=2),
+        **{"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": d.window},
+    },
+    "ernie4_5_moe": lambda d: {
+        **_llama_like(d, gqa=True),
+        **{"moe_num_experts": 4, "moe_k": 2, "moe_intermediate_size": 2 * d.d_model, "moe_num_shared_experts": 1},
+    },
+    "granite": lambda d: _llama_like(d, gqa=True),  # refused only with residual_multiplier != 1
+    # the eager backend refuses these (tests/test_eager_families.py says why)
+    "bitnet": lambda d: _llama_like(d, gqa=True),
+    "bloom": lambda d: {"hidden_size": d.d_model, "n_layer": d.n_layers, "n_head": d.n_heads},
+    "falcon": lambda d: {"hidden_size": d.d_model, "num_hidden_layers": d.n_layers, "num_attention_heads": d.n_heads},
+    "codegen": lambda d: {**_gpt_style(d), "rotary_dim": d.head_dim // 2},
+    "mpt": lambda d: {
+        **{"d_model": d.d_model, "n_heads": d.n_heads, "n_layers": d.n_layers},
+        "max_seq_len": d.max_positions,
+    },
+    "xglm": lambda d: {
+        "d_model": d.d_model,
+        "num_layers": d.n_layers,
+        "attention_heads": d.n_heads,
+        "ffn_dim": 4 * d.d_model,
+        "max_position_embeddings": d.max_positions,
+        **dict.fromkeys(("dropout", "attention_dropout", "activation_dropout", "layerdrop"), 0.0),
+    },
 }
 
 FAMILIES: Final[tuple[str, ...]] = tuple(sorted(_CONFIGS))
@@ -325,9 +402,11 @@ def randomize_weights(model: nn.Module, seed: int) -> None:
                 draw(p, PARAM_NOISE * gain, gain - offset)
                 if _is_final_norm(name):
                     final_norm = (p, offset)
+            elif p.ndim in (2, 3):  # a router's bare weight [experts, d_model]; stacked experts [experts, out, in]
+                draw(p, 1.0 / p.shape[-1] ** 0.5)
             else:
                 raise TypeError(f"don't know how to initialise {name}.{pname} of shape {tuple(p.shape)}")
-    head = getattr(model, "lm_head", None)  # every supported family calls it lm_head
+    head = model.get_output_embeddings()  # type: ignore[operator]
     if final_norm is not None and isinstance(head, nn.Linear):
         p, offset = final_norm
         gain = LOGIT_STD / (head.weight.std().item() * head.in_features**0.5)
