@@ -275,6 +275,7 @@ def test_serve_passes_its_options_to_the_server(
                 "host": "127.0.0.1",
                 "port": 8123,
                 "limits": interp_engine.server.ServerLimits(max_body_bytes=1000),
+                "api_key": None,
                 "dtype": "bfloat16",
                 "max_model_len": 256,
             },

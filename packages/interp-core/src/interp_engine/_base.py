@@ -44,7 +44,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import dataclasses
-import math
+import numbers
 import os
 import threading
 import types
@@ -69,7 +69,7 @@ from ._errors import (
 from ._protocol import Activations, Completion, ModelInfo, Results, StreamStep
 from ._readouts import FeatureReadout, Features, as_features, check_readout, check_sae_name, read_features
 from ._sae import Sae, load_sae
-from ._steering import AnyWrite, FeatureWrite, SteeringSpec, Write
+from ._steering import AnyWrite, FeatureWrite, SteeringSpec, Write, finite_float, short_repr
 from .validation import (
     check_max_tokens,
     check_residuals,
@@ -87,7 +87,14 @@ SAMPLING_OPTIONS = ("ignore_eos", "seed", "temperature", "top_k", "top_p")
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return finite_float(value) is not None
+
+
+MIN_TEMPERATURE = 0.01
+"""The smallest temperature sampling uses: a temperature in ``(0, 0.01)`` is raised to it (vLLM's
+own rule), since logits divided by less overflow float32 and sampling from them is undefined."""
+SEED_RANGE = (0, 2**64 - 1)
+"""The seeds a generation takes (a 64-bit generator seed; ``None``: unseeded)."""
 
 
 @dataclass(frozen=True)
@@ -117,17 +124,35 @@ class SamplingOptions:
                 f"unknown generation option(s) {', '.join(unknown)}; valid: {', '.join(sorted(allowed)) or '(none)'}"
             )
         options = cls(**kwargs)
-        if not _is_number(options.temperature) or options.temperature < 0:
-            raise InvalidOption(f"temperature must be a number >= 0 (0 = greedy), got {options.temperature!r}")
-        if isinstance(options.top_k, bool) or not isinstance(options.top_k, int) or options.top_k < 0:
-            raise InvalidOption(f"top_k must be an int >= 0 (0 = off), got {options.top_k!r}")
-        if not _is_number(options.top_p) or not 0 < options.top_p <= 1:
-            raise InvalidOption(f"top_p must be in (0, 1], got {options.top_p!r}")
-        if options.seed is not None and (isinstance(options.seed, bool) or not isinstance(options.seed, int)):
-            raise InvalidOption(f"seed must be an int or None, got {options.seed!r}")
+        temperature = finite_float(options.temperature)
+        if temperature is None or temperature < 0:
+            raise InvalidOption(
+                f"temperature must be a number >= 0 (0 = greedy), got {short_repr(options.temperature)}"
+            )
+        top_k = options.top_k
+        if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 0:
+            raise InvalidOption(f"top_k must be an int >= 0 (0 = off), got {short_repr(top_k)}")
+        top_p = finite_float(options.top_p)
+        if top_p is None or not 0 < top_p <= 1:
+            raise InvalidOption(f"top_p must be in (0, 1], got {short_repr(options.top_p)}")
+        seed = options.seed
+        if seed is not None and (
+            isinstance(seed, bool)
+            or not isinstance(seed, numbers.Integral)
+            or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]
+        ):
+            raise InvalidOption(f"seed must be an int from 0 to 2**64 - 1, or None; got {short_repr(seed)}")
         if not isinstance(options.ignore_eos, bool):
-            raise InvalidOption(f"ignore_eos must be True or False, got {options.ignore_eos!r}")
-        return options
+            raise InvalidOption(f"ignore_eos must be True or False, got {short_repr(options.ignore_eos)}")
+        if 0 < temperature < MIN_TEMPERATURE:
+            temperature = MIN_TEMPERATURE
+        return dataclasses.replace(
+            options,
+            temperature=temperature,
+            top_k=int(top_k),
+            top_p=top_p,
+            seed=None if seed is None else int(seed),
+        )
 
     @property
     def greedy(self) -> bool:
@@ -217,6 +242,7 @@ class ModelBase(abc.ABC):
         self.info = info
         self.eos_ids: frozenset[int] = frozenset(eos_ids)
         self._closed = False
+        self._dead: str | None = None
         self._lifecycle_lock = threading.Lock()
         self._saes: dict[str, Sae] = {}
 
@@ -448,9 +474,15 @@ class ModelBase(abc.ABC):
     # -- request checks ---------------------------------------------------------------------------
     def _check_n_logprobs(self, n_logprobs: Any) -> int:
         limit = self._max_logprobs()
-        if isinstance(n_logprobs, bool) or not isinstance(n_logprobs, int) or not 0 <= n_logprobs <= limit:
-            raise InvalidOption(f"n_logprobs must be an int from 0 to {limit} on this model, got {n_logprobs!r}")
-        return n_logprobs
+        if (
+            isinstance(n_logprobs, bool)
+            or not isinstance(n_logprobs, numbers.Integral)
+            or not 0 <= int(n_logprobs) <= limit
+        ):
+            raise InvalidOption(
+                f"n_logprobs must be an int from 0 to {limit} on this model, got {short_repr(n_logprobs)}"
+            )
+        return int(n_logprobs)
 
     def _max_logprobs(self) -> int:
         """The most ``(token, logprob)`` pairs a stream step may carry (default: the vocabulary)."""
@@ -632,11 +664,33 @@ class ModelBase(abc.ABC):
         """Whether the model was shut down."""
         return self._closed
 
+    @property
+    def dead(self) -> str | None:
+        """Why the model's engine died (its process gone, ...), or ``None`` while it lives (the
+        backend is asked: :meth:`_probe_engine`). A dead model answers every call with
+        ``ModelClosed``; ``shutdown()`` still reaps it."""
+        if self._dead is None and not self._closed:
+            self._probe_engine()
+        return self._dead
+
+    def _probe_engine(self) -> None:  # noqa: B027 (an optional hook)
+        """A backend with an engine in another process checks it here, cheaply, and calls
+        :meth:`_engine_died` if it is gone (default: only failed calls find out)."""
+
+    def _engine_died(self, reason: str) -> ModelClosed:
+        """Mark the engine dead (every later call raises ``ModelClosed`` at once) and return the
+        error for the call that found out."""
+        if self._dead is None:
+            self._dead = reason
+        return self._closed_error()
+
     def _check_open(self) -> None:
-        if self._closed:
+        if self._closed or self._dead is not None:
             raise self._closed_error()
 
     def _closed_error(self) -> ModelClosed:
+        if self._dead is not None and not self._closed:
+            return ModelClosed(f"the {self.backend} engine died ({self._dead}); shut this model down and load it again")
         return ModelClosed(f"this {self.backend} model was shut down; load it again")
 
     async def shutdown(self) -> None:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Iterator, Sequence
+import numbers
+from collections.abc import Iterable, Iterator, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -28,11 +29,40 @@ Positions = PositionsName | tuple[int, ...]
 POSITION_NAMES: tuple[PositionsName, ...] = ("all", "prompt", "generated")
 
 
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+"""The largest finite float32: activations are float32, so a scale beyond it overflows them."""
+
+
+def finite_float(value: Any) -> float | None:
+    """``value`` as a finite float, or ``None`` when it is not a real number or is not finite
+    (an int too large for a float included: never ``OverflowError``)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    try:
+        number = float(value)
+    except (OverflowError, ValueError, TypeError):
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _as_index(value: Any) -> int | None:
+    """An integer (numpy integers included, bools not) as an ``int``, else ``None``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return None
+    return int(value)
+
+
 def _as_vector(value: Any, name: str = "vector") -> torch.Tensor:
+    if isinstance(value, torch.Tensor) and (value.layout != torch.strided or value.device.type == "meta"):
+        raise InvalidSteering(
+            f"a steering {name} must be a dense tensor with data, got a {value.layout} tensor on {value.device}"
+        )
     try:
         tensor = value.detach() if isinstance(value, torch.Tensor) else torch.as_tensor(value)
-    except (TypeError, ValueError, RuntimeError) as exc:
-        raise InvalidSteering(f"a steering {name} must be a tensor or a list of floats: {exc}") from None
+    except (TypeError, ValueError, RuntimeError, OverflowError, RecursionError) as exc:
+        raise InvalidSteering(f"a steering {name} must be a tensor or a list of floats: {str(exc)[:200]}") from None
+    if tensor.layout != torch.strided:
+        raise InvalidSteering(f"a steering {name} must be a dense tensor, got a {tensor.layout} tensor")
     if not (tensor.is_floating_point() or tensor.dtype in (torch.int32, torch.int64)):
         raise InvalidSteering(f"a steering {name} must hold real numbers, got dtype {tensor.dtype}")
     tensor = tensor.to(device="cpu", dtype=torch.float32).contiguous().clone()  # never alias the caller's
@@ -46,9 +76,23 @@ def _as_vector(value: Any, name: str = "vector") -> torch.Tensor:
 def _as_bound(value: Any, name: str) -> float | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise InvalidSteering(f"{name} must be a finite number (or omitted), got {value!r}")
-    return float(value)
+    number = finite_float(value)
+    if number is None:
+        raise InvalidSteering(f"{name} must be a finite number (or omitted), got {short_repr(value)}")
+    return number
+
+
+def short_repr(value: Any, limit: int = 80) -> str:
+    """``repr(value)``, elided past ``limit`` characters (a 400-digit number stays readable)."""
+    try:
+        text = (
+            repr(value)
+            if not isinstance(value, int) or value.bit_length() < 256
+            else f"<an int of {value.bit_length()} bits>"
+        )
+    except (ValueError, RecursionError):
+        text = f"<a {type(value).__name__}>"
+    return text if len(text) <= limit else f"{text[: limit - 20]}...{text[-10:]}"
 
 
 _OP_FIELDS = {"lo": ("cap",), "hi": ("cap",), "max_fraction": ("norm_add",), "target": ("swap",)}
@@ -78,19 +122,22 @@ def _check_op_fields(
 def _as_heads(value: Any) -> tuple[int, ...] | None:
     if value is None:
         return None
-    if isinstance(value, int) and not isinstance(value, bool):
+    if _as_index(value) is not None:
         value = (value,)
     if isinstance(value, torch.Tensor):
         value = value.tolist()
+    if isinstance(value, (str, bytes, Set, Mapping)):
+        raise InvalidSteering(f"heads must be a list of head indices (ordered), got a {type(value).__name__}")
     try:
-        heads = tuple(value)
+        listed = tuple(value)
     except TypeError:
-        raise InvalidSteering(f"heads must be a list of head indices, got {value!r}") from None
-    if not heads or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in heads):
-        raise InvalidSteering(f"heads must be a non-empty list of head indices >= 0, got {value!r}")
+        raise InvalidSteering(f"heads must be a list of head indices, got {short_repr(value)}") from None
+    heads = tuple(_as_index(h) for h in listed)
+    if not heads or not all(h is not None and h >= 0 for h in heads):
+        raise InvalidSteering(f"heads must be a non-empty list of head indices >= 0, got {short_repr(value)}")
     if len(set(heads)) != len(heads):
-        raise InvalidSteering(f"heads repeat an index: {list(heads)}")
-    return heads
+        raise InvalidSteering(f"heads repeat an index: {short_repr(list(heads))}")
+    return heads  # type: ignore[return-value]  # every item checked to be an int
 
 
 def _check_shape(
@@ -124,21 +171,25 @@ def _as_positions(value: Any) -> Positions:
                 f"unknown positions {value!r}; use one of {', '.join(POSITION_NAMES)} or a list of indices"
             )
         return value  # narrowed: checked against POSITION_NAMES
-    if isinstance(value, int) and not isinstance(value, bool):
-        return (value,)
+    index = _as_index(value)
+    if index is not None:
+        return (index,)
     if isinstance(value, torch.Tensor):
         value = value.tolist()
+    if isinstance(value, (bytes, Set, Mapping)):
+        raise InvalidSteering(f"explicit positions are an ordered list of ints, got a {type(value).__name__}")
     try:
-        indices = tuple(value)
+        listed = tuple(value)
     except TypeError:
         raise InvalidSteering(
-            f"positions must be 'all', 'prompt', 'generated' or a list of ints, got {value!r}"
+            f"positions must be 'all', 'prompt', 'generated' or a list of ints, got {short_repr(value)}"
         ) from None
-    if not indices or not all(isinstance(i, int) and not isinstance(i, bool) for i in indices):
-        raise InvalidSteering(f"explicit positions must be a non-empty list of ints, got {value!r}")
+    indices = tuple(_as_index(i) for i in listed)
+    if not indices or not all(i is not None for i in indices):
+        raise InvalidSteering(f"explicit positions must be a non-empty list of ints, got {short_repr(value)}")
     if len(set(indices)) != len(indices):
-        raise InvalidSteering(f"explicit positions repeat an index: {list(indices)}")
-    return indices
+        raise InvalidSteering(f"explicit positions repeat an index: {short_repr(list(indices))}")
+    return indices  # type: ignore[return-value]  # every item checked to be an int
 
 
 @dataclass(frozen=True, eq=False)
@@ -204,12 +255,20 @@ class Write:
             raise InvalidSteering(f"cannot write at {addr}: {addr.kind} is read-only")
         if not isinstance(op, str) or op not in OPS:
             raise InvalidSteering(f"unknown steering op {op!r}; valid ops: {', '.join(OPS)}")
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-            raise InvalidSteering(f"scale must be a finite number, got {scale!r}")
+        factor = finite_float(scale)
+        if factor is None:
+            raise InvalidSteering(f"scale must be a finite number, got {short_repr(scale)}")
+        if abs(factor) > FLOAT32_MAX:
+            raise InvalidSteering(f"scale {factor:g} overflows float32 activations (largest finite: {FLOAT32_MAX:g})")
         low, high = _as_bound(lo, "lo"), _as_bound(hi, "hi")
         fraction = _as_bound(max_fraction, "max_fraction")
-        _check_op_fields(op, float(scale), target, low, high, fraction)
+        _check_op_fields(op, factor, target, low, high, fraction)
         tensor = _as_vector(vector)
+        if op in ("add", "set", "norm_add") and not bool(torch.isfinite(tensor * factor).all()):
+            raise InvalidSteering(
+                f"scale {factor:g} times the vector overflows float32 (largest finite: {FLOAT32_MAX:g}); "
+                "use a smaller scale"
+            )
         selected = _as_heads(heads)
         _check_shape(addr, tensor, op, selected)
         if op in DIRECTION_OPS and bool((tensor.norm(dim=-1) == 0).any()):
@@ -228,7 +287,7 @@ class Write:
         object.__setattr__(self, "address", addr)
         object.__setattr__(self, "vector", tensor)
         object.__setattr__(self, "op", op)
-        object.__setattr__(self, "scale", float(scale))
+        object.__setattr__(self, "scale", factor)
         object.__setattr__(self, "positions", _as_positions(positions))
         object.__setattr__(self, "heads", selected)
         object.__setattr__(self, "target", onto)
@@ -412,18 +471,20 @@ class FeatureWrite:
     ) -> None:
         if not isinstance(sae, str) or not sae:
             raise InvalidSteering(f"a feature write names an attached SAE, got sae={sae!r}")
-        if isinstance(feature, bool) or not isinstance(feature, int) or feature < 0:
-            raise InvalidSteering(f"feature must be a feature id >= 0, got {feature!r}")
+        feature_id = _as_index(feature)
+        if feature_id is None or feature_id < 0:
+            raise InvalidSteering(f"feature must be a feature id >= 0, got {short_repr(feature)}")
         if not isinstance(op, str) or op not in FEATURE_OPS:
             raise InvalidSteering(f"unknown feature op {op!r}; valid feature ops: {', '.join(FEATURE_OPS)}")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise InvalidSteering(f"value must be a finite number, got {value!r}")
-        if op == "ablate" and value != 0.0:
-            raise InvalidSteering(f"ablate clamps the feature to 0 and takes no value; got value={value}")
+        number = finite_float(value)
+        if number is None or abs(number) > FLOAT32_MAX:
+            raise InvalidSteering(f"value must be a finite float32 number, got {short_repr(value)}")
+        if op == "ablate" and number != 0.0:
+            raise InvalidSteering(f"ablate clamps the feature to 0 and takes no value; got value={number}")
         object.__setattr__(self, "sae", sae)
-        object.__setattr__(self, "feature", feature)
+        object.__setattr__(self, "feature", feature_id)
         object.__setattr__(self, "op", op)
-        object.__setattr__(self, "value", float(value))
+        object.__setattr__(self, "value", number)
         object.__setattr__(self, "positions", _as_positions(positions))
         object.__setattr__(self, "address", None if address is None else as_address(address))
 
@@ -522,6 +583,13 @@ class SteeringSpec:
     @classmethod
     def from_dict(cls, data: dict[str, Any] | Sequence[dict[str, Any]]) -> SteeringSpec:
         """Read ``{"writes": [...]}`` or a bare list of writes."""
+        try:
+            return cls._from_dict(data)
+        except RecursionError:
+            raise InvalidSteering("the steering spec is nested too deeply to be a spec") from None
+
+    @classmethod
+    def _from_dict(cls, data: dict[str, Any] | Sequence[dict[str, Any]]) -> SteeringSpec:
         if isinstance(data, dict) and set(data) - {"writes"}:
             raise InvalidSteering(f"unknown steering spec fields: {sorted(set(data) - {'writes'})}")
         items = data.get("writes") if isinstance(data, dict) else data
@@ -539,6 +607,8 @@ class SteeringSpec:
     def from_json(cls, text: str | bytes) -> SteeringSpec:
         try:
             data = json.loads(text)
-        except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
-            raise InvalidSteering(f"steering spec is not valid JSON: {exc}") from None
+        except ValueError as exc:  # JSONDecodeError, bytes that are not UTF-8, a number of too many digits
+            raise InvalidSteering(f"steering spec is not valid JSON: {str(exc)[:200]}") from None
+        except RecursionError:
+            raise InvalidSteering("steering spec is not valid JSON: nested too deeply") from None
         return cls.from_dict(data)

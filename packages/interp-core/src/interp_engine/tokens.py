@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from ._errors import InvalidTokens
+
 
 def pad_rows(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-pad id lists into ``(ids [batch, n_max], attention mask [batch, n_max])``."""
@@ -21,6 +23,20 @@ def pad_rows(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, 
         ids[i, : len(row)] = torch.tensor(list(row), dtype=torch.long)
         mask[i, : len(row)] = 1
     return ids, mask
+
+
+def check_text(text: Any) -> str:
+    """``text`` if it is a string a tokenizer can read, else ``InvalidTokens`` (a lone surrogate,
+    e.g. ``"\\ud800"``, is not Unicode text: it has no UTF-8 form)."""
+    if not isinstance(text, str):
+        raise InvalidTokens(f"a text to tokenize is a str, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidTokens(
+            f"the text is not valid Unicode: a lone surrogate {text[exc.start]!r} at index {exc.start}"
+        ) from None
+    return text
 
 
 class TokenizerMixin:
@@ -40,6 +56,8 @@ class TokenizerMixin:
         """Ids ``[1, n]`` of a text (the tokenizer's own special tokens, e.g. BOS, included);
         a list of texts gives ``[batch, n_max]``, right-padded with the pad token."""
         texts = [text] if isinstance(text, str) else list(text)
+        for item in texts:
+            check_text(item)
         rows = [self.tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts]
         return pad_rows(rows, self.pad_id)[0]
 

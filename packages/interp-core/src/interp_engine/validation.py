@@ -6,7 +6,8 @@ Backend authors call these at the top of each request; they raise the core's typ
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Iterable, Sequence
+import numbers
+from collections.abc import Collection, Iterable, Mapping, Sequence, Set
 from typing import Any
 
 import torch
@@ -28,14 +29,21 @@ def check_token_ids(token_ids: Any, info: ModelInfo, *, extra: int = 0) -> list[
         token_ids = token_ids.tolist()
     if isinstance(token_ids, (str, bytes)):
         raise InvalidTokens("expected token ids, got a string; use model.to_tokens(text)[0].tolist()")
+    if isinstance(token_ids, (Set, Mapping)):
+        raise InvalidTokens(f"token ids are an ordered sequence of ints, got a {type(token_ids).__name__}")
+    if hasattr(token_ids, "tolist") and hasattr(token_ids, "ndim"):  # a numpy array
+        if token_ids.ndim != 1:
+            raise InvalidTokens(f"token ids are one sequence [n], got an array of shape {list(token_ids.shape)}")
+        token_ids = token_ids.tolist()
     try:
-        ids = list(token_ids)
+        listed = list(token_ids)
     except TypeError:
         raise InvalidTokens(f"token ids must be a list of ints, got {type(token_ids).__name__}") from None
-    if not ids:
+    if not listed:
         raise InvalidTokens("the token list is empty; a request needs at least one token")
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+    if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in listed):
         raise InvalidTokens("token ids must all be ints")
+    ids = [int(t) for t in listed]
     bad = [t for t in ids if not 0 <= t < info.vocab_size]
     if bad:
         raise InvalidTokens(f"token id {bad[0]} is outside the vocabulary [0, {info.vocab_size}) ({len(bad)} such ids)")
@@ -226,8 +234,16 @@ def check_residuals(acts: Any, info: ModelInfo) -> torch.Tensor:
     """A tensor of residual-stream vectors ``[..., d_model]`` to decode, or ``InvalidActivations``."""
     if not isinstance(acts, torch.Tensor):
         raise InvalidActivations(f"decode_residuals takes a tensor [..., d_model], got {type(acts).__name__}")
+    if acts.layout != torch.strided or acts.device.type == "meta":
+        raise InvalidActivations(
+            f"decode_residuals takes a dense tensor with data, got a {acts.layout} tensor on {acts.device}"
+        )
+    if acts.is_complex() or acts.dtype == torch.bool:
+        raise InvalidActivations(f"decode_residuals takes real-valued activations, got dtype {acts.dtype}")
     if acts.dim() == 0 or acts.shape[-1] != info.d_model:
         raise InvalidActivations(
             f"decode_residuals takes residual-stream vectors of width {info.d_model}, got shape {list(acts.shape)}"
         )
+    if acts.is_floating_point() and not bool(torch.isfinite(acts).all()):
+        raise InvalidActivations("the activations to decode contain NaN or infinite values")
     return acts

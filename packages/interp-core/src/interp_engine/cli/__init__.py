@@ -57,7 +57,31 @@ def cmd_serve(args: argparse.Namespace) -> int:
             limits = ServerLimits(**dict(args.limit))
         except (TypeError, ValueError) as exc:
             raise UserError(str(exc)) from None
-    run(args.model, backend=args.backend, host=args.host, port=args.port, limits=limits, **load_options(args))
+    api_key = None
+    if args.api_key_file is not None:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as handle:
+                api_key = handle.read().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UserError(f"cannot read the API key file {args.api_key_file}: {exc}") from None
+        if not api_key:
+            raise UserError(f"the API key file {args.api_key_file} is empty")
+    extra: dict[str, Any] = {"insecure_no_auth": True} if args.insecure_no_auth else {}
+    try:
+        run(
+            args.model,
+            backend=args.backend,
+            host=args.host,
+            port=args.port,
+            limits=limits,
+            api_key=api_key,
+            **extra,
+            **load_options(args),
+        )
+    except ValueError as exc:  # a key that cannot travel in a header
+        if isinstance(exc, InterpError):
+            raise
+        raise UserError(f"bad API key: {exc}") from None
     return 0
 
 
@@ -66,7 +90,9 @@ def add_serve(sub: Any) -> None:
         "serve",
         help="serve a model over HTTP (needs interp-core[serve])",
         description="Serve MODEL over HTTP with interp_engine.server (install interp-core[serve]). "
-        "Binds to the loopback interface unless --host says otherwise. SAEs given with --sae are attached "
+        "Binds to the loopback interface unless --host says otherwise; any other address needs an API key "
+        "(--api-key-file, or $INTERP_API_KEY) that clients send as 'Authorization: Bearer <key>', or an explicit "
+        "--insecure-no-auth. SAEs given with --sae are attached "
         "before the engine is built: requests read their features (points: features:NAME:top8) and steer "
         "by feature ({'sae': NAME, 'feature': i, 'op': 'clamp', 'value': v}).",
         epilog="example: interp serve path/to/model --backend vllm --port 8000 --limit max_body_bytes=1048576 "
@@ -82,6 +108,17 @@ def add_serve(sub: Any) -> None:
         default=[],
         metavar="KEY=VALUE",
         help="a server limit (repeatable), e.g. --limit max_body_bytes=1048576",
+    )
+    parser.add_argument(
+        "--api-key-file",
+        metavar="FILE",
+        help="a file holding the API key every request but /v1/health must send as 'Authorization: Bearer <key>' "
+        "(default: $INTERP_API_KEY; none: no authentication, loopback only)",
+    )
+    parser.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        help="serve a non-loopback --host without an API key (anyone who reaches the port can use the model)",
     )
     add_sae_option(parser)
     add_model_options(parser)

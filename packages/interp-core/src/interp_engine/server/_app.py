@@ -9,13 +9,16 @@ feature readouts in ``points`` and ``features``, and feature writes in steering 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
 import os
+import re
 import signal
 import threading
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import asdict
 from typing import Any
@@ -25,6 +28,7 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .._address import KINDS, Address
 from .._base import ModelBase
@@ -43,10 +47,14 @@ from .._plugins import load_model
 from .._protocol import Completion, InterpModel, StaticTaps, StreamStep
 from .._readouts import FeatureReadout, Features, check_readout
 from .._steering import AnyWrite, FeatureWrite, SteeringSpec, Write
+from ..tokens import check_text
 from ..validation import check_spec, value_shape
-from ._asgi import BodyLimit, ClientGone, EventStream, Slots, unless_gone
-from ._errors import ApiError, blame, field_path, from_interp, limit_exceeded
+from ._asgi import ClientGone, EventStream, Slots, unless_gone
+from ._errors import ApiError, SafeJSONResponse, blame, elide, field_path, from_interp, limit_exceeded
+from ._guard import API_KEY_ENV, ERROR_SCOPE_KEY, LOOPBACK_HOSTS, Guard, check_api_key, is_loopback, uvicorn_config
+from ._json import StrictRoute
 from ._limits import ServerLimits
+from ._metrics import CONTENT_TYPE, Metrics, MetricsMiddleware
 from ._schemas import (
     AttentionRequest,
     AttentionResponse,
@@ -86,7 +94,53 @@ _TENSOR_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 
 def _event(name: str, data: Any) -> str:
-    return f"event: {name}\ndata: {json.dumps(data)}\n\n"
+    return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=True, allow_nan=False)}\n\n"
+
+
+_ADDRESS_CHARS = re.compile(r"[A-Za-z0-9_.\-]{1,200}")
+_LAYER = re.compile(r"-?[0-9]{1,9}")
+
+
+def _strict_address(text: str, field: str) -> Address:
+    """``Address.parse`` of a request's address string, refusing what ``int()`` reads loosely
+    (``resid_post.\u0663``, ``resid_post.1_0``, ``resid_post. 3``): ASCII only, a layer in at most
+    nine decimal digits."""
+    last = text.rsplit(".", 1)[-1] if "." in text else ""
+    if not _ADDRESS_CHARS.fullmatch(text) or ((last[:1].isdigit() or last[:1] == "-") and not _LAYER.fullmatch(last)):
+        raise ApiError(
+            400,
+            "InvalidAddress",
+            f"{text!r} is not an address: 'kind' or 'kind.layer' (ASCII, the layer in decimal digits), "
+            "or a TransformerLens hook name",
+            field=field,
+        )
+    return Address.parse(text)
+
+
+def _check_finite_steps(steps: Sequence[StreamStep], spec: SteeringSpec | None) -> None:
+    for step in steps:
+        if not all(math.isfinite(lp) for _, lp in step.logprobs):
+            raise _non_finite("the logprobs of a generated token", spec)
+
+
+def _non_finite(what: str, spec: Any, *, decoding: bool = False) -> ApiError:
+    """The error for a result holding ``inf`` or ``NaN`` (not JSON), naming the likely cause."""
+    if decoding:
+        return ApiError(
+            400,
+            "InvalidActivations",
+            f"{what} hold inf or NaN: the activations overflow float32 through the final norm and unembedding",
+            field="activations",
+        )
+    if spec:
+        return ApiError(
+            400,
+            "InvalidSteering",
+            f"{what} hold inf or NaN under this request's steering: its writes overflow float32 activations "
+            "(use a smaller scale or vector)",
+            field="steering",
+        )
+    return ApiError(500, "BackendError", f"{what} hold inf or NaN (the model overflowed its dtype)")
 
 
 def _step_out(step: StreamStep) -> dict[str, Any]:
@@ -137,7 +191,35 @@ class _Served:
         self.limits = limits
         self.model: InterpModel | None = None
         self.name = ""
-        self.slots = Slots(limits.max_concurrent_requests)
+        self.slots = Slots(limits.max_concurrent_requests, limits.queue_timeout_s)
+        self.metrics = Metrics(frozenset)  # create_app gives it the app's paths
+        # tokenizing runs here, one text at a time, off the event loop (HF tokenizers are not
+        # safe to call from several threads at once)
+        self._tokenizer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="interp-tokenize")
+
+    def count_tokens(self, prompt: int = 0, generated: int = 0) -> None:
+        self.metrics.count_tokens(prompt, generated)
+
+    async def off_loop(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` on the tokenizer's thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer, fn, *args)
+
+    def check_text(self, text: str, field: str) -> None:
+        """A text's length before it is tokenized, and that it is Unicode (no lone surrogate)."""
+        if len(text) > self.limits.max_text_chars:
+            raise limit_exceeded(field, f"the text has {len(text)} characters", self.limits.max_text_chars)
+        with blame({InvalidTokens: field}):
+            check_text(text)
+
+    async def tokenize(self, text: str, field: str) -> list[int]:
+        """The ids of ``text`` (its length checked first; tokenized off the event loop)."""
+        model = self.ready()
+        self.check_text(text, field)
+        with blame({InvalidTokens: field}):
+            ids: list[int] = (await self.off_loop(model.to_tokens, text))[0].tolist()
+        if len(ids) > self.limits.max_prompt_tokens:
+            raise limit_exceeded(field, f"the prompt has {len(ids)} tokens", self.limits.max_prompt_tokens)
+        return ids
 
     def ready(self) -> InterpModel:
         if self.model is None:
@@ -145,21 +227,20 @@ class _Served:
         return self.model
 
     # -- request parts ------------------------------------------------------------------------
-    def prompt(self, body: Any) -> tuple[list[int], str]:
+    async def prompt(self, body: Any) -> tuple[list[int], str]:
         """The prompt's ids and the field they came from (``token_ids`` or ``text``)."""
-        model = self.ready()
+        self.ready()
         if (body.token_ids is None) == (body.text is None):
             raise ApiError(422, "ValidationError", "give exactly one of token_ids and text", field="token_ids")
         if body.token_ids is not None:
-            ids, field = list(body.token_ids), "token_ids"
-        else:
-            ids, field = model.to_tokens(body.text)[0].tolist(), "text"
-        if len(ids) > self.limits.max_prompt_tokens:
-            raise limit_exceeded(field, f"the prompt has {len(ids)} tokens", self.limits.max_prompt_tokens)
-        return ids, field
+            ids = list(body.token_ids)
+            if len(ids) > self.limits.max_prompt_tokens:
+                raise limit_exceeded("token_ids", f"the prompt has {len(ids)} tokens", self.limits.max_prompt_tokens)
+            return ids, "token_ids"
+        return await self.tokenize(body.text, "text"), "text"
 
     def points(
-        self, items: Sequence[str | FeaturesBody], field: str = "points"
+        self, items: Sequence[str | Address | FeaturesBody], field: str = "points"
     ) -> tuple[list[Address], list[Features]]:
         """The addresses and the feature readouts (string form or object) among ``items``, each
         checked against the model (the field at fault named by index)."""
@@ -169,11 +250,11 @@ class _Served:
         addresses: list[Address] = []
         readouts: list[Features] = []
         for i, item in enumerate(items):
-            if isinstance(item, FeaturesBody) or Features.is_form(item):
+            if isinstance(item, FeaturesBody) or (isinstance(item, str) and Features.is_form(item)):
                 readouts.append(self.readout(item, f"{field}[{i}]"))
                 continue
             try:
-                address = Address.parse(item)
+                address = item if isinstance(item, Address) else _strict_address(item, f"{field}[{i}]")
                 resolved = address.resolve(model.info.n_layers)
                 if isinstance(model, ModelBase):  # a kind this model's family lacks: KindNotInFamily
                     model._check_served([resolved])
@@ -245,7 +326,7 @@ class _Served:
                 writes.append(self.feature_write(item, field))
                 continue
             try:
-                address = Address.parse(item.address)
+                address = _strict_address(item.address, f"{field}.address")
                 resolved = address.resolve(info.n_layers)
                 if not address.info.writable:
                     raise InvalidSteering(f"cannot write at {address}: {address.kind} is read-only")
@@ -321,6 +402,7 @@ class _Blame:
         self, prompt_field: str, spec: SteeringSpec | None, points_field: str, readouts: Sequence[Features]
     ) -> None:
         self.prompt_field = prompt_field
+        self.steered = bool(spec)
         self.written = {w.address for w in spec if isinstance(w, Write)} if spec else set()
         self.points_field = points_field
         self.read = {r.sae for r in readouts}
@@ -329,6 +411,18 @@ class _Blame:
         return None
 
     def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
+        expected = (InterpError, ApiError, ClientGone, StopAsyncIteration, StopIteration)
+        if self.steered and isinstance(exc, Exception) and not isinstance(exc, expected):
+            # an untyped failure of a steered forward pass: the writes made it fail (inf/NaN into a
+            # sampler, ...); the same request unsteered would have run
+            logger.warning("a steered request failed", exc_info=exc)
+            raise ApiError(
+                400,
+                "InvalidSteering",
+                f"the forward pass failed under this request's steering ({type(exc).__name__}: {str(exc)[:200]}); "
+                "its writes may overflow float32 activations",
+                field="steering",
+            ) from exc
         if not isinstance(exc, InterpError):
             return
         field: str | None = None
@@ -353,6 +447,8 @@ def create_app(
     *,
     backend: str | None = None,
     limits: ServerLimits | None = None,
+    api_key: str | None = None,
+    trusted_hosts: Collection[str] | None = None,
     **load_options: Any,
 ) -> FastAPI:
     """The HTTP API over one model, as a FastAPI app.
@@ -362,7 +458,16 @@ def create_app(
     and shuts it down when the server stops: the server owns it. Given a model object, the app
     warms it up on the serving loop and serves it, but does not shut it down: its owner does
     (``shutdown()`` is callable from any loop or thread).
+
+    ``api_key``: every request but ``GET /v1/health`` must send ``Authorization: Bearer <key>``
+    (``401 Unauthorized`` otherwise; compared in constant time). ``trusted_hosts``: the ``Host``
+    names the app answers to (``400 UntrustedHost`` otherwise), e.g. ``LOOPBACK_HOSTS`` for an app
+    bound to loopback, so a browser page cannot reach it by DNS rebinding (``run`` does that);
+    default ``None``: any. Run it with uvicorn through :func:`uvicorn_config` to get the
+    connection bounds of ``limits`` too.
     """
+    if api_key is not None:
+        check_api_key(api_key)
     served = _Served(limits or ServerLimits())
     given: InterpModel | None = None
     path: str | None = None
@@ -397,11 +502,27 @@ def create_app(
         description="Capture activations, logit lens, attention and steering over HTTP.",
         version=_version(),
         lifespan=lifespan,
+        default_response_class=SafeJSONResponse,
     )
+    app.router.route_class = StrictRoute
     app.state.served = served
-    app.add_middleware(BodyLimit, max_bytes=served.limits.max_body_bytes)
+    paths: frozenset[str] = frozenset()
+
+    def known_paths() -> frozenset[str]:
+        nonlocal paths
+        if not paths:
+            paths = frozenset(getattr(route, "path", "") for route in app.routes)
+        return paths
+
+    served.metrics = Metrics(known_paths)
+    # the last added runs first: metrics see every answer, the guard's too
+    app.add_middleware(Guard, limits=served.limits, api_key=api_key, trusted_hosts=trusted_hosts)
+    app.add_middleware(MetricsMiddleware, metrics=served.metrics)
     _add_error_handlers(app)
     _add_routes(app, served)
+    from ._openai import add_completions
+
+    add_completions(app, served)
     return app
 
 
@@ -411,39 +532,77 @@ def _version() -> str:
     return __version__
 
 
+_HTTP_ERRORS = {
+    400: "BadRequest",
+    401: "Unauthorized",
+    403: "Forbidden",
+    404: "NotFound",
+    405: "MethodNotAllowed",
+    406: "NotAcceptable",
+    408: "RequestTimeout",
+    411: "LengthRequired",
+    413: "LimitExceeded",
+    415: "UnsupportedMediaType",
+    422: "ValidationError",
+    429: "TooManyRequests",
+    503: "Overloaded",
+}
+MAX_ERRORS = 20
+"""Most schema errors one 422 body lists (a 4-million-item list of strings has as many)."""
+
+
 def _add_error_handlers(app: FastAPI) -> None:
+    def answer(request: Request, error: ApiError) -> JSONResponse:
+        request.scope[ERROR_SCOPE_KEY] = error.error
+        return error.response()
+
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return exc.response()
+        return answer(request, exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """The framework's own 4xx (no such path, a method the path lacks, a body it could not
+        parse) in the server's error shape."""
+        name = _HTTP_ERRORS.get(exc.status_code, f"HTTP{exc.status_code}")
+        return answer(request, ApiError(exc.status_code, name, str(exc.detail), headers=exc.headers))
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        raw = exc.errors()
         errors = [
-            {"field": field_path(e.get("loc", ())), "message": str(e.get("msg", "")), "type": str(e.get("type", ""))}
-            for e in exc.errors()
+            {
+                "field": elide(field_path(e.get("loc", ())), 200),
+                "message": elide(str(e.get("msg", "")), 300),
+                "type": str(e.get("type", "")),
+            }
+            for e in raw[:MAX_ERRORS]
         ]
         first = errors[0] if errors else {"field": "body", "message": "invalid request"}
+        request.scope[ERROR_SCOPE_KEY] = "ValidationError"
         body = {
             "error": "ValidationError",
-            "message": f"{first['field']}: {first['message']}",
+            "message": elide(f"{first['field']}: {first['message']}"),
             "field": first["field"],
-            "errors": errors,
+            "errors": errors + ([{"message": f"...and {len(raw) - MAX_ERRORS} more"}] if len(raw) > MAX_ERRORS else []),
         }
-        return JSONResponse(body, status_code=422)
+        return SafeJSONResponse(body, status_code=422)
 
     @app.exception_handler(ClientGone)
     async def client_gone(request: Request, exc: ClientGone) -> Response:
+        request.scope[ERROR_SCOPE_KEY] = "ClientGone"
         return Response(status_code=499)  # nobody reads it: the connection is closed
 
     @app.exception_handler(InterpError)
     async def interp_error(request: Request, exc: InterpError) -> JSONResponse:
-        return from_interp(exc).response()
+        return answer(request, from_interp(exc))
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("request failed", exc_info=exc)
+        request.scope[ERROR_SCOPE_KEY] = "InternalError"
         body = {"error": "InternalError", "message": f"the server failed: {type(exc).__name__}"}
-        return JSONResponse(body, status_code=500)
+        return SafeJSONResponse(body, status_code=500)
 
 
 async def _tensor_body(
@@ -455,8 +614,11 @@ async def _tensor_body(
     head: dict[str, Any],
     n_tokens: int,
     readouts: Mapping[str, FeatureReadout] | None = None,
+    *,
+    steered: Any = None,
 ) -> Any:
-    # serialising megabytes of values runs on a worker thread, not on the serving loop
+    # checking and serialising megabytes of values runs on a worker thread, not on the serving loop
+    await asyncio.to_thread(_check_finite, tensors, readouts or {}, steered)
     if served.wants_safetensors(request, format):
         return await asyncio.to_thread(safetensors_response, tensors, n_tokens, head, readouts)
     encoded = await asyncio.to_thread(lambda: {name: encode(t) for name, t in tensors.items()})
@@ -491,10 +653,24 @@ def _saes_out(model: InterpModel) -> list[dict[str, Any]]:
 def _add_routes(app: FastAPI, served: _Served) -> None:
     @app.get("/v1/health", responses=_ERRORS)
     async def health() -> dict[str, Any]:
-        """``{"status": "ok"}`` once the model is loaded and warmed up (503 before), with the
-        number of requests running on the model."""
+        """``{"status": "ok"}`` once the model is loaded and warmed up (503 before, and once its
+        engine died or it was shut down: ``EngineDead``, ``ModelClosed``), with the number of
+        requests running on the model."""
         model = served.ready()
+        if isinstance(model, ModelBase) and model.dead is not None:
+            raise ApiError(503, "EngineDead", f"the {model.backend} engine died ({model.dead}); restart the server")
+        if isinstance(model, ModelBase) and model.closed:
+            raise ApiError(503, "ModelClosed", "the model was shut down; restart the server")
         return {"status": "ok", "backend": model.backend, "in_flight": served.slots.in_flight}
+
+    @app.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE: {}}}})
+    async def metrics() -> Response:
+        """Prometheus metrics (text exposition format): requests and errors by endpoint and error
+        type, latency histograms, requests in flight and queued, slots in use, tokens run."""
+        text = served.metrics.render(
+            queued=served.slots.queued, slots_in_use=served.slots.in_flight, slots_total=served.slots.n
+        )
+        return Response(text, media_type=CONTENT_TYPE)
 
     @app.get("/v1/model", responses=_ERRORS)
     async def model_info() -> dict[str, Any]:
@@ -545,15 +721,15 @@ def _add_routes(app: FastAPI, served: _Served) -> None:
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         """Token ids of a text (``model.to_tokens``) and one string per token."""
         model = served.ready()
-        ids = model.to_tokens(body.text)[0].tolist()
-        return {"token_ids": ids, "str_tokens": model.to_str_tokens(ids)}
+        ids = await served.tokenize(body.text, "text")
+        return {"token_ids": ids, "str_tokens": await served.off_loop(model.to_str_tokens, ids)}
 
     @app.post("/v1/capture", response_model=CaptureResponse, responses=_TENSOR_RESPONSES)
     async def capture(body: CaptureRequest, request: Request) -> Any:
         """Activations ``[n_tokens, width]`` at ``points`` over the prompt (``model.capture``), and
         the feature readouts among ``points`` under ``features`` (``[n_tokens, k]`` each)."""
         model = served.ready()
-        ids, prompt_field = served.prompt(body)
+        ids, prompt_field = await served.prompt(body)
         points, readouts = served.points(body.points)
         served.check_size(points, len(ids), "points", readouts)
         spec = served.steering(body.steering)
@@ -563,14 +739,17 @@ def _add_routes(app: FastAPI, served: _Served) -> None:
         tensors = {str(p): _tensor_of(acts[p]) for p in points}
         features = {str(r): _readout_of(acts[r]) for r in readouts}
         head = {"token_ids": ids}
-        return await _tensor_body(request, served, body.format, "activations", tensors, head, len(ids), features)
+        served.count_tokens(prompt=len(ids))
+        return await _tensor_body(
+            request, served, body.format, "activations", tensors, head, len(ids), features, steered=spec
+        )
 
     @app.post("/v1/attention", response_model=AttentionResponse, responses=_TENSOR_RESPONSES)
     async def attention(body: AttentionRequest, request: Request) -> Any:
         """Attention patterns ``[heads, q, k]`` of ``layers`` (``model.capture_attention``)."""
         model = served.ready()
-        ids, prompt_field = served.prompt(body)
-        points, _ = served.points([f"attn_pattern.{layer}" for layer in body.layers], "layers")
+        ids, prompt_field = await served.prompt(body)
+        points, _ = served.points([Address("attn_pattern", layer) for layer in body.layers], "layers")
         served.check_size(points, len(ids), "layers")
         async with served.slots:
             spec = served.steering(body.steering)
@@ -582,14 +761,16 @@ def _add_routes(app: FastAPI, served: _Served) -> None:
                 )
                 acts = await unless_gone(request, call)
         tensors = {str(p): _tensor_of(acts[p]) for p in points}
-        return await _tensor_body(request, served, body.format, "patterns", tensors, {"token_ids": ids}, len(ids))
+        served.count_tokens(prompt=len(ids))
+        head = {"token_ids": ids}
+        return await _tensor_body(request, served, body.format, "patterns", tensors, head, len(ids), steered=spec)
 
     @app.post("/v1/capture_generation", response_model=CaptureGenerationResponse, responses=_TENSOR_RESPONSES)
     async def capture_generation(body: CaptureGenerationRequest, request: Request) -> Any:
         """A completion and activations (and feature readouts) over prompt + generated tokens
         (``model.capture_generation``)."""
         model = served.ready()
-        ids, prompt_field = served.prompt(body)
+        ids, prompt_field = await served.prompt(body)
         served.check_generation(body.max_tokens)
         points, readouts = served.points(body.points)
         served.check_size(points, len(ids) + body.max_tokens, "points", readouts)
@@ -604,7 +785,10 @@ def _add_routes(app: FastAPI, served: _Served) -> None:
         features = {str(r): _readout_of(acts[r]) for r in readouts}
         head = {"token_ids": ids, "completion": _completion_out(completion)}
         n_positions = len(ids) + len(completion.token_ids)
-        return await _tensor_body(request, served, body.format, "activations", tensors, head, n_positions, features)
+        served.count_tokens(prompt=len(ids), generated=len(completion.token_ids))
+        return await _tensor_body(
+            request, served, body.format, "activations", tensors, head, n_positions, features, steered=spec
+        )
 
     @app.post(
         "/v1/generate",
@@ -619,7 +803,7 @@ def _add_routes(app: FastAPI, served: _Served) -> None:
         Closing the connection aborts the generation. Without ``stream``, ``n_logprobs`` or
         ``features`` give the same steps under ``steps``."""
         model = served.ready()
-        ids, prompt_field = served.prompt(body)
+        ids, prompt_field = await served.prompt(body)
         served.check_generation(body.max_tokens, body.n_logprobs)
         readouts = served.readouts(body.features, "features") if body.features else []
         served.check_size([], body.max_tokens, "features", readouts)
@@ -636,9 +820,14 @@ def _add_routes(app: FastAPI, served: _Served) -> None:
             with fields:
                 if body.n_logprobs == 0 and not readouts:
                     work = model.generate(ids, max_tokens=body.max_tokens, **options)
-                    return _completion_out(await unless_gone(request, work))
+                    completion = await unless_gone(request, work)
+                    served.count_tokens(prompt=len(ids), generated=len(completion.token_ids))
+                    return _completion_out(completion)
                 steps = model.stream(ids, max_tokens=body.max_tokens, n_logprobs=body.n_logprobs, **options)
                 collected = await unless_gone(request, _collect(steps))
+        served.count_tokens(prompt=len(ids), generated=len(collected))
+        _check_finite_steps(collected, spec)
+        _check_finite_features(collected, spec)
         return {
             "token_ids": [s.token_id for s in collected],
             "text": "".join(s.text for s in collected),
@@ -659,26 +848,52 @@ def _add_routes(app: FastAPI, served: _Served) -> None:
         out_values = n_vectors * (k + (info.vocab_size if body.return_logits else 0))
         if out_values > limit:
             raise limit_exceeded("activations", f"the result would hold {out_values} values", limit)
+        if n_vectors * k > served.limits.max_top_tokens:
+            message = f"the answer would name {n_vectors * k} top tokens ({n_vectors} vectors x top_k {k})"
+            raise limit_exceeded("top_k", message, served.limits.max_top_tokens)
         async with served.slots:
             with blame({InvalidActivations: "activations"}):
                 logits = await unless_gone(request, model.decode_residuals(acts))
         if not isinstance(logits, torch.Tensor):  # a tensor in gives a tensor out
             raise ApiError(500, "BackendError", "decode_residuals returned no tensor")
-        logits = logits.float()
-        top = torch.topk(logits, k, dim=-1)
-        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, top.indices)
-        shape = list(top.indices.shape)
-        flat_ids = top.indices.reshape(-1).tolist()
-        return {
-            "shape": list(logits.shape),
-            "top": {
-                "token_ids": top.indices.tolist(),
-                "tokens": _nest(model.to_str_tokens(flat_ids) if flat_ids else [], shape),
-                "logits": top.values.tolist(),
-                "logprobs": logprobs.tolist(),
-            },
-            "logits": encode(logits) if body.return_logits else None,
-        }
+
+        def answer() -> dict[str, Any]:
+            values = logits.float()
+            if not bool(torch.isfinite(values).all()):
+                raise _non_finite("the logits", None, decoding=True)
+            top = torch.topk(values, k, dim=-1)
+            logprobs = torch.log_softmax(values, dim=-1).gather(-1, top.indices)
+            shape = list(top.indices.shape)
+            flat_ids = top.indices.reshape(-1).tolist()
+            return {
+                "shape": list(values.shape),
+                "top": {
+                    "token_ids": top.indices.tolist(),
+                    "tokens": _nest(model.to_str_tokens(flat_ids) if flat_ids else [], shape),
+                    "logits": top.values.tolist(),
+                    "logprobs": logprobs.tolist(),
+                },
+                "logits": encode(values) if body.return_logits else None,
+            }
+
+        return await served.off_loop(answer)
+
+
+def _check_finite(tensors: Mapping[str, torch.Tensor], readouts: Mapping[str, FeatureReadout], steered: Any) -> None:
+    """Refuse results holding inf or NaN, naming the first such point and the likely cause."""
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise _non_finite(f"the activations at {name}", steered)
+    for name, readout in readouts.items():
+        parts = [readout.values] + ([readout.error_norm] if readout.error_norm is not None else [])
+        if not all(bool(torch.isfinite(t).all()) for t in parts):
+            raise _non_finite(f"the feature readout {name}", steered)
+
+
+def _check_finite_features(steps: Sequence[StreamStep], spec: Any) -> None:
+    for step in steps:
+        if step.features:
+            _check_finite({}, {str(k): v for k, v in step.features.items()}, spec)
 
 
 async def _collect(steps: AsyncIterator[StreamStep]) -> list[StreamStep]:
@@ -717,24 +932,33 @@ async def _stream(
         finally:
             served.slots.release()
 
+    spec = options.get("steering_spec")
     try:
         with fields:
             first: StreamStep | None = await anext(steps)
+        if first is not None:
+            _check_finite_steps([first], spec)
+            _check_finite_features([first], spec)
     except StopAsyncIteration:
         first = None
     except BaseException:
         with anyio.CancelScope(shield=True):
             await close()
         raise
+    served.count_tokens(prompt=len(ids))
 
     async def events() -> AsyncIterator[str]:
         step, kept = first, []
         try:
             while step is not None:
                 kept.append(step)
+                served.count_tokens(generated=1)
                 yield _event("token", _step_out(step))
                 try:
-                    step = await anext(steps)
+                    with fields:
+                        step = await anext(steps)
+                    _check_finite_steps([step], spec)
+                    _check_finite_features([step], spec)
                 except StopAsyncIteration:
                     step = None
             done = {
@@ -743,8 +967,8 @@ async def _stream(
                 "finish_reason": _finish_reason(len(kept), body.max_tokens),
             }
             yield _event("done", done)
-        except InterpError as exc:  # the status line is sent: report it in the stream
-            yield _event("error", from_interp(exc).body())
+        except ApiError as exc:  # the status line is sent: report it in the stream
+            yield _event("error", exc.body())
 
     return EventStream(events(), close)
 
@@ -756,25 +980,46 @@ def run(
     host: str = "127.0.0.1",
     port: int = 8000,
     limits: ServerLimits | None = None,
+    api_key: str | None = None,
+    insecure_no_auth: bool = False,
+    trusted_hosts: Collection[str] | None = None,
     **load_options: Any,
 ) -> None:
     """Serve the model with uvicorn until SIGINT or SIGTERM, then return: in-flight requests get
     ``GRACEFUL_SHUTDOWN_S`` seconds to finish, streams still open are cancelled (their engine
-    requests aborted) and the lifespan shuts the model down. Binds to loopback unless ``host``
-    says otherwise: the API has no authentication."""
+    requests aborted) and the lifespan shuts the model down.
+
+    ``api_key`` (default: the ``INTERP_API_KEY`` environment variable) is required of every
+    request but ``GET /v1/health``, as ``Authorization: Bearer <key>``. Binds to loopback unless
+    ``host`` says otherwise; a non-loopback ``host`` without a key is refused (``InvalidOption``)
+    unless ``insecure_no_auth=True``. ``trusted_hosts`` (default: the loopback names on a
+    loopback bind, any otherwise) are the ``Host`` names answered."""
     import uvicorn
 
-    app = create_app(model_or_path, backend=backend, limits=limits, **load_options)
+    if api_key is None:
+        api_key = os.environ.get(API_KEY_ENV) or None
+    if api_key is None and not is_loopback(host) and not insecure_no_auth:
+        raise InvalidOption(
+            f"refusing to serve {host!r} (not loopback) without an API key: give one (--api-key-file FILE, "
+            f"${API_KEY_ENV}, run(api_key=...)) or say --insecure-no-auth / insecure_no_auth=True"
+        )
+    if trusted_hosts is None and is_loopback(host):
+        trusted_hosts = LOOPBACK_HOSTS
+    app = create_app(
+        model_or_path, backend=backend, limits=limits, api_key=api_key, trusted_hosts=trusted_hosts, **load_options
+    )
+    server = uvicorn.Server(uvicorn_config(app, host=host, port=port, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
     if threading.current_thread() is not threading.main_thread():
-        uvicorn.run(app, host=host, port=port, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+        with contextlib.suppress(KeyboardInterrupt):
+            server.run()
         return
     # uvicorn shuts down gracefully on SIGTERM, then raises the signal again for the handler it
     # found; with the default one the process would die by the signal after a clean shutdown.
     # Ours ends run() instead, so the caller exits normally (as on SIGINT).
     previous = signal.signal(signal.SIGTERM, _stop)
     try:
-        uvicorn.run(app, host=host, port=port, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
-    except _Stopped:
+        server.run()
+    except (_Stopped, KeyboardInterrupt):  # uvicorn raises the signal again once shut down
         pass
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -1,5 +1,5 @@
-"""ASGI plumbing of the server: the body-size limit, request slots, and what happens when a
-client goes away (a stream's model generator is closed, a pending model call is cancelled;
+"""ASGI plumbing of the server: request slots, and what happens when a client goes away (a
+stream's model generator is closed, a pending model call is cancelled;
 either makes the backend abort its engine request)."""
 
 from __future__ import annotations
@@ -11,56 +11,11 @@ from typing import TypeVar
 import anyio
 from fastapi import Request
 from fastapi.responses import StreamingResponse
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from ._errors import ApiError
 
 T = TypeVar("T")
-
-
-class BodyLimit:
-    """ASGI middleware: refuse bodies over ``max_bytes`` with 413, by Content-Length up front, or
-    while reading a body sent without one."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    def _too_large(self, size: str) -> ApiError:
-        return ApiError(
-            413,
-            "LimitExceeded",
-            f"the request body is {size} bytes; the server's limit is {self.max_bytes}",
-            field="body",
-            valid=self.max_bytes,
-        )
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None:
-            try:
-                length = int(declared)
-            except ValueError:
-                await ApiError(400, "BadRequest", "invalid Content-Length header").response()(scope, receive, send)
-                return
-            if length > self.max_bytes:
-                await self._too_large(str(length)).response()(scope, receive, send)
-                return
-        received = 0
-
-        async def limited() -> Message:
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise self._too_large(f"over {received}")
-            return message
-
-        await self.app(scope, limited, send)
 
 
 class EventStream(StreamingResponse):
@@ -114,14 +69,29 @@ async def unless_gone(request: Request, work: Awaitable[T]) -> T:
 
 
 class Slots:
-    """At most ``n`` requests on the model at once; the others wait. ``in_flight`` counts holders."""
+    """At most ``n`` requests on the model at once; the others wait, at most ``timeout`` seconds
+    (then ``503 Overloaded`` with ``Retry-After``). ``in_flight`` counts holders, ``queued`` waiters."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, timeout: float = 30.0) -> None:
         self._semaphore = asyncio.Semaphore(n)
+        self.n = n
+        self.timeout = timeout
         self.in_flight = 0
+        self.queued = 0
 
     async def acquire(self) -> None:
-        await self._semaphore.acquire()
+        self.queued += 1
+        try:
+            await asyncio.wait_for(self._semaphore.acquire(), self.timeout)
+        except asyncio.TimeoutError:  # (not the builtin before Python 3.11)
+            raise ApiError(
+                503,
+                "Overloaded",
+                f"no request slot came free within {self.timeout:g} s ({self.n} requests are running); retry later",
+                headers={"Retry-After": "1"},
+            ) from None
+        finally:
+            self.queued -= 1
         self.in_flight += 1
 
     def release(self) -> None:

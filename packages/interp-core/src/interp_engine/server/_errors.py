@@ -8,10 +8,15 @@
 - a :class:`ServerLimits` bound exceeded: ``413``, ``error: "LimitExceeded"``;
 - ``ModelClosed`` or a model not loaded yet: ``503``; ``BackendError`` and anything else: ``500``
   (no traceback is sent; the server logs it).
+
+Every body is bounded: a message, a field path or a ``valid`` entry longer than a few hundred
+characters is elided in the middle (an 8 MB address gives a short error, not an 8 MB one), and
+bodies are written as ASCII JSON with no ``NaN`` (a lone surrogate echoed back cannot break them).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -46,16 +51,64 @@ _CLIENT_ERRORS = (
 )
 
 
+MAX_TEXT = 400
+"""Longest message, field or ``valid`` entry an error body carries (longer ones are elided)."""
+MAX_VALID = 100
+"""Most ``valid`` entries an error body lists."""
+
+
+def elide(text: str, limit: int = MAX_TEXT) -> str:
+    """``text``, its middle replaced by ``...(N characters)...`` when it is longer than ``limit``."""
+    if len(text) <= limit:
+        return text
+    keep = max(limit - 40, 20)
+    return f"{text[: keep * 3 // 4]}...({len(text)} characters)...{text[-(keep // 4) :]}"
+
+
+def bounded(value: Any) -> Any:
+    """A JSON value with every string elided and lists cut at :data:`MAX_VALID` entries."""
+    if isinstance(value, str):
+        return elide(value)
+    if isinstance(value, (list, tuple)):
+        items = [bounded(v) for v in list(value)[:MAX_VALID]]
+        return [*items, f"...({len(value) - MAX_VALID} more)"] if len(value) > MAX_VALID else items
+    if isinstance(value, dict):
+        return {elide(str(k), 100): bounded(v) for k, v in list(value.items())[:MAX_VALID]}
+    if value is None or isinstance(value, (bool, int)):
+        return value if not isinstance(value, int) or abs(value) < 2**63 else elide(str(value), 60)
+    if isinstance(value, float):
+        return value if value == value and abs(value) != float("inf") else str(value)
+    return elide(str(value))
+
+
+class SafeJSONResponse(JSONResponse):
+    """JSON as ASCII (a lone surrogate is written as its escape, not an encoding error), and never
+    ``NaN`` or ``Infinity`` (not JSON: the server checks results before and refuses them)."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
 class ApiError(HTTPException):
     """An error response with the server's JSON body. It is an ``HTTPException`` so that it
     passes through FastAPI's body parsing (the body-size limit raises it while reading)."""
 
-    def __init__(self, status: int, error: str, message: str, *, field: str | None = None, valid: Any = None) -> None:
-        super().__init__(status_code=status, detail=message)
+    def __init__(
+        self,
+        status: int,
+        error: str,
+        message: str,
+        *,
+        field: str | None = None,
+        valid: Any = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        message = elide(message)
+        super().__init__(status_code=status, detail=message, headers=dict(headers) if headers else None)
         self.error = error
         self.message = message
-        self.field = field
-        self.valid = valid
+        self.field = None if field is None else elide(field, 200)
+        self.valid = None if valid is None else bounded(valid)
 
     def body(self) -> dict[str, Any]:
         out: dict[str, Any] = {"error": self.error, "message": self.message}
@@ -66,7 +119,7 @@ class ApiError(HTTPException):
         return out
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status_code)
+        return SafeJSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
 
 
 def limit_exceeded(field: str, message: str, limit: int) -> ApiError:
@@ -114,12 +167,20 @@ def blame(fields: Mapping[type[InterpError], str]) -> Iterator[None]:
         raise from_interp(exc, field) from exc
 
 
+_MODEL_LABELS = frozenset({"EncodedTensor", "FeaturesBody", "WriteBody", "FeatureWriteBody", "StreamOptions"})
+
+
+def _is_union_label(part: str) -> bool:
+    """A part of pydantic's error location that names a union member, not a field."""
+    return part.startswith("<") or "[" in part or part in _MODEL_LABELS or part.startswith("function-")
+
+
 def field_path(loc: Sequence[Any]) -> str:
     """``("body", "steering", "writes", 0, "op")`` -> ``"steering.writes[0].op"`` (the tags of
     the schema's unions, ``"<feature_write>"``, are left out)."""
     out = ""
     for part in loc:
-        if (part == "body" and not out) or (isinstance(part, str) and part.startswith("<")):
+        if (part == "body" and not out) or (isinstance(part, str) and _is_union_label(part)):
             continue
         if isinstance(part, int):
             out += f"[{part}]"

@@ -1,7 +1,8 @@
 """Request and response bodies of the HTTP API (pydantic models; they make the OpenAPI schema).
 
 Every request model forbids unknown fields, so a misspelt field is a 422 naming it rather than
-a silently ignored option.
+a silently ignored option, and is strict: a value of the wrong JSON type (``"stream": "yes"``,
+``"scale": "2"``) is a 422 too, never coerced.
 
 Feature readouts of an attached SAE (or probe) go in ``points`` next to addresses, as the core's
 string form or as an object (:class:`FeaturesBody`)::
@@ -30,15 +31,31 @@ Format = Literal["json", "safetensors"]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: no coercion ("stream": "yes" or "scale": "2" are errors, not true and 2.0); an int
+    # is still a float (JSON has one number type)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class EncodedTensor(_Body):
     """A float32 tensor: ``data`` is the base64 of its little-endian bytes in C (row-major) order."""
 
     dtype: Literal["float32"] = "float32"
-    shape: list[StrictInt]
+    shape: list[Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]] = Field(max_length=8)
     data: str
+
+
+Floats = list[float] | list[list[float]] | list[list[list[float]]]
+
+
+def _tensor_kind(value: Any) -> str:
+    return "<tensor>" if isinstance(value, (dict, EncodedTensor)) else "<lists>"
+
+
+TensorValue = Annotated[
+    Annotated[EncodedTensor, Tag("<tensor>")] | Annotated[Floats, Tag("<lists>")],
+    Discriminator(_tensor_kind),
+]
+"""A tensor: an encoded one (an object), or nested lists of numbers (up to three levels)."""
 
 
 class WriteBody(_Body):
@@ -46,14 +63,14 @@ class WriteBody(_Body):
     tensor, e.g. activations returned by an earlier capture, for activation patching)."""
 
     address: str = Field(examples=["resid_post.1"])
-    vector: list[float] | list[list[float]] | list[list[list[float]]] | EncodedTensor
+    vector: TensorValue
     op: Literal["add", "set", "ablate", "cap", "rescale", "norm_add", "swap"] = "add"
     scale: float = 1.0
     positions: Literal["all", "prompt", "generated"] | list[StrictInt] = "all"
     heads: list[StrictInt] | None = Field(
         default=None, description="at attn_z/attn_v: the heads written (default every head)", examples=[[0]]
     )
-    target: list[float] | list[list[float]] | list[list[list[float]]] | EncodedTensor | None = Field(
+    target: TensorValue | None = Field(
         default=None, description="swap only: the direction the component along vector moves onto"
     )
     lo: float | None = Field(default=None, description="cap only: lower bound of the projection x.d")
@@ -186,9 +203,7 @@ class AttentionRequest(_Prompt):
 
 
 class DecodeRequest(_Body):
-    activations: EncodedTensor | list[float] | list[list[float]] = Field(
-        description="residual-stream vectors [..., d_model]"
-    )
+    activations: TensorValue = Field(description="residual-stream vectors [..., d_model]")
     top_k: StrictInt = Field(default=10, ge=0, description="top tokens per vector")
     return_logits: bool = Field(default=False, description="also return the full logits [..., vocab]")
 

@@ -78,7 +78,14 @@ def safetensors_response(
     ``KEY/error_norm``); ``extra`` goes into the metadata as JSON strings."""
     from safetensors.torch import save
 
-    batched = {key: t.detach().to(device="cpu", dtype=torch.float32).contiguous()[None] for key, t in tensors.items()}
+    batched: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for key, t in tensors.items():
+        value = t.detach().to(device="cpu", dtype=torch.float32).contiguous()
+        if value.numel() and value.data_ptr() in seen:  # one address asked twice (layer -1 and n-1): a copy each
+            value = value.clone()
+        seen.add(value.data_ptr())
+        batched[key] = value[None]
     metadata = {"format": "interp-engine-cache", _LENGTHS_KEY: json.dumps([n_tokens])}
     for key, readout in (readouts or {}).items():
         batched.update({name: t.detach().cpu().contiguous()[None] for name, t in readout.tensors(key).items()})

@@ -1,0 +1,362 @@
+"""OpenAI-compatible ``POST /v1/completions``, with steering and captures in an extension field.
+
+The body is OpenAI's (``prompt``, ``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``,
+``logprobs``, ``stream``, ``stream_options``; vLLM's ``top_k`` and ``ignore_eos`` too) plus
+``interp``, which the OpenAI Python client sends with ``extra_body``::
+
+    client.completions.create(
+        model="served", prompt="The capital of France is", max_tokens=8, temperature=0,
+        extra_body={"interp": {"steering": {"writes": [...]}, "points": ["resid_post.1"]}},
+    )
+
+``interp.steering`` is a steering spec (as everywhere in the API); ``interp.points`` captures
+activations (and feature readouts) over prompt + generated tokens, returned under ``interp`` in
+the answer (not with ``stream``, ``stop`` or ``logprobs``); ``interp.features`` gives each
+generated token's feature readouts (in each chunk when streaming). The answer is OpenAI's
+``text_completion`` object (``choices[0].text``, ``finish_reason``, ``logprobs``, ``usage``) plus
+``interp`` (``prompt_token_ids``, ``token_ids``, and what was captured). A stream is OpenAI's
+server-sent events: ``data: <chunk>`` per token, then ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Literal
+
+import anyio
+from fastapi import FastAPI, Request
+from pydantic import Field, StrictInt
+
+from .._protocol import InterpModel, StreamStep
+from ._app import (
+    _ERRORS,
+    _check_finite_features,
+    _check_finite_steps,
+    _completion_out,
+    _readout_of,
+    _Served,
+    _step_out,
+    _tensor_body,
+    _tensor_of,
+)
+from ._asgi import EventStream, unless_gone
+from ._errors import ApiError, limit_exceeded
+from ._schemas import Point, SteeringBody, _Body
+
+MAX_STOPS = 4
+"""Most stop strings (OpenAI's limit)."""
+MAX_STOP_CHARS = 256
+"""Longest stop string."""
+
+
+class InterpExtension(_Body):
+    """The ``interp`` extension of a completion request (``extra_body={"interp": {...}}``)."""
+
+    steering: SteeringBody | None = Field(default=None, description="a steering spec applied to this completion")
+    points: list[Point] | None = Field(
+        default=None,
+        description="addresses and feature readouts captured over prompt + generated tokens (not with stream, "
+        "stop or logprobs), returned under interp.activations / interp.features",
+    )
+    features: list[Point] | None = Field(
+        default=None, description="feature readouts of each generated token (interp.steps, or each stream chunk)"
+    )
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class CompletionRequest(_Body):
+    """OpenAI's completion request (one prompt, one choice), plus ``interp``."""
+
+    model: str | None = Field(default=None, description="echoed back; the server serves one model")
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    max_tokens: StrictInt = Field(default=16, ge=1)
+    temperature: float = Field(default=1.0, ge=0, le=2, description="OpenAI's default 1; 0 is greedy")
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: StrictInt | None = Field(default=None, ge=0, description="vLLM's extension; 0 is off")
+    seed: StrictInt | None = None
+    ignore_eos: bool | None = None
+    stop: str | list[str] | None = None
+    logprobs: StrictInt | None = Field(default=None, ge=0, description="top-n logprobs per generated token")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Literal[1] = 1
+    best_of: Literal[1] | None = None
+    echo: Literal[False] = False
+    frequency_penalty: Literal[0] = 0
+    presence_penalty: Literal[0] = 0
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=0)
+    suffix: None = None
+    user: str | None = None
+    interp: InterpExtension | None = None
+
+
+class _Stops:
+    """Stop strings over a growing text: what may be sent now (a tail that could begin a stop
+    string is held back) and whether a stop string was reached (the text cut before it)."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = list(stops)
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.text = ""
+        self.sent = 0
+
+    def add(self, piece: str) -> tuple[str, bool]:
+        start = max(0, len(self.text) - self.hold)
+        self.text += piece
+        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            return self.flush(), True
+        ready = len(self.text) - self.hold
+        if ready <= self.sent:
+            return "", False
+        out = self.text[self.sent : ready]
+        self.sent = ready
+        return out, False
+
+    def flush(self) -> str:
+        out = self.text[self.sent :]
+        self.sent = len(self.text)
+        return out
+
+
+def _prompt(body: CompletionRequest) -> tuple[str | None, list[int] | None]:
+    prompt: Any = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise ApiError(
+                400, "InvalidOption", f"one prompt per request, got {len(prompt)} (send them apart)", field="prompt"
+            )
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt, None
+    if not prompt:
+        raise ApiError(400, "InvalidTokens", "the prompt is empty", field="prompt")
+    return None, list(prompt)
+
+
+def _stops(body: CompletionRequest) -> list[str]:
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stops) > MAX_STOPS:
+        raise limit_exceeded("stop", f"{len(stops)} stop strings", MAX_STOPS)
+    for i, stop in enumerate(stops):
+        if not stop or len(stop) > MAX_STOP_CHARS:
+            raise ApiError(
+                400, "InvalidOption", f"a stop string has 1 to {MAX_STOP_CHARS} characters", field=f"stop[{i}]"
+            )
+    return stops
+
+
+class _Logprobs:
+    """OpenAI's legacy ``logprobs`` object, token by token."""
+
+    def __init__(self, model: InterpModel) -> None:
+        self.model = model
+        self.offset = 0
+
+    def of(self, steps: Sequence[StreamStep], pieces: Sequence[str]) -> dict[str, Any]:
+        out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for step, piece in zip(steps, pieces, strict=True):
+            names = self.model.to_str_tokens([t for t, _ in step.logprobs]) if step.logprobs else []
+            chosen = next((lp for t, lp in step.logprobs if t == step.token_id), None)
+            out["tokens"].append(piece)
+            out["token_logprobs"].append(chosen)
+            out["top_logprobs"].append(dict(zip(names, (lp for _, lp in step.logprobs), strict=True)))
+            out["text_offset"].append(self.offset)
+            self.offset += len(piece)
+        return out
+
+
+def add_completions(app: FastAPI, served: _Served) -> None:
+    @app.post("/v1/completions", responses={**_ERRORS, 200: {"content": {"text/event-stream": {}}}})
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        """OpenAI-compatible completions (the OpenAI client works against it); steering, captures
+        and feature readouts go in ``interp`` (the client's ``extra_body``)."""
+        model = served.ready()
+        text, token_ids = _prompt(body)
+        if text is not None:
+            ids, prompt_field = await served.tokenize(text, "prompt"), "prompt"
+        else:
+            ids, prompt_field = token_ids or [], "prompt"
+            if len(ids) > served.limits.max_prompt_tokens:
+                raise limit_exceeded("prompt", f"the prompt has {len(ids)} tokens", served.limits.max_prompt_tokens)
+        extension = body.interp or InterpExtension()
+        n_logprobs = body.logprobs or 0
+        served.check_generation(body.max_tokens, n_logprobs)
+        stops = _stops(body)
+        spec = served.steering(extension.steering)
+        options: dict[str, Any] = {"temperature": body.temperature}
+        for name in ("top_p", "top_k", "seed", "ignore_eos"):
+            if getattr(body, name) is not None:
+                options[name] = getattr(body, name)
+        head = {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": body.model or served.name,
+        }
+        if extension.points is not None:
+            if body.stream or stops or body.logprobs is not None:
+                raise ApiError(
+                    400,
+                    "InvalidOption",
+                    "interp.points captures over the whole completion: not with stream, stop or logprobs "
+                    "(use interp.features for per-token readouts)",
+                    field="interp.points",
+                )
+            points, readouts = served.points(extension.points, "interp.points")
+            served.check_size(points, len(ids) + body.max_tokens, "interp.points", readouts)
+            async with served.slots:
+                with served.fields(prompt_field, spec, "interp.points", readouts):
+                    work = model.capture_generation(
+                        ids, [*points, *readouts], max_tokens=body.max_tokens, steering_spec=spec, **options
+                    )
+                    completion, acts = await unless_gone(request, work)
+            served.count_tokens(prompt=len(ids), generated=len(completion.token_ids))
+            tensors = {str(p): _tensor_of(acts[p]) for p in points}
+            features = {str(r): _readout_of(acts[r]) for r in readouts}
+            captured = await _tensor_body(
+                request, served, "json", "activations", tensors, {}, len(ids), features, steered=spec
+            )
+            n_out = len(completion.token_ids)
+            return {
+                **head,
+                "choices": [
+                    {"index": 0, "text": completion.text, "logprobs": None, "finish_reason": completion.finish_reason}
+                ],
+                "usage": _usage(len(ids), n_out),
+                "interp": {"prompt_token_ids": ids, **_completion_out(completion), **captured},
+            }
+        readouts = served.readouts(extension.features, "interp.features") if extension.features else []
+        served.check_size([], body.max_tokens, "interp.features", readouts)
+        if spec is not None:
+            options["steering_spec"] = spec
+        if readouts:
+            options["features"] = readouts
+        fields = served.fields(prompt_field, spec, "interp.features", readouts)
+        want_logprobs = body.logprobs is not None
+        await served.slots.acquire()
+        steps = model.stream(ids, max_tokens=body.max_tokens, n_logprobs=max(n_logprobs, int(want_logprobs)), **options)
+        closed = False
+
+        async def close() -> None:
+            nonlocal closed
+            if closed:
+                return
+            closed = True
+            try:
+                aclose = getattr(steps, "aclose", None)
+                if aclose is not None:
+                    await aclose()  # the backend aborts its request
+            finally:
+                served.slots.release()
+
+        async def next_step() -> StreamStep | None:
+            try:
+                with fields:
+                    step = await anext(steps)
+            except StopAsyncIteration:
+                return None
+            _check_finite_steps([step], spec)
+            _check_finite_features([step], spec)
+            return step
+
+        try:
+            first = await unless_gone(request, next_step())
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await close()
+            raise
+        served.count_tokens(prompt=len(ids))
+        logprobs = _Logprobs(model)
+        stop_at = _Stops(stops)
+
+        async def run() -> AsyncIterator[tuple[list[StreamStep], str, str | None]]:
+            """(steps, text to send, finish reason or None) as the steps arrive."""
+            step, n = first, 0
+            while step is not None:
+                n += 1
+                served.count_tokens(generated=1)
+                piece, stopped = stop_at.add(step.text)
+                if stopped:
+                    yield [step], piece, "stop"
+                    return
+                last = n >= body.max_tokens
+                following = None if last else await next_step()
+                if following is None:
+                    piece += stop_at.flush()
+                    yield [step], piece, "length" if n >= body.max_tokens else "stop"
+                    return
+                yield [step], piece, None
+                step = following
+            yield [], stop_at.flush(), "stop"
+
+        if not body.stream:
+
+            async def collect() -> tuple[list[StreamStep], str, str]:
+                collected: list[StreamStep] = []
+                pieces: list[str] = []
+                finish = "stop"
+                async for batch, piece, reason in run():
+                    collected += batch
+                    pieces.append(piece)
+                    finish = reason or finish
+                return collected, "".join(pieces), finish
+
+            try:
+                collected, text_out, finish = await unless_gone(request, collect())
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await close()
+            choice: dict[str, Any] = {"index": 0, "text": text_out, "logprobs": None, "finish_reason": finish}
+            if want_logprobs:
+                choice["logprobs"] = logprobs.of(collected, [s.text for s in collected])
+            extra: dict[str, Any] = {"prompt_token_ids": ids, "token_ids": [s.token_id for s in collected]}
+            if readouts:
+                extra["steps"] = [_step_out(s) for s in collected]
+            return {**head, "choices": [choice], "usage": _usage(len(ids), len(collected)), "interp": extra}
+
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+
+        async def events() -> AsyncIterator[str]:
+            n = 0
+            try:
+                async for batch, piece, reason in run():
+                    n += len(batch)
+                    choice = {
+                        "index": 0,
+                        "text": piece,
+                        "logprobs": logprobs.of(batch, [s.text for s in batch]) if want_logprobs else None,
+                        "finish_reason": reason,
+                    }
+                    chunk: dict[str, Any] = {**head, "choices": [choice]}
+                    if batch:
+                        step_out = _step_out(batch[0])
+                        chunk["interp"] = {"token_id": step_out["token_id"], "position": step_out["position"]}
+                        if "features" in step_out:
+                            chunk["interp"]["features"] = step_out["features"]
+                    yield _data(chunk)
+                if include_usage:
+                    yield _data({**head, "choices": [], "usage": _usage(len(ids), n)})
+            except ApiError as exc:  # the status line is sent: report it in the stream
+                yield _data({"error": exc.body()})
+            yield "data: [DONE]\n\n"
+
+        return EventStream(events(), close)
+
+
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _data(chunk: Any) -> str:
+    return f"data: {json.dumps(chunk, ensure_ascii=True, allow_nan=False)}\n\n"
+
+
+__all__ = ["CompletionRequest", "add_completions"]
