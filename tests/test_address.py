@@ -181,6 +181,21 @@ def test_non_int_layer_is_a_layer_type_error(layer: object) -> None:
     assert "int" in str(error)
 
 
+@pytest.mark.parametrize(
+    "text", ["resid_post.\u0663", "resid_post.1_0", "resid_post.+1", "resid_post. 1", "blocks.\u0663.hook_resid_post"]
+)
+def test_parse_reads_only_ascii_integer_layers(text: str) -> None:
+    # int() would take Arabic-Indic digits, underscores, a plus sign and inner spaces
+    with pytest.raises(InvalidAddress):
+        Address.parse(text)
+
+
+def test_parse_error_is_bounded_in_size() -> None:
+    with pytest.raises(LayerTypeError) as info:
+        Address.parse("resid_post." + "x" * 100_000)
+    assert len(str(info.value)) < 400
+
+
 def test_layer_type_error_is_catchable_as_both_builtins() -> None:
     with pytest.raises(TypeError):
         Address("resid_post", "5")  # type: ignore[arg-type]

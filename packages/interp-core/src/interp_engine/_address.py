@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -175,6 +176,9 @@ _KIND_ORDER = {  # the order values are computed in, inside one layer
 _MODEL_LEVEL_ORDER = {"embed": -1, "final_norm": 1 << 30, "logits_raw": (1 << 30) + 1, "logits": (1 << 30) + 2}
 
 
+_LAYER_TEXT = re.compile(r"-?[0-9]+")
+
+
 class LayerTypeError(InvalidAddress, TypeError):
     """An address layer that is not an ``int``."""
 
@@ -256,15 +260,15 @@ class Address:
         kind, sep, layer_text = text.partition(".")
         if not sep:
             return cls(kind)
-        try:
-            layer = int(layer_text)
-        except ValueError:
+        if _LAYER_TEXT.fullmatch(layer_text) is None:  # int() would also take "1_0", " 1", "٣"
+            shown = text if len(text) <= 80 else f"{text[:50]}...{text[-20:]}"
             raise LayerTypeError(
-                f"cannot read the layer of address {text!r}: {layer_text!r} is not an integer",
-                address=text,
+                f"cannot read the layer of address {shown!r}: the layer is not an integer "
+                "(ASCII digits, optionally after a minus sign)",
+                address=shown,
                 valid=("kind.layer with an integer layer",),
-            ) from None
-        return cls(kind, layer)
+            )
+        return cls(kind, int(layer_text))
 
     @property
     def tl_name(self) -> str | None:

@@ -85,7 +85,7 @@ _NEAR_MISSES: dict[str, str] = {  # unmapped suffixes of blocks.L.* -> what to u
     "family's renormalisation",
 }
 
-_BLOCK = re.compile(r"blocks\.(-?\d+)\.(.+)")
+_BLOCK = re.compile(r"blocks\.(-?[0-9]+)\.(.+)")
 
 
 def is_tl_name(text: str) -> bool:
