@@ -25,10 +25,14 @@ SWEEP_DENSE = (
     "apertus",
     "arcee",
     "biogpt",
+    "bitnet",
+    "bloom",
+    "codegen",
     "cohere",
     "cohere2",
     "ernie4_5",
     "exaone4",
+    "falcon",
     "glm",
     "glm4",
     "gpt_bigcode",
@@ -37,6 +41,7 @@ SWEEP_DENSE = (
     "helium",
     "hunyuan_v1_dense",
     "ministral",
+    "mpt",
     "nemotron",
     "olmo",
     "olmo3",
@@ -44,6 +49,7 @@ SWEEP_DENSE = (
     "seed_oss",
     "smollm3",
     "starcoder2",
+    "xglm",
 )
 SWEEP_MOE = (
     "ernie4_5_moe",
@@ -58,8 +64,14 @@ SWEEP_MOE = (
 )
 SWEEP_FAMILIES = SWEEP_DENSE + SWEEP_MOE
 """Model types the eager breadth sweep (tests/test_eager_families.py) verifies against HF."""
-REFUSED_FAMILIES = ("bitnet", "bloom", "codegen", "falcon", "mpt", "xglm")
-"""Model types the eager backend refuses with ``UnsupportedArchitecture`` (the sweep checks why)."""
+REFUSED_VARIANTS: dict[str, dict[str, Any]] = {
+    # Bloom adding the normalised input, not the residual stream, back after each sublayer
+    "bloom": {"apply_residual_connection_post_layernorm": True},
+    # a residual multiplier: resid_post is not resid_pre plus what the sublayers add
+    "granite": {"residual_multiplier": 0.5},
+}
+"""Config variants the eager backend refuses with ``UnsupportedArchitecture`` (the sweep checks why):
+every model type's tiny default config resolves."""
 
 
 @functools.cache

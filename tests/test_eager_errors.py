@@ -253,7 +253,9 @@ async def test_unknown_load_option() -> None:
 async def test_unsupported_architecture(tmp_path: pathlib.Path) -> None:
     from transformers import BloomConfig, BloomForCausalLM
 
+    # Bloom adding its normalised input, not the residual stream, back after each sublayer
     config = BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=2)
+    config.apply_residual_connection_post_layernorm = True
     BloomForCausalLM(config).save_pretrained(tmp_path)
     exc = await raises(lambda: load_model(tmp_path, backend="eager"), UnsupportedArchitecture, "bloom", "gpt2", "llama")
     assert isinstance(exc, ValueError)

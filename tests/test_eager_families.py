@@ -7,10 +7,11 @@ model keeps its parts (:data:`WHERE`; no code shared with the backend); the resi
 hold; greedy generation equals HF's; a write at every writable kind equals the same edit made by
 a hand-written hook on HF; on mixtures of experts, the router points equal what HF's router
 returns, and steering ``router_logits`` reroutes exactly like the same edit made inside HF's router.
-``conftest.REFUSED_FAMILIES`` are refused with an ``UnsupportedArchitecture`` that says why.
 
 Each model type's outcome is written to ``.cache/family-results/eager/<model_type>.json`` by the
 last test of this module (:func:`test_result_file`), once every check of that type has passed.
+Every model type's tiny default config resolves; ``conftest.REFUSED_VARIANTS`` are config variants
+refused with an ``UnsupportedArchitecture`` that says why.
 """
 
 from __future__ import annotations
@@ -33,14 +34,13 @@ from interp_engine import (
     UnsupportedArchitecture,
     Write,
     capture_generation,
-    load_model,
     run_with_cache,
     sync_model,
 )
 
 from .conftest import (
     ALL_FAMILIES,
-    REFUSED_FAMILIES,
+    REFUSED_VARIANTS,
     ROOT,
     SWEEP_FAMILIES,
     SWEEP_MOE,
@@ -85,6 +85,7 @@ class Where:
     post_mlp: str | None = None
     router: str | None = None  # returns (logits, weights, indices)
     router_weight: str | None = None  # the weight the router's logits are computed with
+    attn_out: str | None = None  # the module whose output is attn_out, where the attention adds the residual
 
 
 _SANDWICH = {
@@ -243,6 +244,68 @@ WHERE: dict[str, Where] = {
     "seed_oss": Where(),
     "smollm3": Where(),
     "starcoder2": Where(gate="mlp.c_fc", down="mlp.c_proj", **_NO_GATE),
+    # attention computed in the attention module's own forward (see OWN_ATTENTION), ALiBi or rotary
+    "bloom": Where(  # its attention and MLP add the residual to their own outputs
+        layers="transformer.h",
+        attn="self_attention",
+        attn_out="self_attention.dense",
+        o_proj="dense",
+        v="query_key_value",
+        v_layout="per-head",
+        mlp_out="mlp.dense_4h_to_h",
+        gate="mlp.dense_h_to_4h",
+        down="mlp.dense_4h_to_h",
+        **_NO_GATE,
+    ),
+    "falcon": Where(  # the tiny config: multi-query, parallel attention and MLP sharing one norm, rotary
+        layers="transformer.h",
+        attn="self_attention",
+        o_proj="dense",
+        v="query_key_value",
+        v_layout="q|k|v",
+        mlp_norm="input_layernorm",
+        gate="mlp.dense_h_to_4h",
+        down="mlp.dense_4h_to_h",
+        **_NO_GATE,
+    ),
+    "mpt": Where(
+        layers="transformer.blocks",
+        attn="attn",
+        o_proj="out_proj",
+        v="Wqkv",
+        v_layout="q|k|v",
+        attn_norm="norm_1",
+        mlp_norm="norm_2",
+        mlp="ffn",
+        mlp_out="ffn.down_proj",  # its MLP adds the residual to its own output
+        gate="ffn.up_proj",
+        down="ffn.down_proj",
+        **_NO_GATE,
+    ),
+    "xglm": Where(
+        o_proj="out_proj",
+        attn_norm="self_attn_layer_norm",
+        mlp_norm="final_layer_norm",
+        mlp="fc1",
+        mlp_out="fc2",
+        gate="fc1",
+        down="fc2",
+        **_NO_GATE,
+    ),
+    "codegen": Where(  # an own _attn method; qkv_proj holds [q | v | k] in 4 model-parallel groups
+        layers="transformer.h",
+        attn="attn",
+        o_proj="out_proj",
+        v="qkv_proj",
+        v_layout="codegen",
+        attn_norm="ln_1",
+        mlp_norm="ln_1",
+        gate="mlp.fc_in",
+        down="mlp.fc_out",
+        **_NO_GATE,
+    ),
+    # norms inside the sublayers: attn_z is what attn_sub_norm receives, mlp_post what ffn_sub_norm does
+    "bitnet": Where(o_proj="attn_sub_norm", down="mlp.ffn_sub_norm"),
     # mixtures of experts
     "ernie4_5_moe": _moe(),  # layer 0 is dense (moe_layer_start_index 1): see _dense_at
     "flex_olmo": _moe(q_norm="self_attn.q_norm", k_norm="self_attn.k_norm", qk_layout="flat", **_SANDWICH),
@@ -256,6 +319,9 @@ WHERE: dict[str, Where] = {
     "qwen2_moe": _moe(),
     "qwen3_moe": _moe(q_norm="self_attn.q_norm", k_norm="self_attn.k_norm", qk_layout="tokens x heads"),
 }
+ALIBI_FROM_LAST_KEY = {"mpt"}
+"""ALiBi biases counted back from the last key (MPT): the scores its softmax sees for a query shift
+by a constant per row when more keys follow (a padded batch, a longer sequence); patterns do not."""
 SINKS = {"gpt_oss"}
 """Attention that also normalises over a per-head sink logit: no attn_scores (the softmax over the
 keys' scores is not the pattern); its pattern rows sum to less than 1."""
@@ -306,9 +372,13 @@ def _block(hf: Any, family: str, layer: int) -> Any:
     return _get(hf, WHERE[family].layers)[layer]
 
 
+_VARIANT_WHERE: dict[int, Where] = {}
+"""The table of a config variant's HF model (by ``id``), where it differs from its family's."""
+
+
 def _where_at(hf: Any, family: str, layer: int) -> Where:
     """The table for ``layer``: a layer without the router has the family's dense MLP."""
-    where = WHERE[family]
+    where = _VARIANT_WHERE.get(id(hf), WHERE[family])
     if where.router is not None and not _has(_block(hf, family, layer), where.router):
         dense = DENSE_MLP[family]
         return Where(**{**where.__dict__, "gate": dense.gate, "up": dense.up, "down": dense.down, "router": None})
@@ -341,6 +411,8 @@ def _shape(hf: Any) -> tuple[int, int, int]:
     if getattr(config, "multi_query", False):
         kv = 1
     d = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    if getattr(config, "new_decoder_architecture", False):  # Falcon's grouped key/value heads
+        kv = config.num_kv_heads
     return heads, int(kv or heads), d
 
 
@@ -359,6 +431,10 @@ def _values_of(out: torch.Tensor, layout: str, heads: int, kv: int, d: int) -> t
     out = out[0]
     if layout == "q|k|v":
         return out[:, (heads + kv) * d :].unflatten(-1, (kv, d))
+    if layout == "per-group":  # [q ... q k v] per key/value head
+        return out.unflatten(-1, (kv, heads // kv + 2, d))[:, :, -1]
+    if layout == "codegen":  # 4 groups of [q | v | k], each of heads / 4 heads
+        return out.unflatten(-1, (4, 3, heads // 4, d))[:, :, 1].flatten(1, 2)
     if layout == "per-head":
         return out.unflatten(-1, (heads, 3 * d))[..., 2 * d :]
     return out.unflatten(-1, (kv, d))
@@ -373,11 +449,97 @@ def _heads_of(x: torch.Tensor, layout: str, heads: int, d: int) -> torch.Tensor:
     return x[0]
 
 
+OWN_ATTENTION = {"bloom", "falcon", "mpt", "xglm"}
+"""Families whose attention module computes attention in its own forward: the oracle recomputes
+queries, keys and the scores its softmax sees from the projections' outputs and the arguments
+(ALiBi biases, masks, rotary tables) the attention module receives."""
+
+
+def _own_attention(hf: Any, attn: Any, projected: dict[str, torch.Tensor], kw: dict[str, Any]) -> dict[str, Any]:
+    """Queries and keys ``[batch, heads, tokens, d]`` and the scores ``[batch, heads, q, k]`` (masked:
+    ``-inf``) of one call of an own-forward attention (:data:`OWN_ATTENTION`), in float64."""
+    config = hf.config
+    family = config.model_type
+    heads, kv, d = _shape(hf)
+    mask = kw.get("attention_mask")
+    if family == "bloom":  # [q k v] per head; alibi + q k^T / sqrt(d), then the float mask
+        qkv = projected["query_key_value"].unflatten(-1, (heads, 3, d)).double()
+        q, k = qkv[..., 0, :].transpose(1, 2), qkv[..., 1, :].transpose(1, 2)
+        alibi = kw["alibi"].double().view(q.shape[0], heads, 1, -1)
+        scores = q @ k.transpose(-1, -2) * attn.inv_norm_factor + alibi + mask.double()
+        masked = mask <= torch.finfo(mask.dtype).min
+    elif family == "falcon":
+        out = projected["query_key_value"].double()
+        if config.new_decoder_architecture:
+            groups = out.unflatten(-1, (kv, heads // kv + 2, d))
+            q, k = groups[:, :, :, :-2].flatten(2, 3), groups[:, :, :, -2]
+        elif config.multi_query:
+            flat = out.unflatten(-1, (heads + 2, d))
+            q, k = flat[:, :, :heads], flat[:, :, heads : heads + 1]
+        else:
+            per_head = out.unflatten(-1, (heads, 3, d))
+            q, k = per_head[..., 0, :], per_head[..., 1, :]
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        if kw.get("alibi") is None:  # rotary; scores / sqrt(d) + mask
+            cos, sin = (t.double() for t in kw["position_embeddings"])
+            q, k = type(attn).forward.__globals__["apply_rotary_pos_emb"](q, k, cos, sin)
+            scores = q @ k.repeat_interleave(heads // k.shape[1], 1).transpose(-1, -2) / d**0.5 + mask.double()
+        else:  # (q k^T + alibi) / sqrt(d) + mask (which also holds alibi / sqrt(d))
+            alibi = kw["alibi"].double().view(q.shape[0], heads, 1, -1)
+            raw = q @ k.repeat_interleave(heads // k.shape[1], 1).transpose(-1, -2)
+            scores = (raw + alibi) * attn.inv_norm_factor + mask.double()
+        masked = mask <= torch.finfo(mask.dtype).min
+    elif family == "mpt":  # q k^T * softmax_scale + the ALiBi position bias; mask True where masked
+        q, k, _ = (t.unflatten(-1, (heads, d)).transpose(1, 2).double() for t in projected["Wqkv"].chunk(3, dim=-1))
+        bias = kw["position_bias"].double()
+        n = q.shape[2]
+        scores = q @ k.transpose(-1, -2) * attn.softmax_scale + bias[:, bias.shape[1] - n :, bias.shape[2] - n :]
+        masked = mask
+    else:  # xglm: the queries are scaled before the product; + the float mask
+        q = (projected["q_proj"] * attn.scaling).unflatten(-1, (heads, d)).transpose(1, 2).double()
+        k = projected["k_proj"].unflatten(-1, (heads, d)).transpose(1, 2).double()
+        scores = q @ k.transpose(-1, -2) + mask.double()
+        masked = mask <= torch.finfo(mask.dtype).min
+    scores = scores.masked_fill(masked, float("-inf"))
+    return {"q": q.float(), "k": k.float(), "direct": scores.float()}
+
+
 @contextmanager
 def _attention_call(hf: Any, attn: Any) -> Iterator[dict[str, Any]]:
     """What HF's eager attention function receives for module ``attn`` (GPT-J: its ``_attn``
     method, which divides ``q @ k^T`` by ``scale_attn`` in float32)."""
     seen: dict[str, Any] = {}
+    if hf.config.model_type in OWN_ATTENTION:
+        projected: dict[str, torch.Tensor] = {}
+        given: dict[str, Any] = {}
+        handles = []
+        for name in ("query_key_value", "Wqkv", "q_proj", "k_proj"):
+            if hasattr(attn, name):
+                hook = lambda m, a, o, name=name: projected.__setitem__(name, o)  # noqa: E731
+                handles.append(getattr(attn, name).register_forward_hook(hook))
+        handles.append(attn.register_forward_pre_hook(lambda m, a, kw: given.update(kw), with_kwargs=True))
+        handles.append(attn.register_forward_hook(lambda m, a, o: seen.update(_own_attention(hf, m, projected, given))))
+        try:
+            yield seen
+        finally:
+            for handle in handles:
+                handle.remove()
+        return
+    if hf.config.model_type == "codegen":  # its own _attn: (q k^T + mask) / scale_attn, in float32
+        method = attn._attn
+
+        def codegen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any = None) -> Any:
+            scores = (query.double() @ key.double().transpose(-1, -2) + mask.double()) / attn.scale_attn
+            scores = scores.masked_fill(mask <= torch.finfo(mask.dtype).min, float("-inf"))
+            seen.update(q=query.clone(), k=key.clone(), direct=scores.float())
+            return method(query, key, value, mask)
+
+        attn.__dict__["_attn"] = codegen
+        try:
+            yield seen
+        finally:
+            del attn.__dict__["_attn"]
+        return
     if hf.config.model_type == "gptj":
         method = attn._attn
 
@@ -448,9 +610,10 @@ def _scores(call: dict[str, Any]) -> torch.Tensor:
     return scores.masked_fill(masked, float("-inf")).float()
 
 
-def hf_values(family: str, ids: list[int], layer: int) -> dict[str, torch.Tensor]:
-    """HF's own value of every kind at ``layer`` for one prompt, ``[tokens, ...]``."""
-    hf = hf_oracle(family)
+def hf_values(family: str, ids: list[int], layer: int, hf: Any = None) -> dict[str, torch.Tensor]:
+    """HF's own value of every kind at ``layer`` for one prompt, ``[tokens, ...]`` (of ``hf``, a
+    config variant of ``family``'s model, where given)."""
+    hf = hf if hf is not None else hf_oracle(family)
     where = _where_at(hf, family, layer)
     block = _block(hf, family, layer)
     heads, kv, d = _shape(hf)
@@ -475,7 +638,7 @@ def hf_values(family: str, ids: list[int], layer: int) -> dict[str, torch.Tensor
         out("", "resid_post", module=block)
         if where.attn_norm:
             out(where.attn_norm, "attn_in")
-        out(where.attn, "attn_out")
+        out(where.attn_out or where.attn, "attn_out")
         out(f"{where.attn}.{where.v}", "v_source")
         inp(f"{where.attn}.{where.o_proj}", "attn_z")
         if where.mlp_norm:
@@ -647,13 +810,17 @@ def test_greedy_generation_matches_hf(family: str) -> None:
 def test_capture_generation_equals_one_forward_over_the_final_sequence(family: str) -> None:
     model = eager_model(family)
     served = model.points()
-    kinds = ["resid_post", "attn_v", "mlp_out", *(k for k in ("router_logits", "expert_indices") if k in served)]
+    optional = ("router_logits", "expert_indices", "attn_scores")
+    kinds = ["resid_post", "attn_k", "attn_v", "mlp_out", *(k for k in optional if k in served)]
     points = [f"{k}.1" for k in kinds] + ["logits_raw"]
     ids = _ids(family, 6, seed=11)
     completion, cache = capture_generation(model, [ids], points, max_tokens=4, ignore_eos=True)
     whole = run_with_cache(model, [ids + completion.token_ids], points)
     for point in points:
-        _compare(cache[point], whole[point], point)
+        if point.startswith("attn_scores") and family in ALIBI_FROM_LAST_KEY:  # shifted per row
+            _compare(cache[point].softmax(-1), whole[point].softmax(-1), point)
+        else:
+            _compare(cache[point], whole[point], point)
     _PASSED[family].add("capture_generation")
 
 
@@ -661,9 +828,9 @@ def test_capture_generation_equals_one_forward_over_the_final_sequence(family: s
 
 
 @contextmanager
-def _hf_edit(family: str, kind: str, layer: int, vector: torch.Tensor) -> Iterator[None]:
+def _hf_edit(family: str, kind: str, layer: int, vector: torch.Tensor, hf: Any = None) -> Iterator[None]:
     """Add ``vector`` to HF's value of ``kind`` at ``layer`` with a hook written here."""
-    hf = hf_oracle(family)
+    hf = hf if hf is not None else hf_oracle(family)
     where = _where_at(hf, family, layer)
     block = _block(hf, family, layer)
 
@@ -686,9 +853,9 @@ def _hf_edit(family: str, kind: str, layer: int, vector: torch.Tensor) -> Iterat
         "resid_pre": (block, "pre"),
         "resid_post": (block, "post"),
         "attn_in": (_get(block, where.attn), "pre"),
-        "attn_out": (_get(block, where.attn), "post"),
+        "attn_out": (_get(block, where.attn_out or where.attn), "post"),
         # what the attention sublayer adds to the residual (its post-norm's output on sandwich models)
-        "resid_mid": (_get(block, where.post_attn or where.attn), "post"),
+        "resid_mid": (_get(block, where.post_attn or where.attn_out or where.attn), "post"),
         "mlp_in": (_get(block, where.mlp), "pre"),
         "mlp_out": (_get(block, where.mlp_out), "post"),
     }
@@ -832,7 +999,7 @@ def test_router_points_of_a_padded_batch_equal_solo_runs(family: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("family", ["gemma2", "cohere", "mixtral", "gpt_neox", "olmo3"])
+@pytest.mark.parametrize("family", ["gemma2", "cohere", "mixtral", "gpt_neox", "olmo3", "bloom", "falcon", "codegen"])
 def test_half_precision_resolves_to_the_same_table(family: str, dtype: torch.dtype) -> None:
     """Resolution compares tensors up to their dtype's rounding: the same table in half precision."""
     from transformers import AutoModelForCausalLM
@@ -858,6 +1025,159 @@ def _variant(family: str, **overrides: Any) -> tuple[Any, Any]:
     hf = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32).eval()
     randomize_weights(hf, seed=1)
     return EagerModel.from_hf(hf, AutoTokenizer.from_pretrained(path)), hf
+
+
+VARIANTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
+    # Falcon 40B/180B's layout: grouped key/value heads, each after the queries it serves in
+    # query_key_value ([q q k v] per group), broadcast to every query head; two parallel norms
+    "falcon-new-gqa": (
+        "falcon",
+        {"new_decoder_architecture": True, "num_kv_heads": 2},
+        {"attn_norm": "ln_attn", "mlp_norm": "ln_mlp", "v_layout": "per-group"},
+    ),
+    # the same with one key/value head and one shared norm
+    "falcon-new-mqa": (
+        "falcon",
+        {"new_decoder_architecture": True, "num_kv_heads": 1, "num_ln_in_parallel_attn": 1},
+        {},
+    ),
+    # Falcon-RW's layout: ALiBi, [q k v] per head, sequential blocks, biases
+    "falcon-rw-alibi": (
+        "falcon",
+        {"alibi": True, "multi_query": False, "parallel_attn": False, "bias": True},
+        {"v_layout": "per-head", "mlp_norm": "post_attention_layernorm"},
+    ),
+    "falcon-alibi-mqa": ("falcon", {"alibi": True}, {}),  # ALiBi, multi-query, parallel
+    "bloom-tied-8-heads": ("bloom", {"tie_word_embeddings": True, "n_head": 8}, {}),
+    "mpt-8-heads": ("mpt", {"n_heads": 8}, {}),  # other ALiBi slopes
+    "xglm-tied-unscaled": ("xglm", {"scale_embedding": False, "tie_word_embeddings": True}, {}),
+    "codegen-8-heads-full-rotary": ("codegen", {"n_head": 8}, {}),  # 2 heads per model-parallel group
+    "bitnet-mqa-bias": ("bitnet", {"num_key_value_heads": 1, "attention_bias": True}, {}),
+}
+"""Config variants of the families whose attention is read at its own products or whose layout is
+unusual: ``(family, config overrides, oracle table overrides)``."""
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_config_variants_equal_hf(name: str) -> None:
+    """Every address at every layer equals HF's own value; softmax(attn_scores) is the pattern;
+    greedy generation and a write at ``attn_out`` and ``resid_mid`` equal HF's; captures during
+    generation (through the KV cache) equal one forward over the final sequence."""
+    family, overrides, table = VARIANTS[name]
+    model, hf = _variant(family, **overrides)
+    _VARIANT_WHERE[id(hf)] = Where(**{**WHERE[family].__dict__, **table})
+    try:
+        sync = sync_model(model)
+        ids = _ids(family, 9, seed=4)
+        served = set(model.points())
+        for layer in range(model.info.n_layers):
+            kinds = _kinds_at(family, layer, served)
+            points = [Address(k, layer if model.points()[k].per_layer else None) for k in kinds]
+            got = sync.capture(ids, points)
+            want = hf_values(family, ids, layer, hf=hf)
+            for point in points:
+                _compare(got[point], want[point.kind], (name, str(point)))
+            assert rel_diff(got[Address("attn_scores", layer)].softmax(-1), want["attn_pattern"]) <= 1e-6
+        tokens = torch.tensor([ids])
+        completion = sync.generate(ids, max_tokens=8, ignore_eos=True)
+        with torch.no_grad():
+            out = hf.generate(tokens, max_new_tokens=8, min_new_tokens=8, do_sample=False, eos_token_id=None)
+        assert completion.token_ids == out[0, len(ids) :].tolist()
+        points = ["attn_k.1", "attn_v.1", "attn_scores.1", "resid_post.1"]
+        completion, cache = capture_generation(model, [ids], points, max_tokens=3, ignore_eos=True)
+        whole = run_with_cache(model, [ids + completion.token_ids], points)
+        for point in points:
+            if point.startswith("attn_scores") and family in ALIBI_FROM_LAST_KEY:
+                _compare(cache[point].softmax(-1), whole[point].softmax(-1), (name, point))
+            else:
+                _compare(cache[point], whole[point], (name, point))
+        for i, kind in enumerate(("attn_out", "resid_mid")):
+            vector = torch.randn(model.info.d_model, generator=torch.Generator().manual_seed(i))
+            spec = SteeringSpec([Write(Address(kind, 1), vector, op="add", scale=2.0)])
+            steered = sync.capture(ids, ["logits"], steering_spec=spec)[Address("logits")]
+            with _hf_edit(family, kind, 1, 2.0 * vector, hf=hf), torch.no_grad():
+                edited = hf(tokens).logits[0]
+            assert rel_diff(steered, edited) <= TOL, kind
+    finally:
+        del _VARIANT_WHERE[id(hf)]
+
+
+@pytest.mark.parametrize("family", ["bloom", "codegen", "falcon", "mpt", "xglm"])
+def test_own_attention_points_of_a_padded_batch_equal_solo_runs(family: str) -> None:
+    """Attention read at the family's own products (ALiBi built from the padding mask, too): a
+    right-padded row's points equal the row run alone; its padded keys are masked (-inf)."""
+    model = eager_model(family)
+    rows = [_ids(family, 4, seed=1), _ids(family, 9, seed=2)]
+    points = ["attn_scores.1", "attn_q.1", "attn_k.2", "attn_v.0", "attn_z.1", "resid_post.2"]
+    batch = run_with_cache(model, rows, points)
+    for row, ids in enumerate(rows):
+        n = len(ids)
+        solo = run_with_cache(model, [ids], points)
+        for point in points:
+            got = batch[point][row]
+            if point.startswith("attn_scores"):  # [heads, queries, keys]
+                if family in ALIBI_FROM_LAST_KEY:  # its bias counts back from the padded length
+                    _compare(got[:, :n, :n].softmax(-1), solo[point][0].softmax(-1), point)
+                else:
+                    _compare(got[:, :n, :n], solo[point][0], point)
+                assert bool((got[:, :, n:] == float("-inf")).all())
+            else:
+                _compare(got[:n], solo[point][0], point)
+
+
+@pytest.mark.parametrize("family", ["bloom", "codegen", "falcon", "mpt"])
+def test_a_value_head_write_in_a_fused_projection_equals_the_same_edit_in_hf(family: str) -> None:
+    """A write to one value head lands where that head's values sit in the fused projection
+    (per-head, model-parallel groups, multi-query), as the same edit made by hand in HF."""
+    model = eager_model(family)
+    hf = hf_oracle(family)
+    where = WHERE[family]
+    heads, kv, d = _shape(hf)
+    head = kv - 1
+    vector = torch.randn(d, generator=torch.Generator().manual_seed(9)) * 3
+    ids = _ids(family, 7, seed=3)
+    spec = SteeringSpec([Write(Address("attn_v", 1), vector, op="set", heads=[head])])
+    got = sync_model(model).capture(ids, ["logits"], steering_spec=spec)[Address("logits")]
+
+    def put(module: Any, args: Any, out: torch.Tensor) -> torch.Tensor:
+        out = out.clone()
+        if where.v_layout == "codegen":  # 4 groups of [q | v | k], heads / 4 heads each
+            group, index = divmod(head, heads // 4)
+            out.view(*out.shape[:-1], 4, 3, heads // 4, d)[..., group, 1, index, :] = vector
+        else:
+            _values_of(out, where.v_layout, heads, kv, d)[:, head] = vector  # a view of batch row 0
+        return out
+
+    handle = _get(_block(hf, family, 1), f"{where.attn}.{where.v}").register_forward_hook(put)
+    try:
+        with torch.no_grad():
+            want = hf(torch.tensor([ids])).logits[0]
+    finally:
+        handle.remove()
+    assert rel_diff(got, want) <= TOL
+    with torch.no_grad():
+        assert rel_diff(want, hf(torch.tensor([ids])).logits[0]) > 1e-3
+
+
+def test_an_sdpa_falcon_held_by_the_user_serves_queries_and_says_why_not_scores() -> None:
+    """Falcon cannot switch to eager attention at run time: held in SDPA, its queries and keys are
+    read where ``scaled_dot_product_attention`` gets them; scores and patterns are a clear error
+    (``load_model`` loads it with eager attention)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from interp_eager import EagerModel
+
+    path = tiny_model_path("falcon")
+    hf = AutoModelForCausalLM.from_pretrained(path)
+    assert hf.config._attn_implementation == "sdpa"
+    model = EagerModel.from_hf(hf, AutoTokenizer.from_pretrained(path))
+    ids = [_ids("falcon", 6, seed=8)]
+    points = ["attn_q.1", "attn_k.1", "attn_v.1", "resid_post.2"]
+    got, want = run_with_cache(model, ids, points), run_with_cache(eager_model("falcon"), ids, points)
+    for point in points:
+        _compare(got[point], want[point], point)
+    with pytest.raises(UnsupportedAddress, match="attn_implementation='eager'"):
+        run_with_cache(model, ids, ["attn_scores.1"])
 
 
 async def test_a_post_norm_model_with_a_projection_before_the_unembedding() -> None:
@@ -903,7 +1223,7 @@ def test_cohere_with_qk_norms_serves_them() -> None:
     assert rel_diff(got["logits"][0], logits[0]) <= TOL
 
 
-@pytest.mark.parametrize("family", ["glm4", "gpt_neo", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["glm4", "gpt_neo", "qwen2_moe", "bloom", "codegen", "bitnet"])
 def test_resolution_does_not_read_the_model_type(family: str) -> None:
     """The same modules under a model_type nobody registered resolve to the same table."""
     from interp_eager import resolve_family
@@ -925,35 +1245,25 @@ def test_resolution_does_not_read_the_model_type(family: str) -> None:
 # -- refused ------------------------------------------------------------------------------------
 
 REFUSAL = {
-    "bitnet": "the norm self_attn.attn_sub_norm normalises its attention's result before the output projection",
-    "bloom": "BloomAttention does not call transformers' attention interface",
-    # its own _attn is found, but its fused qkv_proj interleaves q, v, k in model-parallel groups
-    "codegen": "could not find where its attention CodeGenAttention makes the values it attends",
-    "falcon": "FalconAttention does not call transformers' attention interface",
-    "mpt": "MptAttention does not call transformers' attention interface",
-    "xglm": "XGLMAttention does not call transformers' attention interface",
+    "bloom": "the output of its attention BloomAttention is none of its projections' outputs",
+    "granite": "its GraniteDecoderLayer output is not its input plus its attention's and MLP's outputs",
 }
+"""Why each of ``conftest.REFUSED_VARIANTS`` is refused (every tiny default config resolves)."""
 
 
-@pytest.mark.parametrize("family", REFUSED_FAMILIES)
-def test_refused_model_types_say_why(family: str) -> None:
-    with pytest.raises(UnsupportedArchitecture) as info:
-        load_model(tiny_model_path(family), backend="eager")
-    message = str(info.value)
-    assert REFUSAL[family] in message and repr(family) in message
-    _write(family, "refused", [], REFUSAL[family])
-
-
-def test_a_residual_multiplier_is_refused_naming_the_layer() -> None:
+@pytest.mark.parametrize("family", sorted(REFUSED_VARIANTS))
+def test_refused_config_variants_say_why(family: str) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from interp_eager import resolve_family
 
-    config = AutoConfig.from_pretrained(tiny_model_path("granite"))
-    config.residual_multiplier = 0.5
-    hf = AutoModelForCausalLM.from_config(config)
-    with pytest.raises(UnsupportedArchitecture, match="GraniteDecoderLayer output is not its input plus"):
+    config = AutoConfig.from_pretrained(tiny_model_path(family))
+    for name, value in REFUSED_VARIANTS[family].items():
+        setattr(config, name, value)
+    hf = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with pytest.raises(UnsupportedArchitecture) as info:
         resolve_family(hf)
+    assert REFUSAL[family] in str(info.value) and repr(family) in str(info.value)
 
 
 def test_granite_multipliers_that_keep_the_residual_identity_are_served() -> None:

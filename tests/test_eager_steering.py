@@ -230,3 +230,17 @@ async def test_concurrent_requests_with_different_specs_equal_their_solo_runs(fa
             assert torch.equal(result[point], alone[point])
     # and the specs did something: steered results differ from the unsteered one
     assert not torch.equal(together[1][points[1]], together[0][points[1]])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_write_that_overflows_the_logits_is_a_typed_error(temperature: float) -> None:
+    from interp_engine import InvalidSteering
+
+    model = sync_model(eager_model("llama"))
+    ids = model.to_tokens(PROMPT)[0].tolist()
+    huge = torch.full((model.info.d_model,), 3e38)
+    spec = SteeringSpec([Write(Address("final_norm"), huge, op="add")])
+    with pytest.raises(InvalidSteering, match="NaN or infinite logits"):
+        model.generate(ids, max_tokens=2, steering_spec=spec, temperature=temperature, seed=0)
+    # the model keeps serving
+    assert len(model.generate(ids, max_tokens=2).token_ids) == 2

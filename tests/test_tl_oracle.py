@@ -27,7 +27,7 @@ import torch
 from interp_engine import KindNotInFamily, run_with_cache
 from interp_engine._tl_names import TL_MODEL_LEVEL, TL_PER_LAYER
 
-from .conftest import ALL_FAMILIES, PROMPT, eager_model, rel_diff, tiny_model_path
+from .conftest import ALL_FAMILIES, PROMPT, SWEEP_FAMILIES, eager_model, rel_diff, tiny_model_path
 
 TOL = 1e-4
 DIFFERS = 1e-3
@@ -35,14 +35,21 @@ DIFFERS = 1e-3
 
 NOT_IN_TRANSFORMERLENS = {"stablelm": "StableLmForCausalLM"}
 """Families whose architecture TransformerLens's HookedTransformer does not implement."""
-TL_FAMILIES = tuple(f for f in ALL_FAMILIES if f not in NOT_IN_TRANSFORMERLENS)
+SWEEP_IN_TRANSFORMERLENS = ("apertus", "bloom", "gpt_neo", "gpt_oss", "mixtral", "olmo3", "olmoe")
+"""Model types of the eager breadth sweep (``conftest.SWEEP_FAMILIES``) that TransformerLens builds from
+a local checkpoint's config (the sweep's others: its ``convert_hf_model_config`` has no branch for
+them, or, OLMo's, only a hub-name one)."""
+TL_FAMILIES = tuple(f for f in ALL_FAMILIES if f not in NOT_IN_TRANSFORMERLENS) + SWEEP_IN_TRANSFORMERLENS
+assert set(SWEEP_IN_TRANSFORMERLENS) <= set(SWEEP_FAMILIES)
 
-LAYER_NORM = {"gpt2", "gpt_neox", "opt", "phi", "gptj"}  # LayerNorm (weight and bias); the rest RMSNorm
-NOT_ROTARY = {"gpt2", "opt"}
+LAYER_NORM = {"gpt2", "gpt_neox", "opt", "phi", "gptj", "gpt_neo", "bloom"}  # LayerNorm; the rest RMSNorm
+NOT_ROTARY = {"gpt2", "opt", "gpt_neo", "bloom"}  # learned positions or ALiBi
 PARALLEL = {"gpt_neox", "phi", "gptj"}  # attention and MLP both read resid_pre
-NOT_GATED = {"gpt2", "gpt_neox", "opt", "phi", "gptj"}
+NOT_GATED = {"gpt2", "gpt_neox", "opt", "phi", "gptj", "gpt_neo", "bloom", "apertus"}
+MOE = {"gpt_oss", "mixtral", "olmoe"}  # every layer a mixture of experts: no single MLP hidden
+SINKS = {"gpt_oss"}  # attention also normalises over a sink logit per head: no attn_scores
 SANDWICH = {"gemma2", "gemma3_text"}  # pre- and post-sublayer norms
-POST_NORM = {"olmo2"}  # post-sublayer norms only
+POST_NORM = {"olmo2", "olmo3"}  # post-sublayer norms only
 
 BY_NAME = {"GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Olmo2ForCausalLM"}
 """Architectures whose TransformerLens config comes from the model's hub name, not its config."""
@@ -205,10 +212,14 @@ def _relation(family: str, suffix: str) -> str:
         return "tl_has_no_resid_mid"
     if suffix == "mlp.hook_pre_linear" and family in NOT_GATED:
         return "neither"
+    if suffix in ("mlp.hook_pre", "mlp.hook_pre_linear", "mlp.hook_post") and family in MOE:
+        return "neither"  # TransformerLens hooks each expert's hidden, we have no single MLP hidden
     if suffix == "mlp.hook_expert_indices":  # dense families: no experts on either side
-        return "neither"
+        return "tl_flattens_tokens" if family in MOE else "neither"
     if suffix == "attn.hook_attn_scores":
-        return "scores"
+        if family in SINKS:
+            return "tl_scores_without_sinks"
+        return "alibi_shifted" if family == "bloom" else "scores"
     return "equal"
 
 
@@ -229,6 +240,11 @@ def test_alias_against_transformerlens(family: str, alias: str) -> None:
     names = [f"blocks.{layer}.{suffix}" for layer in range(model.cfg.n_layers)] if per_layer else [alias]
     relation = _relation(family, suffix)
 
+    if relation == "tl_scores_without_sinks":
+        assert all(n in cache for n in names)
+        with pytest.raises(KindNotInFamily, match="sink logit"):
+            _ours(family, names)
+        return
     if relation == "neither":
         # gated-MLP only: TransformerLens has no hook, we have no such address on this family
         assert all(name not in cache for name in names)
@@ -300,6 +316,22 @@ def test_alias_against_transformerlens(family: str, alias: str) -> None:
             plain = cache[name.replace(".hook_rot_", ".hook_")]
             scale = model.cfg.d_head**-0.5 if family == "opt" and suffix.endswith("_q") else 1.0
             assert rel_diff(got, plain * scale) <= TOL, name
+        elif relation == "tl_flattens_tokens":
+            # TransformerLens keeps the chosen experts [batch * pos, k]; ours [batch, pos, k]: the
+            # same experts in the same order
+            tl = cache[name]
+            assert got.dtype == torch.int64 and torch.equal(got.reshape(tl.shape), tl.to(torch.int64)), name
+        elif relation == "alibi_shifted":
+            # Bloom's ALiBi: HF adds slope * key position (what the softmax sees, ours),
+            # TransformerLens slope * (key - query) position: each query row shifted by a constant
+            tl = cache[name]
+            kept = torch.isfinite(tl)
+            assert torch.equal(torch.isfinite(got), kept), name
+            shift = torch.where(kept, got - tl, 0.0)
+            per_row = torch.where(kept, shift[..., :1].expand_as(shift), 0.0)  # key 0 is never masked
+            assert rel_diff(shift, per_row) <= TOL, name
+            assert rel_diff(got.softmax(-1), tl.softmax(-1)) <= TOL, name
+            _differs(got[kept], tl[kept], name)
         elif relation == "tl_has_no_resid_mid":
             # parallel attention: TransformerLens has no hook_resid_mid; ours is resid_pre + attn_out
             assert name not in cache

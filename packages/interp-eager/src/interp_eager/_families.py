@@ -29,10 +29,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-QkvLayout = Literal["v", "q|k|v", "per-head q|k|v"]
+QkvLayout = Literal["v", "q|k|v", "per-head q|k|v", "per-group q|k|v", "grouped q|v|k"]
 """How values sit in the output of :attr:`Family.attn_v`: alone (``v_proj``), after the
 queries and keys (GPT-2's ``c_attn``, Phi-3's ``qkv_proj``: ``[q heads | k heads | v heads]``),
-or interleaved per head (GPT-NeoX's ``query_key_value``: ``[q_h k_h v_h]`` for each head ``h``)."""
+interleaved per head (GPT-NeoX's ``query_key_value``: ``[q_h k_h v_h]`` for each head ``h``),
+per key/value head after the queries it serves (Falcon's ``new_decoder_architecture``:
+``[q ... q k v]`` for each key/value head), or in :attr:`Family.qkv_groups` model-parallel groups
+each holding its heads' ``[q | v | k]`` (CodeGen's ``qkv_proj``)."""
 
 QkNormLayout = Literal["flat", "tokens x heads", "heads x tokens"]
 """How the queries (keys) a q-norm (k-norm) sees are laid out: ``[batch, tokens, heads * d_head]``
@@ -89,14 +92,35 @@ class Family:
     """Whether the residual stream is normalised after each block (OPT-350m): no ``resid_mid``."""
     attn_o: str = "self_attn.o_proj"
     """The attention's output projection; its input, split per head, is ``attn_z``."""
+    attn_sub_norm: str | None = None
+    """A norm between the heads' weighted values and :attr:`attn_o` (BitNet's ``attn_sub_norm``):
+    ``attn_z`` is its input then."""
+    mlp_sub_norm: str | None = None
+    """A norm between the MLP's nonlinearity and :attr:`mlp_down` (BitNet's ``ffn_sub_norm``):
+    ``mlp_post`` is its input then."""
+    attn_out_at: str | None = None
+    """The module whose output is ``attn_out`` when the attention module adds the residual to its
+    own output (Bloom's ``self_attention`` returns ``residual + dense(...)``): its output
+    projection; ``None``: the attention module's output is ``attn_out``."""
     attn_v: str = "self_attn.v_proj"
     """The projection whose output holds the values (``attn_v``), before they enter the KV cache."""
     qkv_layout: QkvLayout = "v"
     """Where the values are in :attr:`attn_v`'s output."""
+    qkv_groups: int = 1
+    """The model-parallel groups of a ``"grouped q|v|k"`` layout (CodeGen: 4)."""
+    kv_repeat: int = 1
+    """How many times each key/value head is repeated in the keys and values the attention product
+    receives (Falcon's ``new_decoder_architecture`` broadcasts them to every query head):
+    ``attn_k`` keeps one of each."""
     attn_fn: str | None = None
     """The attention module's own method called as ``fn(query, key, value, attention_mask)`` when
     the family does not go through transformers' ``ALL_ATTENTION_FUNCTIONS`` (GPT-J's ``_attn``);
-    ``None``: queries and keys are read where the attention interface's function receives them."""
+    ``"forward"``: the attention module computes attention in its own forward, read at its
+    products (Bloom, Falcon, MPT, XGLM): queries and keys are the operands of the ``q @ k^T``
+    product its softmax's input comes from, the scores what that softmax receives (ALiBi biases
+    and masks included), the values the operand the softmax's output multiplies (or the
+    arguments of ``scaled_dot_product_attention``); ``None``: queries and keys are read where the
+    attention interface's function receives them."""
     attn_score_divisor: str | None = None
     """For :attr:`attn_fn`: the attention module's attribute that method divides ``q @ k^T`` by,
     in float32 (GPT-J's ``scale_attn``); ``None``: the attention function's ``scaling`` argument
@@ -133,20 +157,27 @@ FAMILY_DATA: dict[str, dict[str, Any]] = {
     "gptj": {"attn_fn": "_attn", "attn_score_divisor": "scale_attn"},
 }
 """What structure cannot tell, by ``model_type``: how GPT-J's own attention method scales its scores
-(an own ``_attn(query, key, value, mask)`` method is otherwise found from the module tree -- GPT-Neo's
--- and its scores read where its softmax receives them). Everything else -- fused or per-head q/k/v
-layouts, soft-caps, logit and embedding scales, sandwich and post norms, parallel blocks -- is
-read from the module tree, the config and one traced forward (:mod:`interp_eager._resolve`)."""
+(an own ``_attn(query, key, value, mask)`` method is otherwise found from the module tree -- GPT-Neo's,
+CodeGen's -- and its scores read where its softmax receives them; attention computed in the
+attention module's own forward -- Bloom, Falcon, MPT, XGLM -- is read at its products and its
+softmax, ALiBi biases included). Everything else -- fused, per-head, per-group or model-parallel
+q/k/v layouts, soft-caps, logit and embedding scales, sandwich, post and sub-norms, parallel
+blocks, a residual added inside a sublayer -- is read from the module tree, the config and one
+traced forward (:mod:`interp_eager._resolve`)."""
 
 VERIFIED_MODEL_TYPES: tuple[str, ...] = (
     "apertus",
     "arcee",
     "biogpt",
+    "bitnet",
+    "bloom",
+    "codegen",
     "cohere",
     "cohere2",
     "ernie4_5",
     "ernie4_5_moe",
     "exaone4",
+    "falcon",
     "flex_olmo",
     "gemma",
     "gemma2",
@@ -167,6 +198,7 @@ VERIFIED_MODEL_TYPES: tuple[str, ...] = (
     "ministral",
     "mistral",
     "mixtral",
+    "mpt",
     "nemotron",
     "olmo",
     "olmo2",
@@ -185,6 +217,7 @@ VERIFIED_MODEL_TYPES: tuple[str, ...] = (
     "smollm3",
     "stablelm",
     "starcoder2",
+    "xglm",
 )
 """The ``model_type`` values the test suite verifies against HF on this backend
 (``tests/test_eager_families.py``); named in error messages, never consulted by resolution."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from interp_engine import SamplingOptions
+from interp_engine import BackendError, InvalidSteering, SamplingOptions
 
 
 def generator_for(options: SamplingOptions, device: torch.device) -> torch.Generator | None:
@@ -20,8 +20,18 @@ def generator_for(options: SamplingOptions, device: torch.device) -> torch.Gener
     return gen
 
 
-def choose(options: SamplingOptions, logits: torch.Tensor, generator: torch.Generator | None) -> int:
-    """The next token from one row of logits ``[vocab]``."""
+def choose(
+    options: SamplingOptions, logits: torch.Tensor, generator: torch.Generator | None, *, steered: bool = False
+) -> int:
+    """The next token from one row of logits ``[vocab]``; NaN or ``+inf`` logits are a typed error
+    (``InvalidSteering`` when the forward was steered: a write that overflows makes them)."""
+    if bool(torch.isnan(logits).any() or torch.isposinf(logits).any()):
+        if steered:
+            raise InvalidSteering(
+                "the steered forward produced NaN or infinite logits, so no token can be chosen: "
+                "a write's scale or vector overflows the model's dtype; use a smaller one"
+            )
+        raise BackendError("the model produced NaN or infinite logits, so no token can be chosen")
     if options.greedy:
         return int(logits.argmax())
     scores = logits.float() / options.temperature

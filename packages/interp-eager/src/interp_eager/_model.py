@@ -93,8 +93,10 @@ def load(name_or_path: str, options: dict[str, Any]) -> EagerModel:
     kwargs: dict[str, Any] = {"dtype": _dtype(options.get("dtype", "float32")), "revision": revision}
     if options.get("attn_implementation"):
         kwargs["attn_implementation"] = options["attn_implementation"]
-    elif getattr(config, "attn_logit_softcapping", None):
-        # SDPA kernels skip attention-logit soft-capping (Gemma 2): only eager computes the model.
+    elif getattr(config, "attn_logit_softcapping", None) or not _can_switch_attention(config):
+        # SDPA kernels skip attention-logit soft-capping (Gemma 2): only eager computes the model;
+        # a model that cannot switch to eager attention at run time (Falcon) loads with it, so that
+        # its patterns and scores can be read.
         kwargs["attn_implementation"] = "eager"
     try:
         hf_model: Any = AutoModelForCausalLM.from_pretrained(name_or_path, trust_remote_code=trust, **kwargs)
@@ -114,6 +116,17 @@ def load(name_or_path: str, options: dict[str, Any]) -> EagerModel:
         except (RuntimeError, AssertionError) as exc:
             raise InvalidOption(f"cannot place the model on device {device!r}: {exc}") from exc
     return EagerModel(hf_model, tokenizer, family=family)
+
+
+def _can_switch_attention(config: Any) -> bool:
+    """Whether transformers can switch ``config``'s causal LM to eager attention at run time."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        cls: Any = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+        return bool(cls._can_set_attn_implementation())
+    except Exception:  # a remote-code or unmapped config: the load itself will tell
+        return True
 
 
 def _ctx_length(config: Any, tokenizer: Any) -> int:
@@ -247,6 +260,8 @@ class EagerModel(TokenizerMixin, ModelBase):
             return
         try:
             hf.set_attn_implementation("eager")  # type: ignore[operator]
+            if getattr(hf.config, "_attn_implementation", "eager") != "eager":
+                raise RuntimeError(f"{type(hf).__name__} cannot switch its attention implementation at run time")
         except Exception as exc:
             raise UnsupportedAddress(
                 f"attention patterns need eager attention and this model could not switch to it "
@@ -365,7 +380,7 @@ class EagerModel(TokenizerMixin, ModelBase):
         ids, offset = prompt, 0
         for index in range(max_tokens):
             logits = await self._run(lambda ids=ids, offset=offset: step(ids, offset))  # type: ignore[misc]
-            token = choose(sampling, logits, generator)
+            token = choose(sampling, logits, generator, steered=plan.steered)
             last = index == max_tokens - 1 or self._stops(token, sampling)
             if last and plan.wanted:
                 after = offset + len(ids)

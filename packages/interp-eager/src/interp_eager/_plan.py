@@ -21,7 +21,9 @@ Queries and keys (``attn_q``/``attn_k``, read-only) and the pre-softmax scores
 (``attn_scores``, read-only, computed from them with the call's scaling, soft-cap and mask) are
 read where the attention function receives them, after rotary embeddings and q/k norms: an
 *attention tap* (:func:`add_attention_tap`) on the attention module, called by transformers'
-attention interface (or by the family's own attention method, GPT-J's ``_attn``).
+attention interface (or by the family's own attention method, GPT-J's ``_attn``, or, for an
+attention module computing attention in its own forward -- Bloom, Falcon, MPT, XGLM -- from the
+operands of its ``q @ k^T`` product and what its softmax receives, ALiBi biases included).
 
 On a mixture-of-experts layer, ``router_logits`` are read (and written) by a *router tap*
 (:func:`add_router_tap`): while the router runs, the first linear map to ``n_experts`` outputs it
@@ -57,7 +59,10 @@ class HeadSlice:
     ``heads`` groups of ``stride`` features (default ``d_head``) from feature ``start``, each
     head's ``d_head`` values ``offset`` features into its group. ``"tokens x heads"``: the tensor
     is ``[batch, tokens, heads, d_head]`` already; ``"heads x tokens"``: it is ``[batch, heads,
-    tokens, d_head]`` (the q/k norms of Qwen3 and of Gemma 3, StableLM, Phi)."""
+    tokens, d_head]`` (the q/k norms of Qwen3 and of Gemma 3, StableLM, Phi). With ``groups > 1``
+    (flat): the last axis holds ``groups`` blocks of ``stride`` features, each holding
+    ``heads / groups`` consecutive heads ``offset`` features into it (CodeGen's model-parallel
+    ``qkv_proj``)."""
 
     heads: int
     d_head: int
@@ -65,17 +70,37 @@ class HeadSlice:
     stride: int = 0
     offset: int = 0
     layout: QkNormLayout = "flat"
+    groups: int = 1
+
+    def _grouped(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., groups, heads / groups, d_head]`` view of ``x`` (``groups > 1``)."""
+        per = self.heads // self.groups
+        region = x[..., self.start : self.start + self.groups * self.stride]
+        blocks = region.view(*region.shape[:-1], self.groups, self.stride)
+        heads = blocks[..., self.offset : self.offset + per * self.d_head]
+        return heads.view(*heads.shape[:-1], per, self.d_head)
 
     def of(self, x: torch.Tensor) -> torch.Tensor:
-        """The ``[batch, tokens, heads, d_head]`` view of ``x`` (writing into it writes into ``x``)."""
+        """The ``[batch, tokens, heads, d_head]`` view of ``x`` (writing into it writes into ``x``,
+        except for ``groups > 1``, whose heads are no view: write with :meth:`put`)."""
         if self.layout == "tokens x heads":
             return x
         if self.layout == "heads x tokens":
             return x.transpose(1, 2)
+        if self.groups > 1:
+            return self._grouped(x).flatten(-3, -2)
         stride = self.stride or self.d_head
         region = x[..., self.start : self.start + self.heads * stride]
         groups = region.view(*region.shape[:-1], self.heads, stride)
         return groups[..., self.offset : self.offset + self.d_head]
+
+    def put(self, x: torch.Tensor, values: torch.Tensor) -> None:
+        """Write ``values`` (``[batch, tokens, heads, d_head]``) into ``x`` where :meth:`of` reads."""
+        if self.layout == "flat" and self.groups > 1:
+            per = self.heads // self.groups
+            self._grouped(x).copy_(values.reshape(*values.shape[:-2], self.groups, per, self.d_head))
+        else:
+            self.of(x).copy_(values)
 
 
 @dataclass(frozen=True)
@@ -92,12 +117,19 @@ class ColumnSlice:
         return x[..., self.part * width : (self.part + 1) * width]
 
 
-VALUE_SLICES: dict[QkvLayout, Callable[[int, int, int], HeadSlice]] = {
-    "v": lambda heads, kv_heads, d: HeadSlice(kv_heads, d),
-    "q|k|v": lambda heads, kv_heads, d: HeadSlice(kv_heads, d, start=(heads + kv_heads) * d),
-    "per-head q|k|v": lambda heads, kv_heads, d: HeadSlice(kv_heads, d, stride=3 * d, offset=2 * d),
+VALUE_SLICES: dict[QkvLayout, Callable[[int, int, int, int], HeadSlice]] = {
+    "v": lambda heads, kv_heads, d, groups: HeadSlice(kv_heads, d),
+    "q|k|v": lambda heads, kv_heads, d, groups: HeadSlice(kv_heads, d, start=(heads + kv_heads) * d),
+    "per-head q|k|v": lambda heads, kv_heads, d, groups: HeadSlice(kv_heads, d, stride=3 * d, offset=2 * d),
+    "per-group q|k|v": lambda heads, kv_heads, d, groups: HeadSlice(
+        kv_heads, d, stride=(heads // kv_heads + 2) * d, offset=(heads // kv_heads + 1) * d
+    ),
+    "grouped q|v|k": lambda heads, kv_heads, d, groups: HeadSlice(
+        kv_heads, d, stride=3 * kv_heads * d // groups, offset=kv_heads * d // groups, groups=groups
+    ),
 }
-"""The values in the output of a family's :attr:`~Family.attn_v`, by its ``qkv_layout``."""
+"""The values in the output of a family's :attr:`~Family.attn_v`, by its ``qkv_layout`` (called
+with the query heads, the key/value heads, ``d_head`` and the layout's groups)."""
 
 
 EAGER_KINDS = tuple(KINDS)
@@ -274,7 +306,7 @@ class Architecture:
         if kind == "attn_in":
             return Site(self.layer_module(layer, family.attn), "pre")
         if kind == "attn_out":
-            return Site(self.layer_module(layer, family.attn), "post")
+            return Site(self.layer_module(layer, family.attn_out_at or family.attn), "post")
         if kind == "mlp_in":
             return Site(self.layer_module(layer, family.mlp_in), "pre")
         if kind == "mlp_out":
@@ -286,7 +318,7 @@ class Architecture:
             cols = ColumnSlice(1, 2) if family.gate_up_fused else None
             return Site(self._layer_kind(address, family.mlp_pre_linear), "post", cols=cols)
         if kind == "mlp_post":
-            return Site(self._layer_kind(address, family.mlp_down), "pre")
+            return Site(self._layer_kind(address, family.mlp_sub_norm or family.mlp_down), "pre")
         if kind == "router_logits":
             return Site(self._layer_kind(address, family.router), "router", index=family.n_experts)
         if kind == "expert_indices":
@@ -298,9 +330,10 @@ class Architecture:
         if kind == "attn_pattern":
             return Site(self.layer_module(layer, family.attn), "post", index=1)
         if kind == "attn_z":
-            return Site(self.layer_module(layer, family.attn_o), "pre", heads=HeadSlice(self.n_heads, self.d_head))
+            z = family.attn_sub_norm or family.attn_o
+            return Site(self.layer_module(layer, z), "pre", heads=HeadSlice(self.n_heads, self.d_head))
         if kind == "attn_v":
-            values = VALUE_SLICES[family.qkv_layout](self.n_heads, self.n_kv_heads, self.d_head)
+            values = VALUE_SLICES[family.qkv_layout](self.n_heads, self.n_kv_heads, self.d_head, family.qkv_groups)
             return Site(self.layer_module(layer, family.attn_v), "post", heads=values)
         if kind in ("q_norm_in", "q_norm_out", "k_norm_in", "k_norm_out"):
             heads = self.n_heads if kind.startswith("q") else self.n_kv_heads
@@ -451,6 +484,8 @@ class Plan:
     ) -> None:
         self.arch = arch
         self.stop_early = stop_early
+        self.steered = bool(writes)
+        """Whether this request writes anywhere (its values may then be what the writes made)."""
         self.chunk = Chunk(batch=len(rows_lengths), length=max(rows_lengths), offset=0)
         self.values: dict[Address, list[torch.Tensor]] = defaultdict(list)
         self._stash: dict[int, torch.Tensor] = {}
@@ -521,7 +556,13 @@ class Plan:
         if site.heads is None and site.cols is None:
             return rows.reshape(value.shape)
         out = value.clone()
-        self._view(site, _as_rows(out, self.chunk)).copy_(rows)
+        target = _as_rows(out, self.chunk)
+        if site.cols is not None:
+            target = site.cols.of(target)
+        if site.heads is None:
+            target.copy_(rows)
+        else:
+            site.heads.put(target, rows)
         return out
 
     def _handle(self, site: Site, plan: _SitePlan, value: torch.Tensor) -> torch.Tensor:
@@ -555,12 +596,13 @@ class Plan:
     def _hook(self, site: Site, site_plan: _SitePlan) -> Any:
         if site.when == "attention":  # read-only: queries, keys and scores are not writable
             divisor = self.arch.family.attn_score_divisor
+            repeat = self.arch.family.kv_repeat
 
             def tap(call: AttentionCall) -> None:
                 if site.index == ATTENTION_SCORES:
                     value = attention_scores(call, divisor=divisor)
                 else:
-                    value = call.key if site.index else call.query
+                    value = call.key[:, ::repeat] if site.index else call.query
                 self._handle(site, site_plan, value)
                 self._finish_site()
 
@@ -694,9 +736,9 @@ def attention_scores(call: AttentionCall, *, divisor: str | None = None) -> torc
     that attribute of the module, in float32, as GPT-J's ``_attn`` does), soft-capped where
     ``softcap`` is given, the mask applied; ``-inf`` where masked. The operations are the eager
     attention's own, in its order, so ``softmax`` of the result is its attention weights."""
-    if call.scores is not None:  # read at the method's softmax: masked entries hold the dtype's minimum
+    if call.scores is not None:  # read at the method's softmax: masked entries hold (about) the dtype's minimum
         scores = call.scores
-        return scores.masked_fill(scores <= torch.finfo(scores.dtype).min / 2, float("-inf"))
+        return scores.masked_fill(scores <= torch.finfo(scores.dtype).min / _MASKED, float("-inf"))
     query, key = call.query, call.key
     if key.shape[1] != query.shape[1]:  # grouped-query attention: each key head serves a group of query heads
         key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
@@ -718,6 +760,12 @@ def attention_scores(call: AttentionCall, *, divisor: str | None = None) -> torc
     if mask.dtype == torch.bool:
         return scores.masked_fill(~mask, float("-inf"))
     return (scores + mask).masked_fill(mask <= torch.finfo(mask.dtype).min, float("-inf"))
+
+
+_MASKED = 64
+"""Scores read at a softmax at or below the dtype's minimum over this are masked (``-inf``): a
+mask adds (or fills) the minimum, and some families scale it afterwards (CodeGen divides the
+masked scores by ``sqrt(d_head)``)."""
 
 
 def _run_taps(module: Any, make_call: Callable[[], AttentionCall]) -> None:
@@ -764,8 +812,8 @@ def _patch_attention_interface() -> None:
 
 
 class _TapHandle:
-    def __init__(self, module: nn.Module, tap: AttentionTap, method: str | None) -> None:
-        self.module, self.tap, self.method = module, tap, method
+    def __init__(self, module: nn.Module, tap: AttentionTap, method: str | None, prior: Any = None) -> None:
+        self.module, self.tap, self.method, self.prior = module, tap, method, prior
 
     def remove(self) -> None:
         taps: list[AttentionTap] = self.module.__dict__.get(_TAPS, [])
@@ -775,6 +823,8 @@ class _TapHandle:
             self.module.__dict__.pop(_TAPS, None)
             if self.method is not None:
                 self.module.__dict__.pop(self.method, None)
+                if self.prior is not None:  # a forward set on the instance before (accelerate's hooks)
+                    self.module.__dict__[self.method] = self.prior
 
 
 def attention_owner(attention: nn.Module, attn_fn: str | None) -> tuple[nn.Module, str | None]:
@@ -804,6 +854,72 @@ class _SoftmaxInput(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+_PRODUCTS = frozenset(
+    {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm}
+    | {torch.baddbmm, torch.Tensor.baddbmm}
+)
+
+
+def _operands(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """The two multiplied operands of a product call (``baddbmm``'s ``batch1``, ``batch2``)."""
+    if func in (torch.baddbmm, torch.Tensor.baddbmm):
+        rest = list(args[1:])
+        first = kwargs.get("batch1", rest.pop(0) if rest else None)
+        second = kwargs.get("batch2", rest.pop(0) if rest else None)
+        return first, second
+    return (args[0] if args else kwargs.get("input")), (args[1] if len(args) > 1 else kwargs.get("other"))
+
+
+class _AttentionProducts(TorchFunctionMode):
+    """While an attention module's own forward runs: the operands of the ``q @ k^T`` product whose
+    result its first softmax normalises, what that softmax receives, and the operand the softmax's
+    output multiplies (the values); or the query, key and value ``scaled_dot_product_attention``
+    receives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.qk: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.scores: torch.Tensor | None = None
+        self.value: torch.Tensor | None = None
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention and self.qk is None:
+            given = [*args[:3], *(kwargs[n] for n in ("query", "key", "value") if n in kwargs)]
+            query, key, value = given[:3]
+            self.qk = (query.detach(), key.detach().transpose(-1, -2))
+            self.value = value.detach()
+        elif func in _PRODUCTS:
+            first, second = _operands(func, args, kwargs)
+            if isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor):
+                if self.scores is None:
+                    self.last = (first.detach(), second.detach())
+                elif self.value is None:
+                    self.value = second.detach()
+        elif func in _SoftmaxInput._SOFTMAX and self.scores is None and args and isinstance(args[0], torch.Tensor):
+            self.scores = args[0].detach().clone()
+            self.qk = self.last
+        return func(*args, **kwargs)
+
+    def call(self, module: nn.Module, hidden: Any) -> AttentionCall | None:
+        """The :class:`AttentionCall` seen (``[batch, heads, tokens, ...]``), ``None`` if none was."""
+        if self.qk is None or self.value is None or not isinstance(hidden, torch.Tensor):
+            return None
+        batch = int(hidden.shape[0])
+        q, k_t = self.qk
+
+        def split(x: torch.Tensor) -> torch.Tensor:  # [..., n, w] -> [batch, heads, n, w]
+            return x.reshape(batch, -1, *x.shape[-2:])
+
+        scores = None if self.scores is None else split(self.scores)
+        return AttentionCall(
+            module, split(q), split(k_t.transpose(-1, -2)), None, value=split(self.value), scores=scores
+        )
+
+
 def add_attention_tap(
     module: nn.Module, tap: AttentionTap, *, method: str | None = None, scores_at_softmax: bool = False
 ) -> _TapHandle:
@@ -813,11 +929,30 @@ def add_attention_tap(
     ``method(query, key, value, attention_mask)``, when the family does not use transformers'
     attention interface (GPT-J's and GPT-Neo's ``_attn``); it is shadowed on the instance while
     taps are installed, and, with ``scores_at_softmax``, the call also carries what the method's
-    softmax received. Remove with the returned handle's ``remove()``."""
+    softmax received. ``method="forward"``: the module computes attention in its own forward
+    (Bloom, Falcon, MPT, XGLM), shadowed on the instance to run under :class:`_AttentionProducts`;
+    the call carries the operands of its ``q @ k^T`` product, what its softmax received and the
+    values its output multiplies, split per head by the batch size of the module's input. Remove
+    with the returned handle's ``remove()``."""
     taps: list[AttentionTap] = module.__dict__.setdefault(_TAPS, [])
+    prior = None
     if not taps:
         if method is None:
             _patch_attention_interface()
+        elif method == "forward":  # the module's own attention computation: read at its products
+            prior = module.__dict__.get("forward")
+            original_forward = module.forward
+
+            def forward(*args: Any, **kwargs: Any) -> Any:
+                with _AttentionProducts() as seen:
+                    result = original_forward(*args, **kwargs)
+                hidden = args[0] if args else kwargs.get("hidden_states")
+                call = seen.call(module, hidden)
+                if call is not None:
+                    _run_taps(module, lambda: call)
+                return result
+
+            module.__dict__["forward"] = forward
         else:
             original = getattr(module, method)
 
@@ -833,7 +968,7 @@ def add_attention_tap(
 
             module.__dict__[method] = call
     taps.append(tap)
-    return _TapHandle(module, tap, method)
+    return _TapHandle(module, tap, method, prior)
 
 
 # -- router taps: a mixture of experts' logits, where the router computes them --------------------

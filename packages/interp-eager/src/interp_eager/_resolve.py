@@ -19,12 +19,23 @@ what each receives and returns, and decides what names cannot:
 
 - the heads and their width are those of the queries, keys and values the attention function
   receives: transformers' attention interface, or else an own ``_attn(query, key, value, ...)``
-  method of the attention module or a module inside it (GPT-J, GPT-Neo; its ``attn_scores`` are
-  then read where its softmax receives them, unless :data:`FAMILY_DATA` says how it scales them);
+  method of the attention module or a module inside it (GPT-J, GPT-Neo, CodeGen; its
+  ``attn_scores`` are then read where its softmax receives them, unless :data:`FAMILY_DATA` says
+  how it scales them), or else the attention module's own forward (Bloom, Falcon, MPT, XGLM): the
+  operands of the ``q @ k^T`` product whose result its softmax normalises, what that softmax
+  receives (ALiBi biases and masks included) and the operand its output multiplies (or the
+  arguments of ``scaled_dot_product_attention``); keys and values repeated for each query head
+  they serve (Falcon's new decoder architecture) are read once per key/value head;
   whether it also normalises over learned sink logits (gpt-oss's ``s_aux``: no ``attn_scores``);
-- the output projection is the attention linear whose output *is* the attention's output;
+- the output projection is the attention linear whose output *is* the attention's output, or
+  whose output plus ``resid_pre`` is (Bloom's attention adds the residual inside: ``attn_out`` is
+  then that projection's output); likewise an MLP whose output is its down projection's plus the
+  residual (Bloom, MPT) has ``mlp_out`` at the down projection;
+- a norm whose output is the output projection's (down projection's) input is a sub-norm
+  (BitNet's ``attn_sub_norm``, ``ffn_sub_norm``): ``attn_z`` (``mlp_post``) is what it receives;
 - the values are where the tensor the attention function receives as ``value`` is found in a
-  projection's output (``v_proj``; or the last third of ``[q | k | v]``; or per-head ``[q k v]``);
+  projection's output (``v_proj``; or the last third of ``[q | k | v]``; or per-head ``[q k v]``;
+  or per key/value head after its queries; or CodeGen's model-parallel groups of ``[q | v | k]``);
 - a norm of the layer whose input is the attention's (MLP's) output is a sandwich norm
   (``attn_out_post``/``mlp_out_post``) -- Gemma 2's ``post_attention_layernorm`` -- whatever its name;
   the layer's output being a norm's output is a post-norm (OPT-350m) block;
@@ -412,9 +423,9 @@ def _trace_ids(model: nn.Module, avoid: set[int]) -> torch.Tensor:
 
 def _value_layout(
     out: torch.Tensor, value: torch.Tensor, heads: int, kv_heads: int, d: int
-) -> tuple[QkvLayout, int] | None:
+) -> tuple[QkvLayout, int, int] | None:
     """Where the values ``value`` (``[batch, kv_heads, tokens, d]`` as the attention function got
-    them) sit in a projection's output ``out``: ``(layout, kv_heads)``."""
+    them) sit in a projection's output ``out``: ``(layout, kv_heads, groups)``."""
     from ._plan import VALUE_SLICES
 
     want = value.transpose(1, 2)
@@ -423,13 +434,30 @@ def _value_layout(
         view_heads = kv_heads
         if layout == "v" and width % d == 0:
             view_heads = width // d
-        try:
-            got = slicer(heads, view_heads, d).of(out.reshape(*want.shape[:2], width))
-        except RuntimeError:
-            continue
-        if got.shape == want.shape and torch.equal(got, want):
-            return layout, view_heads
+        if layout == "per-group q|k|v" and (kv_heads in (1, heads) or heads % kv_heads):
+            continue  # with one or every head it is "q|k|v" or "per-head q|k|v"
+        options = [g for g in (2, 4, 8, 16) if kv_heads % g == 0] if layout == "grouped q|v|k" else [1]
+        for groups in options:
+            try:
+                got = slicer(heads, view_heads, d, groups).of(out.reshape(*want.shape[:2], width))
+            except RuntimeError:
+                continue
+            if got.shape == want.shape and torch.equal(got, want):
+                return layout, view_heads, groups
     return None
+
+
+def _kv_repeat(key: torch.Tensor, value: torch.Tensor, heads: int) -> int:
+    """How many times each key/value head is repeated in ``key``/``value`` (``[batch, heads, tokens,
+    d]``) as the attention product received them: the largest ``r`` with every ``r`` consecutive
+    heads equal (Falcon's new decoder architecture broadcasts its key/value heads), else 1."""
+    n = int(key.shape[1])
+    if n != heads or int(value.shape[1]) != n:
+        return 1
+    for r in sorted((r for r in range(2, n + 1) if n % r == 0), reverse=True):
+        if all(torch.equal(t, t[:, ::r].repeat_interleave(r, dim=1)) for t in (key, value)):
+            return r
+    return 1
 
 
 def _norm_layout(x: torch.Tensor, heads: int, d: int, tokens: int) -> QkNormLayout | None:
@@ -479,14 +507,23 @@ def _resolve(model: nn.Module) -> Family:
         if own is not None:
             attn_fn, scores_at_softmax = own, True
             record = _trace(model, ids, attn_modules, attn_fn)
+    if 0 not in record.attention and attn_fn is None:
+        # the attention module computes attention in its own forward (Bloom, Falcon, MPT, XGLM):
+        # read at its q @ k^T product, its softmax and the product of the softmax with the values
+        attn_fn, scores_at_softmax = "forward", True
+        record = _trace(model, ids, attn_modules, attn_fn)
     a0 = f"{lp[0]}.{static.attn}"
     if 0 not in record.attention:
         raise _refuse(
             model,
-            f"its attention {type(attn_modules[0]).__name__} does not call transformers' attention interface "
-            "nor an own _attn(query, key, value, mask) method (queries, keys and scores cannot be read)",
+            f"its attention {type(attn_modules[0]).__name__} does not call transformers' attention interface, "
+            "an own _attn(query, key, value, mask) method, nor a q @ k^T product whose result a softmax "
+            "normalises (queries, keys and scores cannot be read)",
         )
     query, key, value = record.attention[0]
+    # keys and values repeated for each query head they serve (Falcon's new decoder architecture)
+    kv_repeat = _kv_repeat(key, value, int(query.shape[1]))
+    key, value = key[:, ::kv_repeat], value[:, ::kv_repeat]
     # heads and their width as the attention function sees them: [batch, heads, tokens, d_head]
     n_heads, d_head = int(query.shape[1]), int(query.shape[-1])
     if int(key.shape[-1]) != d_head or int(value.shape[-1]) != d_head:
@@ -496,16 +533,26 @@ def _resolve(model: nn.Module) -> Family:
             f"({d_head}, {int(key.shape[-1])}, {int(value.shape[-1])}): one d_head cannot address them",
         )
 
-    # the output projection: the attention linear whose output is the attention's output
+    # the output projection: the attention linear whose output is the attention's output (or, where
+    # the attention adds the residual to it inside -- Bloom --, whose output plus resid_pre is)
     attn_output = record.outputs.get(a0)
+    resid_pre = record.inputs[lp[0]]
     o_proj = next(
         (name for name, _ in static.attn_linears if _same(record.outputs.get(f"{lp[0]}.{name}"), attn_output)), None
     )
+    attn_out_at = None
+    if o_proj is None and attn_output is not None:
+        for name, _ in static.attn_linears:
+            out = record.outputs.get(f"{lp[0]}.{name}")
+            if out is not None and out.shape == attn_output.shape and _close(out + resid_pre, attn_output):
+                o_proj, attn_out_at = name, name
+                attn_output = out
+                break
     if o_proj is None:
         raise _refuse(
             model,
             f"the output of its attention {type(attn_modules[0]).__name__} is none of its projections' outputs "
-            "(it adds something, such as the residual, inside the attention module)",
+            "(it adds something other than the residual inside the attention module)",
         )
     o_in = record.inputs.get(f"{lp[0]}.{o_proj}")
     if o_in is None or int(o_in.shape[-1]) != n_heads * d_head:
@@ -514,13 +561,14 @@ def _resolve(model: nn.Module) -> Family:
     attn_v: str | None = None
     layout: QkvLayout = "v"
     n_kv_heads = n_heads
+    qkv_groups = 1
     for name, _ in static.attn_linears:
         out = record.outputs.get(f"{lp[0]}.{name}")
         if name == o_proj or out is None:
             continue
         found = _value_layout(out, value, n_heads, int(value.shape[1]), d_head)
         if found is not None:
-            attn_v, (layout, n_kv_heads) = name, found
+            attn_v, (layout, n_kv_heads, qkv_groups) = name, found
             break
     if attn_v is None:
         raise _refuse(
@@ -528,7 +576,7 @@ def _resolve(model: nn.Module) -> Family:
         )
 
     # q/k norms
-    q_norm = k_norm = None
+    q_norm = k_norm = attn_sub_norm = None
     qk_layout: QkNormLayout = "heads x tokens"
     for path in static.attn_norms:
         short = path.rsplit(".", 1)[-1]
@@ -538,11 +586,11 @@ def _resolve(model: nn.Module) -> Family:
         is_q, is_k = bool(_Q_NAME.search(short)), bool(_K_NAME.search(short))
         if is_q == is_k:
             if _same(record.outputs.get(f"{lp[0]}.{path}"), o_in):
-                raise _refuse(
-                    model,
-                    f"the norm {path} normalises its attention's result before the output projection "
-                    "(attn_z would not be the heads' weighted values)",
-                )
+                # it normalises the heads' weighted values before the output projection (BitNet's
+                # attn_sub_norm): attn_z is what it receives
+                if int(x.shape[-1]) != n_heads * d_head:
+                    raise _refuse(model, f"the input of {path} is not {n_heads} heads of {d_head}")
+                attn_sub_norm = path
             continue  # a norm of both queries and keys (Llama 4's qk_norm): no q/k-norm points, q/k read after it
         found_layout = _norm_layout(x, n_heads if is_q else n_kv_heads, d_head, tokens)
         if found_layout is None:
@@ -561,11 +609,18 @@ def _resolve(model: nn.Module) -> Family:
     for m in static.mlps:
         if (m.mlp_in, m.mlp_out) != (mlp_in, mlp_out):
             raise _refuse(model, f"its layers keep their MLPs at different places ({m.mlp_in}, {mlp_in})")
-    mlp_pre = mlp_pre_linear = mlp_down = None
+    mlp_pre = mlp_pre_linear = mlp_down = mlp_sub_norm = None
     fused = False
     if dense_index is not None:
         dense = static.mlps[dense_index]
         mlp_down = dense.down
+        here = f"{lp[dense_index]}."
+        down_in = record.inputs.get(here + dense.down) if dense.down else None
+        block = layers[dense_index].get_submodule(dense.block) if dense.block else layers[dense_index]
+        for name, norm in block.named_modules(prefix=dense.block):
+            # a norm between the nonlinearity and the down projection (BitNet's ffn_sub_norm)
+            if name and is_norm(norm) and _same(record.outputs.get(here + name), down_in):
+                mlp_sub_norm = name
         if dense.fused:
             fused = True
             mlp_pre = mlp_pre_linear = dense.inputs[0]
@@ -597,11 +652,23 @@ def _resolve(model: nn.Module) -> Family:
         index_arg, weight_arg = ints[0], floats[0]
         top_k = int(args[index_arg].shape[-1])
 
+    # an MLP that adds the residual to its own output (Bloom's, MPT's): mlp_out is its down projection's
+    mlp_output = record.outputs.get(f"{lp[0]}.{mlp_out}")
+    layer_output = record.outputs.get(lp[0])
+    if moe_index is None and mlp_down is not None and mlp_output is not None:
+        down_out = record.outputs.get(f"{lp[0]}.{mlp_down}")
+        if (
+            down_out is not None
+            and attn_output is not None
+            and down_out.shape == mlp_output.shape
+            and not _same(down_out, mlp_output)
+            and _close(down_out + resid_pre + attn_output, mlp_output)
+        ):
+            mlp_out, mlp_output = mlp_down, down_out
+
     # norms around the sublayers, post-norm blocks
     attn_post_norm = mlp_post_norm = None
     post_norm = False
-    mlp_output = record.outputs.get(f"{lp[0]}.{mlp_out}")
-    layer_output = record.outputs.get(lp[0])
     for path in static.layer_norms:
         x = record.inputs.get(f"{lp[0]}.{path}")
         if _same(x, attn_output):
@@ -647,7 +714,6 @@ def _resolve(model: nn.Module) -> Family:
 
     # the residual identity: resid_post = resid_pre + what each sublayer adds
     if not post_norm:
-        resid_pre = record.inputs[lp[0]]
         attn_part = record.outputs[f"{lp[0]}.{attn_post_norm}"] if attn_post_norm else attn_output
         mlp_part = record.outputs[f"{lp[0]}.{mlp_post_norm}"] if mlp_post_norm else mlp_output
         if attn_part is None or mlp_part is None or layer_output is None:
@@ -705,8 +771,13 @@ def _resolve(model: nn.Module) -> Family:
         parallel=parallel,
         post_norm=post_norm,
         attn_o=o_proj,
+        attn_sub_norm=attn_sub_norm,
+        mlp_sub_norm=mlp_sub_norm,
+        attn_out_at=attn_out_at,
         attn_v=attn_v,
         qkv_layout=layout,
+        qkv_groups=qkv_groups,
+        kv_repeat=kv_repeat,
         n_kv_heads=n_kv_heads,
         n_heads=n_heads,
         d_head=d_head,

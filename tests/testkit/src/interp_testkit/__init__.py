@@ -314,7 +314,13 @@ _CONFIGS: Final[dict[str, Callable[[_Dims], dict[str, Any]]]] = {
     "granite": lambda d: _llama_like(d, gqa=True),  # refused only with residual_multiplier != 1
     # the eager backend refuses these (tests/test_eager_families.py says why)
     "bitnet": lambda d: _llama_like(d, gqa=True),
-    "bloom": lambda d: {"hidden_size": d.d_model, "n_layer": d.n_layers, "n_head": d.n_heads},
+    # untied: with Bloom's embedding layer norm, tied tiny weights make greedy decoding repeat one token
+    "bloom": lambda d: {
+        "hidden_size": d.d_model,
+        "n_layer": d.n_layers,
+        "n_head": d.n_heads,
+        "tie_word_embeddings": False,
+    },
     "falcon": lambda d: {"hidden_size": d.d_model, "num_hidden_layers": d.n_layers, "num_attention_heads": d.n_heads},
     "codegen": lambda d: {**_gpt_style(d), "rotary_dim": d.head_dim // 2},
     "mpt": lambda d: {
@@ -327,6 +333,7 @@ _CONFIGS: Final[dict[str, Callable[[_Dims], dict[str, Any]]]] = {
         "attention_heads": d.n_heads,
         "ffn_dim": 4 * d.d_model,
         "max_position_embeddings": d.max_positions,
+        "tie_word_embeddings": False,  # tied, the tiny model's greedy decoding repeats one token
         **dict.fromkeys(("dropout", "attention_dropout", "activation_dropout", "layerdrop"), 0.0),
     },
 }
