@@ -1,10 +1,13 @@
 """What the vllm backend's taps cost while vLLM batches a real workload.
 
-    python bench/vllm_overhead.py [--rounds 3] [--prompts 64] [--family gpt2|llama]
+    python bench/vllm_overhead.py [--rounds 3] [--prompts 64] [--family gpt2|llama|MODEL_TYPE | --model DIR]
+                                  [--only capture_1,steer_1]
 
 One engine (the backend's defaults: V1 runner, eager mode) serves a GPT-2-shaped model
 (12 layers x 768, random weights, built locally; ``--family llama``: Llama-shaped, 12 x 768,
-gated MLP with vLLM's fused ``gate_up_proj``, grouped-query attention). The workload is ``--prompts`` prompts of
+gated MLP with vLLM's fused ``gate_up_proj``, grouped-query attention; any other model type the
+test kit builds, e.g. ``--family gemma2`` or ``--family mixtral``, gets the same 12 x 768 shape;
+``--model DIR``: any local model directory). The workload is ``--prompts`` prompts of
 64-256 random tokens, each generating 32 tokens, all submitted at once. In one process, with the
 variants alternating round by round:
 
@@ -30,7 +33,10 @@ with ``attn_scores.6`` captured, alternating, 3 times each; the extra millisecon
 token over plain, against the context length, give its cost per 100 tokens of context (the slope).
 
 Then 32 prompt captures are run concurrently and one after another. Ends with
-``RESULT <name> <ratio> (target <t>)`` lines.
+``RESULT <name> <ratio> (target <t>)`` lines. ``--only`` runs ``plain`` and the named variants
+alone (no scores-per-context or concurrency figures); variants whose address the model does not
+have (``mlp_pre`` on a mixture-of-experts layer, heads where the model has none) are left out,
+and on a mixture of experts ``capture_router_1`` (``router_logits`` of the middle layer) is added.
 """
 
 from __future__ import annotations
@@ -55,6 +61,11 @@ GEN_TOKENS = 32
 
 def build_model(family: str = "gpt2") -> pathlib.Path:
     from interp_testkit import build_tiny_model
+
+    if family not in ("gpt2", "llama"):  # other shapes: what the test kit builds, at this size
+        return build_tiny_model(
+            family, ROOT / ".cache" / f"bench-vllm-{family}", n_layers=12, d_model=768, head_dim=64, max_positions=512
+        )
 
     return build_tiny_model(
         family, ROOT / ".cache" / f"bench-vllm-{family}", n_layers=12, d_model=768, head_dim=64, max_positions=512
@@ -140,11 +151,36 @@ async def timed(run: Callable[[], Awaitable[int]]) -> float:
     return tokens / (time.perf_counter() - start)
 
 
+TARGETS = {
+    "capture_1": "0.95",
+    "capture_all": "0.60",
+    "steer_1": "0.95",
+    "capture_z_1": "0.95",
+    "ablate_head_1": "0.95",
+    "capture_mlp_pre_1": "0.95",
+    "capture_scores_1": "-",
+    "capture_router_1": "0.95",
+}
+
+
+def report(median: dict[str, float]) -> None:
+    """The table of medians and a ``RESULT`` line per variant, relative to ``plain``."""
+    print()
+    print(f"{'variant':<18} {'tok/s (median)':>15} {'vs plain':>9}")
+    for name, rate in median.items():
+        print(f"{name:<18} {rate:>15.1f} {rate / median['plain']:>9.3f}")
+    print()
+    for name, rate in median.items():
+        if name != "plain":
+            print(f"RESULT {name}_vs_plain {rate / median['plain']:.3f} (target {TARGETS[name]})")
+
+
 async def main(args: argparse.Namespace) -> int:
-    path = build_model(args.family)
+    path = pathlib.Path(args.model) if args.model else build_model(args.family)
     model = load_model(path, backend="vllm", max_model_len=512)
     await model.warmup()
     info = model.info
+    print(f"model: {path} ({info.architecture}, {info.n_layers} layers x {info.d_model}, {info.n_experts} experts)")
     prompts = make_prompts(args.prompts, info.vocab_size)
     middle = info.n_layers // 2
     spec = SteeringSpec([Write(Address("resid_post", middle), torch.randn(info.d_model), op="add", scale=2.0)])
@@ -162,15 +198,41 @@ async def main(args: argparse.Namespace) -> int:
         "capture_mlp_pre_1": lambda: capture_run(model, prompts, [Address("mlp_pre", middle)]),
         "capture_scores_1": lambda: capture_run(model, prompts, [Address("attn_scores", middle)]),
     }
+    if info.n_experts:
+        variants["capture_router_1"] = lambda: capture_run(model, prompts, [Address("router_logits", middle)])
+    kind_of = {
+        "capture_z_1": "attn_z",
+        "ablate_head_1": "attn_z",
+        "capture_mlp_pre_1": "mlp_pre",
+        "capture_scores_1": "attn_scores",
+    }
+    served = model.points()
+    for name, kind in kind_of.items():
+        if kind not in served:
+            print(f"({name} left out: this model has no {kind})")
+            variants.pop(name)
+    if args.only:
+        unknown = set(args.only) - set(variants)
+        if unknown:
+            print(f"unknown or unserved variants {sorted(unknown)}; these run here: {', '.join(variants)}")
+            await model.shutdown()
+            return 2
+        variants = {name: run for name, run in variants.items() if name == "plain" or name in args.only}
     if args.rounds:
         await timed(variants["plain"])  # warm-up of every path
-        await timed(variants["capture_1"])
+        await timed(variants[next(name for name in variants if name != "plain")])
     rates: dict[str, list[float]] = {name: [] for name in variants}
     for round_index in range(args.rounds):
         order = list(variants) if round_index % 2 == 0 else list(reversed(variants))
         for name in order:
             rates[name].append(await timed(variants[name]))
         print(f"round {round_index + 1}: " + ", ".join(f"{n} {rates[n][-1]:.1f} tok/s" for n in variants), flush=True)
+
+    median = {name: statistics.median(values) if values else float("nan") for name, values in rates.items()}
+    if args.only:
+        await model.shutdown()
+        report(median)
+        return 0
 
     point = [Address("resid_post", middle)]
     few = prompts[:32]
@@ -179,28 +241,17 @@ async def main(args: argparse.Namespace) -> int:
     # capture): how much batching buys on this machine at all
     plain_concurrent, plain_sequential = await concurrency(lambda p: plain_run(model, [p], 1, salted=True), few)
     lengths = (64, 256, 448)
-    extra = await scores_cost(model, middle, lengths)
+    extra = await scores_cost(model, middle, lengths) if "attn_scores" in served else []
     await model.shutdown()
 
-    median = {name: statistics.median(values) if values else float("nan") for name, values in rates.items()}
-    print()
-    print(f"{'variant':<14} {'tok/s (median)':>15} {'vs plain':>9}")
-    for name, rate in median.items():
-        print(f"{name:<14} {rate:>15.1f} {rate / median['plain']:>9.3f}")
+    report(median)
     print(f"32 captures: concurrent {concurrent:.2f} s, sequential {sequential:.2f} s")
     print(f"32 plain vLLM prefills: concurrent {plain_concurrent:.2f} s, sequential {plain_sequential:.2f} s")
-    print()
-    print(f"RESULT capture_1_vs_plain {median['capture_1'] / median['plain']:.3f} (target 0.95)")
-    print(f"RESULT capture_all_vs_plain {median['capture_all'] / median['plain']:.3f} (target 0.60)")
-    print(f"RESULT steer_1_vs_plain {median['steer_1'] / median['plain']:.3f} (target 0.95)")
-    print(f"RESULT capture_z_1_vs_plain {median['capture_z_1'] / median['plain']:.3f} (target 0.95)")
-    print(f"RESULT ablate_head_1_vs_plain {median['ablate_head_1'] / median['plain']:.3f} (target 0.95)")
-    print(f"RESULT capture_mlp_pre_1_vs_plain {median['capture_mlp_pre_1'] / median['plain']:.3f} (target 0.95)")
-    print(f"RESULT capture_scores_1_vs_plain {median['capture_scores_1'] / median['plain']:.3f} (target -)")
-    for length, seconds in zip(lengths, extra, strict=True):
-        print(f"attn_scores.{middle}, one request, {length}-token prompt: {seconds * 1e3:+.2f} ms per generated token")
-    slope = (extra[-1] - extra[0]) / (lengths[-1] - lengths[0]) * 100
-    print(f"RESULT capture_scores_1_extra_ms_per_token_per_100_context {slope * 1e3:.3f} (target -)")
+    if extra:
+        for length, seconds in zip(lengths, extra, strict=True):
+            print(f"attn_scores.{middle}, one request, {length}-token prompt: {seconds * 1e3:+.2f} ms per token")
+        slope = (extra[-1] - extra[0]) / (lengths[-1] - lengths[0]) * 100
+        print(f"RESULT capture_scores_1_extra_ms_per_token_per_100_context {slope * 1e3:.3f} (target -)")
     print(f"RESULT concurrent_vs_sequential {sequential / concurrent:.2f} (target 8.00)")
     print(f"RESULT plain_vllm_concurrent_vs_sequential {plain_sequential / plain_concurrent:.2f} (target -)")
     return 0
@@ -209,7 +260,9 @@ async def main(args: argparse.Namespace) -> int:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--family", choices=["gpt2", "llama"], default="gpt2")
+    parser.add_argument("--family", default="gpt2", help="gpt2, llama, or another model type the test kit builds")
+    parser.add_argument("--model", help="a local model directory (instead of --family)")
+    parser.add_argument("--only", type=lambda text: text.split(","), help="comma-separated variants (plain always)")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--quick", action="store_true", help="1 round of 16 prompts (a smoke test)")
     ns = parser.parse_args()
