@@ -387,20 +387,21 @@ def test_engine_arguments_vllm_rejects(engine_args: dict[str, Any], words: tuple
     assert _procs.new_children(before) == {}
 
 
-@pytest.mark.parametrize("family", ["gpt_neox", "phi"])
-def test_unsupported_architecture(family: str) -> None:
+@pytest.mark.parametrize(
+    ("family", "named"),
+    [
+        ("codegen", "CodeGenForCausalLM"),  # vLLM has no model class for it
+        ("bitnet", "BitNetAttention"),  # vLLM runs it; its attention holds a norm the resolver cannot place
+    ],
+)
+def test_unsupported_architecture(family: str, named: str) -> None:
+    """Refused before any engine starts, naming the architecture or the module it cannot place."""
     before = _procs.children()
     with pytest.raises(UnsupportedArchitecture) as info:
         load_model(vllm_model_path(family), backend="vllm")
     exc = info.value
     assert isinstance(exc, ValueError) and isinstance(exc, InterpError)
-    message = str(exc)
-    from transformers import AutoConfig
-
-    architecture = AutoConfig.from_pretrained(vllm_model_path(family)).architectures[0]
-    assert architecture in message  # names what was asked for
-    for supported in ("GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM"):
-        assert supported in message, message  # and what would work
+    assert named in str(exc), str(exc)
     assert _procs.new_children(before) == {}
 
 

@@ -7,6 +7,6 @@ Importing this package does not import vLLM; the model-runner patches load in vL
 processes through the ``vllm.general_plugins`` entry point.
 """
 
-from ._families import FAMILIES, VllmFamily, supported_architectures
+from ._families import VllmFamily
 
-__all__ = ["FAMILIES", "VllmFamily", "supported_architectures"]
+__all__ = ["VllmFamily"]

@@ -1,64 +1,104 @@
-"""Where vLLM's model classes keep the parts interp-engine reads and writes.
+"""Where one vLLM model keeps the parts interp-engine reads and writes: the result of resolving
+its module tree (:func:`interp_vllm._resolve.resolve`).
 
-vLLM reimplements each architecture, so these tables describe vLLM's modules (not HF's): the
-decoder-layer list, whether layers defer the residual add into the next norm (returning
-``(hidden, residual)``), the attention block, the attention kernel module that receives
-post-rotary queries and keys, the q/k norms where the family has them, the MLP, the projection
-whose output holds the pre-activation (fused ``[gate | up]`` on gated MLPs: vLLM merges
-``gate_proj`` and ``up_proj`` into one ``gate_up_proj``), the down-projection, the post-sublayer
-(sandwich) norms where the family has them, and the final norm.
+vLLM reimplements most architectures (and serves others through its Transformers modeling
+backend, with HF's modules), so these paths name vLLM's modules, not HF's: the decoder-layer
+list, how a layer is called (which argument carries the hidden states, whether it defers the
+residual add into the next norm, returning ``(hidden, residual)``), the attention block, the
+attention kernel module that receives post-rotary queries and keys, the q/k norms where the
+model has them, the MLP, the projection whose output holds the pre-activation (fused
+``[gate | up]`` on gated MLPs), the down-projection, the post-sublayer (sandwich) norms, the
+final norm, and for a mixture of experts the router and vLLM's fused-MoE runner.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
-from interp_engine import UnsupportedArchitecture
 
 
 @dataclass(frozen=True)
 class VllmFamily:
-    """Module paths in one family of vLLM model classes."""
+    """Module paths (relative to the model, ``layers`` and ``final_norm``; else to a decoder
+    layer) and wiring of one resolved vLLM model."""
 
     name: str
-    architectures: tuple[str, ...]
-    """HF ``config.architectures`` names vLLM serves with this layout."""
+    """vLLM's model class."""
     layers: str
     final_norm: str
     deferred_residual: bool = True
     """Layers take and return ``(hidden, residual)``: the stream is ``hidden + residual``."""
+    hidden_arg: tuple[int, str] = (1, "hidden_states")
+    """``(position, name)`` of the layer forward's hidden-states argument."""
+    residual_arg: tuple[int, str] | None = (2, "residual")
+    """``(position, name)`` of the deferred residual argument (``None``: not deferred)."""
     attn: str = "self_attn"
     attn_kernel: str = "self_attn.attn"
-    """The ``Attention`` module called as ``attn(q, k, v)`` with post-rotary q and k."""
+    """The ``Attention`` module called with post-rotary q, k and v."""
     attn_o_proj: str = "self_attn.o_proj"
     """The attention's output projection: its input is every head's output (``attn_z``)."""
     mlp: str = "mlp"
-    mlp_up: str = "mlp.gate_up_proj"
+    """The MLP module ("": the layer holds the MLP's projections itself, as OPT's)."""
+    mlp_in_at: str = "mlp"
+    """The module whose input is ``mlp_in`` (the MLP, or its up projection when it has no module)."""
+    mlp_out_at: str = "mlp"
+    """The module whose output is ``mlp_out`` (the MLP, or its down projection)."""
+    mlp_up: str | None = "mlp.gate_up_proj"
     """The projection whose output holds the MLP's pre-activation (``mlp_pre``)."""
     gated: bool = True
     """Whether :attr:`mlp_up`'s output is ``[gate | up]`` (per rank, under tensor parallelism):
     ``mlp_pre`` is its first half and ``mlp_pre_linear`` its second."""
-    mlp_down: str = "mlp.down_proj"
+    mlp_down: str | None = "mlp.down_proj"
     q_norm: str | None = None
-    """The q-norm (called on ``[tokens, heads, d_head]``), where the family has one."""
+    """The q-norm, where the model has one."""
     k_norm: str | None = None
     unembed: str = "lm_head"
-    """The unembedding module the logits processor projects with (tied Gemma: the embedding)."""
+    """The unembedding module the logits processor projects with (tied: the embedding)."""
     attn_post_norm: str | None = None
-    """The post-attention (sandwich) norm, where the family has one: its output is ``attn_out_post``."""
+    """The post-attention (sandwich) norm, where the model has one: its output is ``attn_out_post``."""
     mlp_post_norm: str | None = None
+    parallel: bool = False
+    """The MLP reads the layer's input, not the residual after attention (GPT-NeoX, GPT-J, Phi)."""
+    attn_scale: float = 1.0
+    """What the layer multiplies the attention's contribution by before adding it (Granite)."""
+    dense_mlp: bool = True
+    """Whether (some) layers have a dense MLP (up and down projections)."""
+    router: str | None = None
+    """Mixtures of experts: the router (gate linear) whose output is ``router_logits``."""
+    experts: str | None = None
+    """Mixtures of experts: vLLM's fused-MoE runner (its ``router`` selects the experts)."""
+    moe_layers: tuple[int, ...] = ()
+    """The layers with a mixture of experts when only some have one (empty: all, or none)."""
+    n_experts: int = 0
+    experts_per_token: int = 0
+    n_heads: int = 0
+    """Query heads (the attention kernel's, times the tensor-parallel ranks)."""
+    n_kv_heads: int = 0
+    """Key/value heads (the kernel's, times the ranks; on one rank, exact whatever the config calls them)."""
+    batched: bool = False
+    """The modules see ``[1, tokens, ...]`` (vLLM's Transformers modeling backend runs HF's
+    modules on a batch of one); the attention kernel sees ``[tokens, ...]`` either way."""
 
     @property
     def attn_contrib(self) -> str:
         """The module whose output the layer adds to the residual after attention."""
         return self.attn_post_norm or self.attn
 
+    @property
+    def is_moe(self) -> bool:
+        return self.router is not None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.is_moe and (not self.moe_layers or layer in self.moe_layers)
+
     def lacks(self) -> frozenset[str]:
-        """The address kinds this family does not have."""
+        """The address kinds this model does not have."""
         missing = set()
+        if not self.dense_mlp:
+            missing |= {"mlp_pre", "mlp_pre_linear", "mlp_post"}
         if not self.gated:
             missing.add("mlp_pre_linear")
+        if not self.is_moe:
+            missing |= {"router_logits", "expert_indices", "expert_weights"}
         if self.q_norm is None:
             missing |= {"q_norm_in", "q_norm_out"}
         if self.k_norm is None:
@@ -69,71 +109,24 @@ class VllmFamily:
             missing.add("mlp_out_post")
         return frozenset(missing)
 
+    def missing_reason(self, kind: str) -> str | None:
+        """Why this model lacks ``kind``, where the core's generic reason would mislead."""
+        if self.is_moe and not self.dense_mlp and kind in ("mlp_pre", "mlp_pre_linear", "mlp_post"):
+            return (
+                "its MLPs are mixtures of experts: there is no single MLP hidden (read router_logits, "
+                "expert_indices, expert_weights, or mlp_out, the whole block's output)"
+            )
+        return None
 
-FAMILIES: tuple[VllmFamily, ...] = (
-    VllmFamily(
-        "gpt2",
-        ("GPT2LMHeadModel",),
-        layers="transformer.h",
-        final_norm="transformer.ln_f",
-        deferred_residual=False,
-        attn="attn",
-        attn_kernel="attn.attn",
-        attn_o_proj="attn.c_proj",
-        mlp_up="mlp.c_fc",
-        gated=False,
-        mlp_down="mlp.c_proj",
-    ),
-    VllmFamily(
-        "llama",
-        ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"),
-        layers="model.layers",
-        final_norm="model.norm",
-    ),
-    VllmFamily(
-        "qwen3",
-        ("Qwen3ForCausalLM",),
-        layers="model.layers",
-        final_norm="model.norm",
-        q_norm="self_attn.q_norm",
-        k_norm="self_attn.k_norm",
-    ),
-    # sandwich norms: each sublayer's output is normed again before vLLM adds it to the residual
-    VllmFamily(
-        "gemma2",
-        ("Gemma2ForCausalLM",),
-        layers="model.layers",
-        final_norm="model.norm",
-        unembed="model.embed_tokens",
-        attn_post_norm="post_attention_layernorm",
-        mlp_post_norm="post_feedforward_layernorm",
-    ),
-    VllmFamily(
-        "gemma3",
-        ("Gemma3ForCausalLM",),
-        layers="model.layers",
-        final_norm="model.norm",
-        unembed="model.embed_tokens",
-        q_norm="self_attn.q_norm",
-        k_norm="self_attn.k_norm",
-        attn_post_norm="post_attention_layernorm",
-        mlp_post_norm="post_feedforward_layernorm",
-    ),
-)
-
-_BY_ARCHITECTURE = {arch: family for family in FAMILIES for arch in family.architectures}
-
-
-def supported_architectures() -> list[str]:
-    return sorted(_BY_ARCHITECTURE)
-
-
-def family_for(config: Any) -> VllmFamily:
-    """The layout for an HF config, or ``UnsupportedArchitecture`` naming the supported ones."""
-    for arch in getattr(config, "architectures", None) or ():
-        if arch in _BY_ARCHITECTURE:
-            return _BY_ARCHITECTURE[arch]
-    raise UnsupportedArchitecture(
-        f"the vllm backend has no adapter for {getattr(config, 'architectures', None)}; "
-        f"supported: {', '.join(supported_architectures())}"
-    )
+    def layer_lacks(self, kind: str, layer: int) -> str | None:
+        """Why ``kind`` does not exist at ``layer`` (``None``: it does), for models whose layers
+        differ (dense and mixture-of-experts layers mixed)."""
+        moe = self.is_moe_layer(layer)
+        if moe and kind in ("mlp_pre", "mlp_pre_linear", "mlp_post"):
+            return (
+                f"layer {layer} is a mixture of experts: there is no single MLP hidden "
+                "(read router_logits, expert_indices, expert_weights or mlp_out)"
+            )
+        if not moe and kind in ("router_logits", "expert_indices", "expert_weights"):
+            return f"layer {layer} has a dense MLP, not a mixture of experts"
+        return None

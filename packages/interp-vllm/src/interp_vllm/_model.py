@@ -34,6 +34,7 @@ from interp_engine import (
     InvalidOption,
     InvalidSteering,
     InvalidTokens,
+    KindNotInFamily,
     ModelBase,
     ModelClosed,
     ModelInfo,
@@ -48,7 +49,7 @@ from interp_engine import (
 )
 from interp_engine.tokens import TextPieces, TokenizerMixin
 
-from ._families import family_for
+from ._resolve import resolve_without_weights
 from ._sites import SITES, merge_ranks
 from ._wire import Fetched, RequestPayload, pack, unpack
 
@@ -141,7 +142,6 @@ class VllmModel(TokenizerMixin, ModelBase):
             self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=trust)
         except (OSError, ValueError) as exc:
             raise ModelLoadError(f"cannot read a model config and tokenizer from {name_or_path!r}: {exc}") from exc
-        self.family = family_for(config)
         self.config = config
         self._cpu = _is_cpu_platform()
         if self._cpu:
@@ -160,15 +160,21 @@ class VllmModel(TokenizerMixin, ModelBase):
                 f"max_model_len must be a positive int no larger than the model's {model_max} positions, "
                 f"got {max_len!r}"
             )
+        # where vLLM's model keeps each address: its module tree, built on the meta device
+        self.family = resolve_without_weights(name_or_path, {**self.engine_defaults, **options})
         info = ModelInfo(
             architecture=str(config.model_type),
             n_layers=int(config.num_hidden_layers),
             d_model=d_model,
             d_mlp=int(d_mlp),
             n_heads=n_heads,
-            n_kv_heads=int(getattr(config, "num_key_value_heads", None) or n_heads),
+            n_kv_heads=int(getattr(config, "num_key_value_heads", None) or self.family.n_kv_heads or n_heads),
             vocab_size=int(config.vocab_size),
             n_ctx=int(max_len or 2**31 - 1),
+            parallel_attn=self.family.parallel,
+            d_head=int(getattr(config, "head_dim", None) or d_model // n_heads),
+            n_experts=self.family.n_experts,
+            experts_per_token=self.family.experts_per_token,
         )
         super().__init__(info, eos_ids=ModelBase.eos_ids_of(_generation_config(name_or_path, trust), config))
         max_logprobs = self.engine_kwargs.get("max_logprobs", fields.get("max_logprobs"))  # -1: the vocabulary
@@ -179,6 +185,10 @@ class VllmModel(TokenizerMixin, ModelBase):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._building: asyncio.Future[Any] | None = None
         self.tp_size = 1
+        self.pp_size = 1
+        # per pipeline stage (in order): the layers it holds and its workers' indices in
+        # collective_rpc's answers, by tensor-parallel rank (one stage without pipeline parallelism)
+        self._stages: list[tuple[frozenset[int], list[int]]] = []
         # fetches wait here and go to the workers together: one engine-core round trip for
         # every request that finished while the previous batch was on its way
         self._fetch_queue: list[tuple[str, asyncio.Future[list[dict[str, Any]]]]] = []
@@ -252,6 +262,8 @@ class VllmModel(TokenizerMixin, ModelBase):
             engine.shutdown()
             raise BackendError(problem)
         self.tp_size = int(pings[0].get("tp_size", 1))
+        self.pp_size = int(pings[0].get("pp_size", 1))
+        self._stages = _stages(pings)
         self._engine = engine
         if self._closed:  # shut down while starting
             engine.shutdown()
@@ -266,10 +278,21 @@ class VllmModel(TokenizerMixin, ModelBase):
         """Why the started workers cannot serve this model (``None``: they can)."""
         if not all(p.get("patched") for p in pings):
             runners = sorted({str(p.get("runner")) for p in pings})
+            seen = sorted({str(p.get("v2_runner_env")) for p in pings if not p.get("patched")})
             return (
                 f"vLLM is serving with a model runner the taps do not support ({', '.join(runners)}); "
-                "interp-vllm needs the V1 runner (VLLM_USE_V2_MODEL_RUNNER=0)"
+                "interp-vllm needs the V1 runner (VLLM_USE_V2_MODEL_RUNNER=0; those workers saw "
+                f"VLLM_USE_V2_MODEL_RUNNER={'/'.join(seen)}: on a Ray cluster a node's own value wins)"
             )
+        expected = sorted(self.family.lacks())
+        for ping in pings:
+            if ping.get("unsupported"):
+                return f"vLLM's workers cannot place this model's addresses: {ping['unsupported']}"
+            if "lacks" in ping and list(ping["lacks"]) != expected:
+                return (
+                    f"vLLM's workers resolved this model's structure differently from the front end "
+                    f"(lacking {ping['lacks']}, not {expected})"
+                )
         return None
 
     async def warmup(self) -> None:
@@ -283,6 +306,17 @@ class VllmModel(TokenizerMixin, ModelBase):
         queries and keys its kernel received; the final norm's output and the unembedding)."""
         lacks = self.family.lacks()
         return {kind: _HOW.get(kind, "hook") for kind in SITES if kind not in lacks and kind in self.supported_points}
+
+    def _missing_reason(self, kind: str) -> str:
+        return self.family.missing_reason(kind) or super()._missing_reason(kind)
+
+    def _check_served(self, addresses: Iterable[Address]) -> None:
+        addresses = list(addresses)
+        super()._check_served(addresses)
+        for address in addresses:  # layers that differ: dense and mixture-of-experts layers mixed
+            why = None if address.layer is None else self.family.layer_lacks(address.kind, address.layer)
+            if why is not None:
+                raise KindNotInFamily(f"{address}: {why}", address=address, valid=tuple(self._served_kinds()))
 
     # -- requests ----------------------------------------------------------------------------
     def _max_logprobs(self) -> int:
@@ -433,9 +467,11 @@ class VllmModel(TokenizerMixin, ModelBase):
         except Exception as exc:
             if self._closed:
                 raise ModelClosed("the model was shut down while this call was in flight") from exc
+            if _is_engine_dead(exc):  # its engine core process is gone: every later call says so at once
+                raise self._engine_died(f"{type(exc).__name__}: {exc}") from exc
             raise
         finally:
-            if not finished and not self._closed:
+            if not finished and not self._closed and self._dead is None:
                 await engine.abort(rid)
 
     async def _fetch_blobs(self, engine: Any, rid: str) -> list[dict[str, Any]]:
@@ -472,6 +508,21 @@ class VllmModel(TokenizerMixin, ModelBase):
         """The request finished or was aborted in vLLM and captured nothing: the workers forget
         it on their own when vLLM tells them (before any later request is admitted)."""
 
+    def _owners(self, address: Address) -> list[int]:
+        """The workers (indices in ``collective_rpc``'s answers, by tensor-parallel rank) of the
+        pipeline stage that computes ``address``: the last stage for the model's output (the final
+        norm and the unembedding live there), else the stage holding its layer."""
+        if not self._stages:  # pragma: no cover - only before the engine is built
+            raise BackendError("the engine is not running")
+        if SITES[address.kind].where == "model_out":
+            return self._stages[-1][1]
+        layer = address.layer or 0
+        for layers, workers in self._stages:
+            if layer in layers:
+                return workers
+        held = [sorted(stage[0]) for stage in self._stages]
+        raise BackendError(f"no pipeline stage holds layer {layer} (the stages hold {held})")
+
     async def _fetch(
         self, engine: Any, rid: str, points: Iterable[Address], n: int, readouts: Iterable[Features] = ()
     ) -> tuple[dict[Address, torch.Tensor], dict[Features, FeatureReadout]]:
@@ -480,12 +531,15 @@ class VllmModel(TokenizerMixin, ModelBase):
         except Exception as exc:
             if self._closed:
                 raise ModelClosed("the model was shut down while this call was in flight") from exc
+            if _is_engine_dead(exc):
+                raise self._engine_died(f"{type(exc).__name__}: {exc}") from exc
             raise BackendError(f"the workers could not return this request's values: {exc}") from exc
-        ranks = [Fetched.decode(blob) for blob in blobs]
-        for rank in ranks:
+        every = [Fetched.decode(blob) for blob in blobs]
+        for rank in every:
             rank.raise_error()
         values: dict[Address, torch.Tensor] = {}
         for address in points:
+            ranks = [every[i] for i in self._owners(address)]  # the stage that computes it, by TP rank
             if any(address not in rank.values for rank in ranks):
                 raise BackendError(
                     f"the taps for {address} did not fire for this request (is the interp-vllm "
@@ -503,10 +557,11 @@ class VllmModel(TokenizerMixin, ModelBase):
                 value = value[:, :, :n].permute(1, 0, 2).contiguous()
             values[address] = value
         found = {}
-        for spec in readouts:  # rank 0 computes them
-            if spec not in ranks[0].readouts:
+        computed = _readouts_of(every)
+        for spec in readouts:
+            if spec not in computed:
                 raise BackendError(f"the readout {spec} did not fire for this request")
-            positions, readout = ranks[0].readouts[spec]
+            positions, readout = computed[spec]
             if positions.shape[0] < n or not torch.equal(positions[:n], torch.arange(n)):
                 raise BackendError(f"the readout {spec} saw {positions.shape[0]} of the {n} positions of this request")
             found[spec] = readout[:n]
@@ -715,11 +770,13 @@ class VllmModel(TokenizerMixin, ModelBase):
         except Exception as exc:
             if self._closed:
                 raise ModelClosed("the model was shut down while this call was in flight") from exc
+            if _is_engine_dead(exc):
+                raise self._engine_died(f"{type(exc).__name__}: {exc}") from exc
             raise BackendError(f"the workers could not return this request's readouts: {exc}") from exc
-        fetched = Fetched.decode(blobs[0])  # rank 0 computes readouts
-        for blob in blobs:
-            Fetched.decode(blob).raise_error()
-        for spec, (positions, readout) in fetched.readouts.items():
+        every = [Fetched.decode(blob) for blob in blobs]
+        for rank in every:
+            rank.raise_error()
+        for spec, (positions, readout) in _readouts_of(every).items():
             for row, p in enumerate(positions.tolist()):
                 pending.setdefault(int(p), {})[spec] = readout[row]
 
@@ -737,10 +794,16 @@ class VllmModel(TokenizerMixin, ModelBase):
         engine = await self._ready()
         flat = residuals.detach().to("cpu", torch.float32).reshape(-1, self.info.d_model).contiguous()
         blobs = await engine.collective_rpc("interp_decode", args=(pack({"residuals": flat}),))
-        logits: torch.Tensor = unpack(blobs[0])["logits"]
+        logits: torch.Tensor = unpack(blobs[self._owners(Address("final_norm"))[0]])["logits"]
         return logits.reshape(*residuals.shape[:-1], logits.shape[-1])
 
     # -- lifecycle ---------------------------------------------------------------------------
+    def _probe_engine(self) -> None:
+        """vLLM's own flag: its engine core process died (or its output handler stopped)."""
+        engine = self._engine
+        if engine is not None and not self._closed and bool(getattr(engine, "errored", False)):
+            self._engine_died("EngineDeadError: the vLLM engine core is not running")
+
     def _close_resources(self) -> None:
         """Stop the engine and reap its processes (once, on the first ``shutdown()``)."""
         engine, self._engine = self._engine, None
@@ -761,9 +824,39 @@ class VllmModel(TokenizerMixin, ModelBase):
             gc.collect()  # let AsyncLLM.__del__ run now, not during interpreter teardown
 
 
+def _stages(pings: list[dict[str, Any]]) -> list[tuple[frozenset[int], list[int]]]:
+    """Per pipeline stage, in order: the layers it holds and the indices of its workers in
+    ``collective_rpc``'s answers, ordered by tensor-parallel rank (vLLM's global rank is
+    ``pp_rank * tp_size + tp_rank``, but the answers' order is the executor's: Ray's may differ)."""
+    workers: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)
+    layers: dict[int, frozenset[int]] = {}
+    for index, ping in enumerate(pings):
+        stage = int(ping.get("pp_rank", 0))
+        workers[stage].append((int(ping.get("rank", 0)), index))
+        layers[stage] = frozenset(int(layer) for layer in ping.get("layers") or ())
+    return [(layers[stage], [index for _, index in sorted(workers[stage])]) for stage in sorted(workers)]
+
+
+def _readouts_of(ranks: list[Fetched]) -> dict[Features, tuple[torch.Tensor, FeatureReadout]]:
+    """Every readout the workers computed (each by tensor-parallel rank 0 of the pipeline stage
+    holding its SAE's address)."""
+    found: dict[Features, tuple[torch.Tensor, FeatureReadout]] = {}
+    for rank in ranks:
+        for spec, value in rank.readouts.items():
+            found.setdefault(spec, value)
+    return found
+
+
 def _keyed(payload: RequestPayload, keys: dict[str, str]) -> RequestPayload:
     """``payload`` naming the keys its SAEs are held under in the workers."""
     return dataclasses.replace(payload, sae_keys=keys) if keys else payload
+
+
+def _is_engine_dead(exc: BaseException) -> bool:
+    """Whether ``exc`` is vLLM's report that its engine core died."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    return isinstance(exc, EngineDeadError)
 
 
 def _engine_processes(engine: Any) -> list[Any]:

@@ -21,7 +21,9 @@ A site names a hook:
 is the stashed ``resid_pre`` plus what the layer adds after attention (a write there moves that
 by the same amount, so both the MLP and the residual see it, where vLLM forms the sum);
 ``attn_scores`` are the post-rotary queries times the keys the kernel receives, with the kernel's
-scale, soft-cap, causal mask and sliding window, and ``attn_pattern`` their softmax.
+scale, soft-cap, causal mask and sliding window, and ``attn_pattern`` their softmax;
+``expert_indices`` / ``expert_weights`` are vLLM's own routing function (the fused-MoE runner's
+router) applied to the router's logits, after any write there.
 Per-head kinds are ``[tokens, heads * d_head]`` in vLLM and ``[tokens, heads, d_head]`` to us.
 """
 
@@ -65,6 +67,9 @@ class VllmSite:
     """Computed at the hook from other values (see the module docstring), not read directly."""
     static_write: bool = True
     """Whether vllm-static can apply writes here in-graph."""
+    routed: Literal["ids", "weights"] | None = None
+    """Computed by vLLM's routing function from the router's logits at the same hook (the experts
+    chosen and their weights); vllm-static taps the logits (:data:`ROUTER_KIND`) and routes on the host."""
 
     @property
     def per_head(self) -> bool:
@@ -91,11 +96,15 @@ SITES: dict[str, VllmSite] = {
         VllmSite("attn_out", "output", "attn"),
         VllmSite("attn_out_post", "output", "attn_post_norm"),
         VllmSite("resid_mid", "output", "attn_contrib", derived=True),
-        VllmSite("mlp_in", "input", "mlp", arg=0, arg_name="hidden_states"),
+        VllmSite("mlp_in", "input", "mlp_in_at", arg=0, arg_name="hidden_states"),
+        # mixtures of experts: the router's output, and vLLM's routing function applied to it
+        VllmSite("router_logits", "output", "router"),
+        VllmSite("expert_indices", "output", "router", derived=True, static_write=False, routed="ids"),
+        VllmSite("expert_weights", "output", "router", derived=True, static_write=False, routed="weights"),
         VllmSite("mlp_pre", "output", "mlp_up", shard="last", part="gate"),
         VllmSite("mlp_pre_linear", "output", "mlp_up", shard="last", part="up"),
         VllmSite("mlp_post", "input", "mlp_down", shard="last"),
-        VllmSite("mlp_out", "output", "mlp"),
+        VllmSite("mlp_out", "output", "mlp_out_at"),
         VllmSite("mlp_out_post", "output", "mlp_post_norm"),
         VllmSite("resid_post", "layer_out"),
         VllmSite("final_norm", "model_out"),
@@ -104,6 +113,9 @@ SITES: dict[str, VllmSite] = {
     )
 }
 """Every kind the vLLM backends serve (a family may lack some: :meth:`VllmFamily.lacks`)."""
+
+ROUTER_KIND = "router_logits"
+"""The kind whose values the routed kinds are computed from."""
 
 POINT_KINDS = tuple(SITES)
 WRITE_KINDS = tuple(kind for kind, site in SITES.items() if KINDS[kind].writable)

@@ -50,10 +50,10 @@ from torch import nn
 from interp_engine import Address, FeatureWrite, Write, load_sae
 from interp_engine.validation import write_positions
 
-from ._sites import SITES, HookKey, VllmSite, columns, hook_key, owned_heads
+from ._sites import ROUTER_KIND, SITES, HookKey, VllmSite, columns, hook_key, owned_heads
 from ._static import SaeLayout, StaticSae, StaticTap, StaticWrites, plan_writes
 from ._wire import Fetched, RequestPayload, compact
-from ._worker import RequestTaps, TapManager, _arg, _get, _Hook, _set_arg, _Slice, arg_slot
+from ._worker import RequestTaps, TapManager, _arg, _get, _Hook, _set_arg, _Slice, arg_slot, forward_pre_hook
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +123,14 @@ def _chain(module: nn.Module, names: Names, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _chain_rows(module: nn.Module, names: Names, x: torch.Tensor, batched: bool) -> torch.Tensor:
+    """:func:`_chain` on ``[tokens, ...]`` rows: a batched ``[1, tokens, ...]`` value (HF's modules
+    under vLLM's Transformers modeling backend) is unbatched for it and batched again."""
+    if batched:
+        return _chain(module, names, x[0]).unsqueeze(0)
+    return _chain(module, names, x)
+
+
 def _writes(names: Names) -> bool:
     """Whether anything at these addresses may change the value (a write table or a clamp)."""
     return any(write is not None or clamps for write, _, clamps, _ in names)
@@ -144,6 +152,9 @@ class StaticTapManager(TapManager):
     def __init__(self, runner: Any, config: dict[str, Any]) -> None:
         super().__init__(runner)
         self.points = [Address.parse(p) for p in config.get("points", [])]
+        # expert indices and weights are routed on the host from the router's logits: tap those
+        routed = [Address(ROUTER_KIND, a.layer) for a in self.points if SITES[a.kind].routed is not None]
+        self.points += [a for a in dict.fromkeys(routed) if a not in self.points]
         self.write_addresses = [Address.parse(a) for a in config.get("writes", [])]
         self.slots = int(config.get("slots", 256))
         self.max_tokens = int(runner.max_num_tokens)
@@ -174,7 +185,9 @@ class StaticTapManager(TapManager):
     def _install_static(self) -> None:
         hooks: dict[HookKey, list[Address]] = defaultdict(list)
         for address in dict.fromkeys([*self.points, *self.write_addresses, *self.sae_names]):
-            if SITES[address.kind].where == "model_out":
+            if SITES[address.kind].where == "model_out" or SITES[address.kind].routed is not None:
+                continue
+            if not self.owns(address):  # a layer of another pipeline stage
                 continue
             hooks[hook_key(address, self.family)].append(address)
             if address.kind == "resid_mid":  # its resid_pre is stashed at the layer's input
@@ -182,16 +195,19 @@ class StaticTapManager(TapManager):
         order = {kind: i for i, kind in enumerate(SITES)}
         for key in sorted(hooks, key=lambda k: (k[2], min((order[a.kind] for a in hooks[k]), default=0))):
             addresses = sorted(hooks[key], key=lambda a: order[a.kind])
-            where, _, layer = key
+            where, attr, layer = key
             module = self.module(key)
             if where == "layer_in":
                 module.register_forward_pre_hook(self._layer_in_hook(module, layer, addresses), with_kwargs=True)
             elif where == "layer_out":
                 module.register_forward_hook(self._layer_out_hook(module, addresses))
+            elif where == "input" and attr == "attn_kernel":  # called as kernel.forward(...) by some models
+                forward_pre_hook(module, self._input_hook(module, layer, addresses))
             elif where == "input":
-                module.register_forward_pre_hook(self._input_hook(module, layer, addresses), with_kwargs=True)
+                hook = self._input_hook(module, layer, addresses, self.family.batched)
+                module.register_forward_pre_hook(hook, with_kwargs=True)
             else:
-                module.register_forward_hook(self._output_hook(module, layer, addresses))
+                module.register_forward_hook(self._output_hook(module, layer, addresses, self.family.batched))
 
     def _new_tap(self, module: nn.Module, name: str, width: int) -> StaticTap:
         tap = StaticTap(self.max_tokens, width, dtype=self.dtype, device=self.device)
@@ -209,6 +225,8 @@ class StaticTapManager(TapManager):
         """Values per token at a site on this rank."""
         if site.per_head:
             return self._local_heads(site) * self.d_head
+        if site.kind == ROUTER_KIND:
+            return self.family.n_experts
         if site.shard == "last" and site.where == "input":  # mlp_post: the down projection's (sharded) input
             return int(getattr(module, "input_size_per_partition", 0) or getattr(module, "weight").shape[1])  # noqa: B009
         if site.shard == "last":  # mlp_pre(_linear): (a half of) the up projection's (sharded) output
@@ -257,32 +275,37 @@ class StaticTapManager(TapManager):
         stash = mid in self.points or mid in self.write_addresses
         if stash:
             self._new_tap(_get(block, attn_path), "interp_stash", self.d_model)
-        deferred = self.family.deferred_residual
-        hidden_at = (1, "hidden_states") if deferred else (0, "hidden_states")
+        hidden_at, residual_at = self.family.hidden_arg, self.family.residual_arg
         writes = _writes(names)
+        batched = self.family.batched
 
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             hidden = _arg(args, kwargs, *hidden_at)
-            residual = _arg(args, kwargs, 2, "residual") if deferred else None
+            residual = _arg(args, kwargs, *residual_at) if residual_at is not None else None
             stream = hidden if residual is None else hidden + residual
-            new = _chain(module, names, stream)
+            new = _chain_rows(module, names, stream, batched)
             if stash:
-                _tap(_get(module, attn_path), "interp_stash")(new)
+                _tap(_get(module, attn_path), "interp_stash")(new[0] if batched else new)
             if not writes:
                 return None
-            if residual is None:
+            if residual is None or residual_at is None:
                 return _set_arg(args, kwargs, *hidden_at, new)
             mask = _steered(module, names, new.shape[0])
             args, kwargs = _set_arg(args, kwargs, *hidden_at, torch.where(mask, new, hidden))
-            return _set_arg(args, kwargs, 2, "residual", torch.where(mask, 0.0, residual))
+            return _set_arg(args, kwargs, *residual_at, torch.where(mask, 0.0, residual))
 
         return hook
 
     def _layer_out_hook(self, block: nn.Module, addresses: list[Address]) -> Callable[..., Any]:
         names = [self._names(block, a) for a in addresses]
         writes = _writes(names)
+        deferred = self.family.deferred_residual
+        batched = self.family.batched
 
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            if isinstance(output, tuple) and not deferred:  # (stream, ...)
+                new = _chain_rows(module, names, output[0], batched)
+                return (new, *output[1:]) if writes else None
             if isinstance(output, tuple):
                 hidden, residual = output[0], output[1]
                 stream = hidden if residual is None else hidden + residual
@@ -293,12 +316,14 @@ class StaticTapManager(TapManager):
                     return (new, *output[1:])
                 mask = _steered(module, names, new.shape[0])
                 return (torch.where(mask, new, hidden), torch.where(mask, 0.0, residual), *output[2:])
-            new = _chain(module, names, output)
+            new = _chain_rows(module, names, output, batched)
             return new if writes else None
 
         return hook
 
-    def _input_hook(self, module: nn.Module, layer: int, addresses: list[Address]) -> Callable[..., Any]:
+    def _input_hook(
+        self, module: nn.Module, layer: int, addresses: list[Address], batched: bool = False
+    ) -> Callable[..., Any]:
         steps: list[tuple[tuple[int, str], Names]] = []  # ((position, name) of the argument, names) in order
         qk = False
         for address in addresses:
@@ -316,7 +341,7 @@ class StaticTapManager(TapManager):
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             for (index, name), names in steps:
                 args, kwargs = _set_arg(
-                    args, kwargs, index, name, _chain(module, names, _arg(args, kwargs, index, name))
+                    args, kwargs, index, name, _chain_rows(module, names, _arg(args, kwargs, index, name), batched)
                 )
             if qk:
                 _tap(module, "interp_q")(_arg(args, kwargs, 0, "query"))
@@ -325,7 +350,9 @@ class StaticTapManager(TapManager):
 
         return hook
 
-    def _output_hook(self, module: nn.Module, layer: int, addresses: list[Address]) -> Callable[..., Any]:
+    def _output_hook(
+        self, module: nn.Module, layer: int, addresses: list[Address], batched: bool = False
+    ) -> Callable[..., Any]:
         parts: dict[tuple[int, int] | None, Names] = {}  # column block -> names (gate / up halves)
         for a in addresses:
             if not SITES[a.kind].derived:
@@ -333,9 +360,12 @@ class StaticTapManager(TapManager):
         mid_names = [self._names(module, a) for a in addresses if SITES[a.kind].derived]  # resid_mid
         out_writes = any(_writes(names) for names in parts.values())
         mid_writes = _writes(mid_names)
+        scale = self.family.attn_scale  # what the layer multiplies attention's contribution by
 
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
             value = output[0] if isinstance(output, tuple) else output
+            if batched:  # [1, tokens, ...]: work on the rows
+                value = value[0]
             new = value
             for cols, names in parts.items():
                 if cols is None:
@@ -349,13 +379,16 @@ class StaticTapManager(TapManager):
             if mid_names:
                 n = new.shape[0]
                 before = _tap(module, "interp_stash").buffer[:n].to(new.dtype)
-                mid = before + new.reshape(n, -1)
+                mid = before + scale * new.reshape(n, -1)
                 moved = _chain(module, mid_names, mid)
                 if mid_writes:
                     mask = _steered(module, mid_names, n)
-                    new = torch.where(mask, moved - before, new.reshape(n, -1)).reshape(value.shape)
+                    added = (moved - before) / scale if scale != 1.0 else moved - before
+                    new = torch.where(mask, added, new.reshape(n, -1)).reshape(value.shape)
             if not (out_writes or mid_writes):
                 return None
+            if batched:
+                new = new.unsqueeze(0)
             return (new, *output[1:]) if isinstance(output, tuple) else new
 
         return hook
@@ -377,7 +410,8 @@ class StaticTapManager(TapManager):
             self.held[rid] = {}
             return taps
         held: dict[Address, tuple[list[int], torch.Tensor, torch.Tensor]] = {}
-        plain = [w for w in payload.writes if isinstance(w, Write)]
+        # the writes at this pipeline stage's layers (every write without pipeline parallelism)
+        plain = [w for w in payload.writes if isinstance(w, Write) and w.address is not None and self.owns(w.address)]
         try:
             self.clamps[rid] = self._clamp_plan(payload, taps)
             for address, plan in plan_writes(plain, taps.n_prompt, taps.n_total, self.heads_of).items():
@@ -414,8 +448,8 @@ class StaticTapManager(TapManager):
 
         plans: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for write in payload.writes:
-            if not isinstance(write, FeatureWrite):
-                continue
+            if not isinstance(write, FeatureWrite) or (write.address is not None and not self.owns(write.address)):
+                continue  # a clamp at a layer of another pipeline stage is applied there
             module = self.sae_modules.get(write.sae)
             if module is None or not module.clamps:
                 raise InvalidSteering(f"{write.sae!r} cannot clamp features in this engine's compiled graph")
@@ -488,12 +522,22 @@ class StaticTapManager(TapManager):
             self._readouts(slices)
         for sl in slices:
             for address in sl.taps.points:
+                if not self.owns(address):  # another pipeline stage reads it
+                    continue
                 site = SITES[address.kind]
                 if site.where == "model_out":
                     hook.add(address, sl)
                 elif site.derived and site.where == "input":  # attn_scores / attn_pattern
                     q, k = self.qk[address.layer or 0]
                     self._attention(sl, address, q.buffer[sl.start : sl.end], k.buffer[sl.start : sl.end])
+                elif site.routed is not None:  # vLLM's routing of the tapped (possibly written) logits
+                    tap = self.taps[Address(ROUTER_KIND, address.layer)]
+                    logits = tap.buffer[sl.start : sl.end]
+                    self._record_routing(
+                        self.route(address.layer or 0, logits, logits),
+                        [_Slice(sl.taps, 0, sl.end - sl.start, sl.positions)],
+                        address,
+                    )
                 else:
                     rows = self.taps[address].read(sl.start, sl.end)
                     if site.per_head:
@@ -513,7 +557,9 @@ class StaticTapManager(TapManager):
             for name in dict.fromkeys(spec.sae for specs in sl.taps.readouts_at.values() for spec in specs):
                 readers[name].append((sl, keep))
         for name, group in readers.items():
-            module = self.sae_modules[name]
+            module = self.sae_modules.get(name)
+            if module is None:  # an SAE at a layer of another pipeline stage: read there
+                continue
             rows = torch.cat([torch.nonzero(keep).flatten() + sl.start for sl, keep in group])
             wanted = [spec for sl, _ in group for specs in sl.taps.readouts_at.values() for spec in specs]
             whole = {

@@ -10,6 +10,7 @@ once.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 PATCHED = "_interp_engine_patched"
@@ -18,9 +19,9 @@ PATCHED = "_interp_engine_patched"
 def _taps(runner: Any) -> Any:
     taps = getattr(runner, "_interp_taps", None)
     if taps is None:
-        from ._worker import TapManager
+        from ._worker import tap_manager
 
-        taps = runner._interp_taps = TapManager(runner)
+        taps = runner._interp_taps = tap_manager(runner)
     return taps
 
 
@@ -28,9 +29,31 @@ def _after_load(runner: Any) -> None:
     """Install a vllm-static engine's taps right after the model is loaded (before compiling)."""
     from ._static_worker import StaticTapManager, static_config
 
+    _pipeline_buffers(runner)
+
     config = static_config(runner)
     if config is not None:
         runner._interp_taps = StaticTapManager(runner, config)
+
+
+def _pipeline_buffers(runner: Any) -> None:
+    """Allocate the buffers a pipeline stage after the first receives the previous stage's
+    hidden states in. vLLM allocates them in its warm-up forward, which its CPU worker skips
+    for an uncompiled model (``enforce_eager``): the first step would then fail."""
+    if getattr(runner, "intermediate_tensors", True) is not None:
+        return
+    try:
+        from vllm.distributed import get_pp_group
+
+        first = get_pp_group().is_first_rank
+    except Exception:  # not distributed
+        return
+    make = getattr(runner.model, "make_empty_intermediate_tensors", None)
+    if first or make is None:
+        return
+    runner.intermediate_tensors = make(
+        batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device
+    )
 
 
 def interp_ping(self: Any) -> dict[str, Any]:
@@ -43,6 +66,13 @@ def interp_ping(self: Any) -> dict[str, Any]:
         "static": _is_static(taps),
         "rank": taps.rank,
         "tp_size": taps.tp_size,
+        "lacks": sorted(taps.family.lacks()) if taps.family is not None else None,
+        "unsupported": getattr(taps, "unsupported", None),
+        "pp_rank": getattr(taps, "pp_rank", 0),
+        "pp_size": getattr(taps, "pp_size", 1),
+        "layers": list(getattr(taps, "owned", ())),
+        # what picked the runner in this worker (a Ray worker on another node has its own env)
+        "v2_runner_env": os.environ.get("VLLM_USE_V2_MODEL_RUNNER"),
     }
 
 
@@ -84,7 +114,8 @@ def interp_decode(self: Any, data: bytes) -> bytes:
     from ._wire import pack, unpack
 
     residuals = unpack(data)["residuals"]
-    return pack({"logits": _taps(self.model_runner).decode(residuals)})
+    logits = _taps(self.model_runner).decode(residuals)
+    return pack({} if logits is None else {"logits": logits})  # nothing from a stage before the last
 
 
 def interp_stats(self: Any) -> dict[str, int]:

@@ -126,7 +126,8 @@ def compact(readout: FeatureReadout, dtype: str, d_sae: int) -> FeatureReadout:
 class Fetched:
     """One rank's values for one request: per address, the absolute positions it saw and the
     values there (sorted by position, one value per position), per feature readout the same
-    (only rank 0 computes readouts), or why it could not serve it."""
+    (tensor-parallel rank 0 of the pipeline stage holding the SAE's address computes readouts),
+    or why it could not serve it."""
 
     values: Mapping[Address, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     error: str | None = None

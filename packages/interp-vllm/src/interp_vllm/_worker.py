@@ -27,10 +27,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from interp_engine import Address, BackendError, FeatureReadout, Features, FeatureWrite, Sae, UnknownSae, Write
+from interp_engine import (
+    Address,
+    BackendError,
+    FeatureReadout,
+    Features,
+    FeatureWrite,
+    Sae,
+    UnknownSae,
+    UnsupportedArchitecture,
+    Write,
+)
 from interp_engine.validation import write_positions
 
-from ._families import VllmFamily, family_for
+from ._families import VllmFamily
+from ._resolve import resolve
 from ._sites import SITES, HookKey, VllmSite, columns, hook_key, local_write
 from ._static import SaeLayout, SaeMath, pick
 from ._wire import PAYLOAD_KEY, Fetched, RequestPayload, compact
@@ -74,6 +85,37 @@ def _arg_slot(cls: type[nn.Module], site: VllmSite) -> tuple[int, str]:
     return site.arg, site.arg_name or f"arg{site.arg}"
 
 
+class _ForwardHook:
+    """A pre-hook run by the module's ``forward`` itself (see :func:`forward_pre_hook`)."""
+
+    def __init__(self, module: nn.Module, hook: Callable[..., Any]) -> None:
+        self.module = module
+        self.previous = module.__dict__.get("forward")
+        inner = module.forward
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            changed = hook(module, args, kwargs)
+            if changed is not None:
+                args, kwargs = changed
+            return inner(*args, **kwargs)
+
+        module.forward = forward
+
+    def remove(self) -> None:
+        if self.previous is None:
+            self.module.__dict__.pop("forward", None)
+        else:
+            self.module.forward = self.previous
+
+
+def forward_pre_hook(module: nn.Module, hook: Callable[..., Any]) -> _ForwardHook:
+    """``hook(module, args, kwargs)`` before every call of ``module``'s forward, returning
+    ``(args, kwargs)`` to change them (or ``None``). Unlike ``register_forward_pre_hook`` it also
+    runs when the caller calls ``module.forward(...)`` directly, as vLLM's Transformers modeling
+    backend calls its attention kernels."""
+    return _ForwardHook(module, hook)
+
+
 def flat(value: torch.Tensor) -> torch.Tensor:
     """``[tokens, everything else]`` (a view when ``value`` is contiguous: writes go through)."""
     return value.reshape(value.shape[0], -1)
@@ -108,6 +150,27 @@ def _tp() -> tuple[int, int]:
         return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
     except Exception:  # not initialised (tests) or not distributed
         return 0, 1
+
+
+def _pp() -> tuple[int, int]:
+    """This worker's pipeline-parallel stage and the number of stages."""
+    try:
+        from vllm.distributed import get_pp_group
+
+        group = get_pp_group()
+        return int(group.rank_in_group), int(group.world_size)
+    except Exception:  # not initialised (tests) or not distributed
+        return 0, 1
+
+
+def owned_layers(layers: Any) -> tuple[int, ...]:
+    """The layers this pipeline stage holds: vLLM puts a ``PPMissingLayer`` where a layer lives
+    on another stage (every layer without pipeline parallelism)."""
+    try:
+        from vllm.model_executor.models.utils import PPMissingLayer
+    except ImportError:  # pragma: no cover - a vLLM without it has no pipeline parallelism
+        return tuple(range(len(layers)))
+    return tuple(i for i, layer in enumerate(layers) if not isinstance(layer, PPMissingLayer))
 
 
 _Local = tuple[Write, torch.Tensor, torch.Tensor | None]
@@ -209,19 +272,58 @@ class _Hook:
         ]
 
 
+def tap_manager(runner: Any) -> TapManager | UntappedRunner:
+    """The taps of a model runner, or, for a model whose structure cannot be resolved, a runner
+    that serves vLLM's plain requests untouched (installing interp-vllm never breaks vLLM)."""
+    try:
+        return TapManager(runner)
+    except UnsupportedArchitecture as exc:
+        logger.warning("interp-engine: no taps for this model: %s", exc)
+        return UntappedRunner(str(exc))
+
+
+class UntappedRunner:
+    """A model runner's forwards, untouched: the model could not be resolved (requests with
+    taps are refused by the front end, which resolves it first)."""
+
+    family = None
+
+    def __init__(self, unsupported: str) -> None:
+        self.unsupported = unsupported
+        self.rank, self.tp_size = _tp()
+
+    def run(self, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return forward(*args, **kwargs)
+
+    def finished(self, req_ids: Any) -> None:
+        return None
+
+    def __getattr__(self, name: str) -> Any:
+        raise BackendError(f"this vLLM worker has no taps: {self.unsupported}")
+
+
 class TapManager:
     """The taps of one model runner. ``run`` wraps each ``_model_forward`` call."""
 
     def __init__(self, runner: Any) -> None:
         self.runner = runner
         self.model: nn.Module = runner.get_model()
-        self.family: VllmFamily = family_for(runner.model_config.hf_config)
+        self.family: VllmFamily = resolve(self.model, runner.model_config.hf_config)
         self.layers = _get(self.model, self.family.layers)
         self.rank, self.tp_size = _tp()
+        # under pipeline parallelism this stage holds some layers (and the last stage the final
+        # norm and the unembedding): hooks go only where the layer lives, reads come from there
+        self.pp_rank, self.pp_size = _pp()
+        self.owned = owned_layers(self.layers)
+        self.last_stage = self.pp_rank == self.pp_size - 1
+        if not self.owned:
+            raise BackendError(f"pipeline stage {self.pp_rank} of {self.pp_size} holds none of the model's layers")
         config = runner.model_config.hf_config
         self.n_heads = int(config.num_attention_heads)
-        self.n_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.n_heads)
-        self.d_head = int(_get(self.layers[0], self.family.attn_kernel).head_size)
+        # the config's count where it names one (key/value heads replicated over more ranks than
+        # there are heads), else the kernels' (Falcon's multi-query attention: num_kv_heads)
+        self.n_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.family.n_kv_heads)
+        self.d_head = int(_get(self.layers[self.owned[0]], self.family.attn_kernel).head_size)
         self.requests: dict[str, RequestTaps] = {}
         self.step_tokens = 0  # rows of the flattened batch in the current step
         # ids already fetched or released: a step scheduled before an abort landed must not
@@ -251,6 +353,13 @@ class TapManager:
 
     def total_heads(self, site: VllmSite) -> int:
         return self.n_kv_heads if site.shard == "kv_heads" else self.n_heads
+
+    def owns(self, address: Address) -> bool:
+        """Whether ``address`` is computed on this pipeline stage (the model's output kinds on
+        the last stage, the others where their layer lives; ``embed`` with layer 0)."""
+        if SITES[address.kind].where == "model_out":
+            return self.last_stage
+        return (address.layer or 0) in self.owned
 
     def module(self, key: HookKey) -> nn.Module:
         """The module a hook attaches to."""
@@ -352,6 +461,8 @@ class TapManager:
         hooks: dict[HookKey, _Hook] = defaultdict(_Hook)
         for sl in slices:
             for address in sl.taps.addresses():
+                if not self.owns(address):  # another pipeline stage serves it
+                    continue
                 hooks[hook_key(address, self.family)].add(address, sl)
                 if address.kind == "resid_mid":  # needs this layer's resid_pre
                     stash = hooks[("layer_in", None, address.layer or 0)]
@@ -388,17 +499,20 @@ class TapManager:
         return output
 
     def _install(self, key: HookKey, hook: _Hook) -> Any:
-        where, _, layer = key
+        where, attr, layer = key
         module = self.module(key)
         if where == "layer_in":
             return module.register_forward_pre_hook(self._guarded(hook, self._layer_in(layer, hook)), with_kwargs=True)
         if where == "layer_out":
             return module.register_forward_hook(self._guarded(hook, self._layer_out(hook)))
+        if where == "input" and attr == "attn_kernel":  # [tokens, ...] on every model
+            return forward_pre_hook(module, self._guarded(hook, self._input(module, layer, hook)))
+        batched = self.family.batched  # HF's modules see [1, tokens, ...]
         if where == "input":
             return module.register_forward_pre_hook(
-                self._guarded(hook, self._input(module, layer, hook)), with_kwargs=True
+                self._guarded(hook, self._input(module, layer, hook, batched)), with_kwargs=True
             )
-        return module.register_forward_hook(self._guarded(hook, self._output(layer, hook)))
+        return module.register_forward_hook(self._guarded(hook, self._output(layer, hook, batched)))
 
     def _guarded(self, hook: _Hook, function: Callable[..., Any]) -> Callable[..., Any]:
         """``function`` (a hook) that, if it raises, leaves the forward's values as they were and
@@ -593,43 +707,50 @@ class TapManager:
         return hidden + residual if residual is not None else hidden.clone()
 
     def _layer_in(self, layer: int, hook: _Hook) -> Callable[..., Any]:
-        deferred = self.family.deferred_residual
+        # the layer's hidden-states argument and, where it defers the add, its residual one
+        hidden_at, residual_at = self.family.hidden_arg, self.family.residual_arg
 
         def pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            # vLLM layers are called (positions, hidden, residual), or (hidden,) without deferral
-            hidden_at = (1, "hidden_states") if deferred else (0, "hidden_states")
             hidden = _arg(args, kwargs, *hidden_at)
-            residual = _arg(args, kwargs, 2, "residual") if deferred else None
+            residual = _arg(args, kwargs, *residual_at) if residual_at is not None else None
             stream = self._stream(hidden, residual)
+            rows = stream[0] if self.family.batched else stream  # a view: writes reach the stream
             changed = False
             for address, _, members in hook.ordered():
-                changed |= self._visit(stream, members, address)
+                changed |= self._visit(rows, members, address)
             for sl in hook.stash_for:
-                sl.stash[layer] = stream[sl.start : sl.end].clone()
+                sl.stash[layer] = rows[sl.start : sl.end].clone()
             if not changed:
                 return None
             args, kwargs = _set_arg(args, kwargs, *hidden_at, stream)
-            if residual is not None:
-                args, kwargs = _set_arg(args, kwargs, 2, "residual", torch.zeros_like(residual))
+            if residual is not None and residual_at is not None:
+                args, kwargs = _set_arg(args, kwargs, *residual_at, torch.zeros_like(residual))
             return args, kwargs
 
         return pre
 
     def _layer_out(self, hook: _Hook) -> Callable[..., Any]:
+        deferred = self.family.deferred_residual
+
         def post(module: nn.Module, args: Any, output: Any) -> Any:
-            stream = self._stream(output[0], output[1]) if isinstance(output, tuple) else output.clone()
+            # a deferring layer returns (hidden, residual); others the stream (or a tuple starting with it)
+            if deferred and isinstance(output, tuple):
+                stream = self._stream(output[0], output[1])
+            else:
+                stream = (output[0] if isinstance(output, tuple) else output).clone()
+            rows = stream[0] if self.family.batched else stream  # a view: writes reach the stream
             changed = False
             for address, _, members in hook.ordered():
-                changed |= self._visit(stream, members, address)
+                changed |= self._visit(rows, members, address)
             if not changed:
                 return None
-            if isinstance(output, tuple):
+            if deferred and isinstance(output, tuple):
                 return (stream, torch.zeros_like(output[1]), *output[2:])
-            return stream
+            return (stream, *output[1:]) if isinstance(output, tuple) else stream
 
         return post
 
-    def _input(self, module: nn.Module, layer: int, hook: _Hook) -> Callable[..., Any]:
+    def _input(self, module: nn.Module, layer: int, hook: _Hook, batched: bool = False) -> Callable[..., Any]:
         slots = {address: arg_slot(module, site) for address, site, _ in hook.ordered()}
 
         def pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -646,23 +767,28 @@ class TapManager:
                 writes = any(address in sl.taps.writes for sl in members)
                 if writes:  # never write into vLLM's own (possibly shared) tensors
                     value = value.clone(memory_format=torch.contiguous_format)
-                if self._visit(flat(value), members, address):
+                if self._visit(flat(value[0] if batched else value), members, address):
                     args, kwargs = _set_arg(args, kwargs, index, name, value)
                     changed = True
             return (args, kwargs) if changed else None
 
         return pre
 
-    def _output(self, layer: int, hook: _Hook) -> Callable[..., Any]:
+    def _output(self, layer: int, hook: _Hook, batched: bool = False) -> Callable[..., Any]:
         def post(module: nn.Module, args: Any, output: Any) -> Any:
             value = output[0] if isinstance(output, tuple) else output
             # the next fused norm works in place on this tensor
             value = value.clone(memory_format=torch.contiguous_format)
-            rows = flat(value)
+            rows = flat(value[0] if batched else value)
             changed = False
+            routed: tuple[torch.Tensor, torch.Tensor] | None = None
             for address, site, members in hook.ordered():
                 if site.kind == "resid_mid":
                     changed |= self._mid(rows, members, layer)
+                elif site.routed is not None:  # vLLM's routing of the router's logits, after any write there
+                    if routed is None:
+                        routed = self.route(layer, args[0] if args else rows, rows)
+                    self._record_routing(routed, members, address)
                 else:
                     changed |= self._visit(part_of(rows, columns(site, self.family)), members, address)
             if not changed:
@@ -672,16 +798,38 @@ class TapManager:
         return post
 
     def _mid(self, attn_out: torch.Tensor, members: list[_Slice], layer: int) -> bool:
-        """resid_mid = resid_pre + attn_out; a write there moves attn_out by the same amount."""
+        """resid_mid = resid_pre + attn_out (times the layer's residual multiplier, where it has
+        one); a write there moves what attention adds by the same amount."""
         address = Address("resid_mid", layer)
+        scale = self.family.attn_scale
         changed = False
         for sl in members:
             mid = torch.zeros_like(attn_out)
-            mid[sl.start : sl.end] = sl.stash[layer].to(attn_out.dtype) + attn_out[sl.start : sl.end]
+            mid[sl.start : sl.end] = sl.stash[layer].to(attn_out.dtype) + scale * attn_out[sl.start : sl.end]
             if self._visit(mid, [sl], address):
-                attn_out[sl.start : sl.end] = mid[sl.start : sl.end] - sl.stash[layer].to(attn_out.dtype)
+                added = mid[sl.start : sl.end] - sl.stash[layer].to(attn_out.dtype)
+                attn_out[sl.start : sl.end] = added / scale if scale != 1.0 else added
                 changed = True
         return changed
+
+    def route(self, layer: int, hidden: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(expert weights, expert indices)`` for router logits at ``layer``: vLLM's own routing
+        function (the fused-MoE runner's router: its top-k, scoring and renormalisation)."""
+        runner = _get(self.layers[layer], self.family.experts or "")
+        weights, ids = runner.router.select_experts(hidden_states=hidden, router_logits=logits)
+        return weights, ids
+
+    def _record_routing(
+        self, routed: tuple[torch.Tensor, torch.Tensor], members: list[_Slice], address: Address
+    ) -> None:
+        weights, ids = routed
+        for sl in members:
+            if address in sl.taps.points:
+                if SITES[address.kind].routed == "ids":  # the experts' indices, int64
+                    value = ids[sl.start : sl.end].to("cpu", torch.int64, copy=True)
+                else:
+                    value = _copy(weights[sl.start : sl.end])
+                sl.taps.values[address].append((sl.positions, value))
 
     def _kernel_geometry(self, layer: int) -> tuple[int, float, float | None, int | None]:
         kernel = _get(self.layers[layer], self.family.attn_kernel)
@@ -746,7 +894,8 @@ class TapManager:
         get_logits = getattr(processor, "_get_logits", None)
         if get_logits is None:  # pragma: no cover - a vLLM without it
             raise RuntimeError("this vLLM model's logits processor has no _get_logits")
-        logits: torch.Tensor = get_logits(hidden, head, None)
+        bias = getattr(head, "bias", None)  # a biased unembedding (GPT-J, Phi): part of the bare logits
+        logits: torch.Tensor = get_logits(hidden, head, bias if isinstance(bias, torch.Tensor) else None)
         return logits
 
     # -- after the request ------------------------------------------------------------------
@@ -823,8 +972,11 @@ class TapManager:
         out["dynamo_calls_captured"] = int(counters["stats"]["calls_captured"])
         return out
 
-    def decode(self, residuals: torch.Tensor) -> torch.Tensor:
-        """Final norm + the served unembedding (gathered over tensor-parallel ranks)."""
+    def decode(self, residuals: torch.Tensor) -> torch.Tensor | None:
+        """Final norm + the served unembedding (gathered over tensor-parallel ranks); ``None`` on
+        a pipeline stage before the last, which holds neither."""
+        if not self.last_stage:
+            return None
         param = next(self.model.parameters())
         norm = _get(self.model, self.family.final_norm)
         with torch.inference_mode():
