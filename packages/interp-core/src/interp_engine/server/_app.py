@@ -17,7 +17,7 @@ import os
 import re
 import signal
 import threading
-from collections.abc import AsyncIterator, Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import asdict
@@ -196,6 +196,25 @@ class _Served:
         # tokenizing runs here, one text at a time, off the event loop (HF tokenizers are not
         # safe to call from several threads at once)
         self._tokenizer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="interp-tokenize")
+
+    def stream_closer(self, steps: Any) -> Callable[[], Awaitable[None]]:
+        """``close()`` for a model stream that holds a request slot: closes the stream (the backend
+        aborts its request) and frees the slot, once, however often it is called."""
+        closed = False
+
+        async def close() -> None:
+            nonlocal closed
+            if closed:
+                return
+            closed = True
+            try:
+                aclose = getattr(steps, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+            finally:
+                self.slots.release()
+
+        return close
 
     def count_tokens(self, prompt: int = 0, generated: int = 0) -> None:
         self.metrics.count_tokens(prompt, generated)
@@ -918,19 +937,7 @@ async def _stream(
     still a 4xx; then send the steps as server-sent events."""
     await served.slots.acquire()
     steps = model.stream(ids, max_tokens=body.max_tokens, n_logprobs=body.n_logprobs, **options)
-    closed = False
-
-    async def close() -> None:
-        nonlocal closed
-        if closed:
-            return
-        closed = True
-        try:
-            aclose = getattr(steps, "aclose", None)
-            if aclose is not None:
-                await aclose()  # the backend aborts its request
-        finally:
-            served.slots.release()
+    close = served.stream_closer(steps)
 
     spec = options.get("steering_spec")
     try:

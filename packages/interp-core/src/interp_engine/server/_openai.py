@@ -243,19 +243,7 @@ def add_completions(app: FastAPI, served: _Served) -> None:
         want_logprobs = body.logprobs is not None
         await served.slots.acquire()
         steps = model.stream(ids, max_tokens=body.max_tokens, n_logprobs=max(n_logprobs, int(want_logprobs)), **options)
-        closed = False
-
-        async def close() -> None:
-            nonlocal closed
-            if closed:
-                return
-            closed = True
-            try:
-                aclose = getattr(steps, "aclose", None)
-                if aclose is not None:
-                    await aclose()  # the backend aborts its request
-            finally:
-                served.slots.release()
+        close = served.stream_closer(steps)
 
         async def next_step() -> StreamStep | None:
             try:
