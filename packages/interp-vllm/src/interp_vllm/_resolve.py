@@ -34,7 +34,7 @@ from typing import Any
 
 from torch import fx, nn
 
-from interp_engine import UnsupportedArchitecture
+from interp_engine import InvalidOption, UnsupportedArchitecture
 
 from ._families import VllmFamily
 
@@ -508,6 +508,10 @@ def resolve_without_weights(path: str, engine_options: dict[str, Any]) -> VllmFa
     try:
         config = EngineArgs(model=path, enforce_eager=True, **options).create_engine_config()
     except Exception as exc:
+        if "not supported" not in str(exc) and any(name in str(exc) for name in options):
+            raise InvalidOption(  # an engine argument vLLM refuses (a dtype it does not know ...)
+                f"vLLM refuses the engine arguments for {path!r}: {type(exc).__name__}: {str(exc)[:600]}"
+            ) from exc
         raise UnsupportedArchitecture(
             f"vLLM cannot build a config for {path!r}: {type(exc).__name__}: {str(exc)[:600]}"
         ) from exc
