@@ -414,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / "sae_weights.safetensors").chmod(0o644)  # package data: readable by all, as git checks it out
         (args.out / "features.json").write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n", "utf-8")
         reread = load_sae(args.out).encode(held[layer].acts)
-        assert torch.equal(reread, f), "the saved SAE does not encode as the trained one"
+        if not torch.equal(reread, f):
+            raise SystemExit("the saved SAE does not encode as the trained one")
         print(f"saved to {args.out}", flush=True)
     print(f"RESULT layer={layer} address={sae.address} d_in={sae.d_in} d_sae={sae.d_sae} k={sae.k}")
     print(
