@@ -934,10 +934,10 @@ def test_steering_router_logits_reroutes_like_the_same_edit_in_hf(family: str) -
     layer = 1
     points = [Address(k, layer) for k in ("router_logits", "expert_indices", "expert_weights")] + [Address("logits")]
     plain = sync.capture(ids, points)
-    # ablate the expert most tokens chose: its logit pushed far below the others
+    # ablate the expert most tokens chose: its logit at -inf
     expert = int(plain[points[1]].flatten().mode().values)
     ablate = torch.zeros(model.info.n_experts)
-    ablate[expert] = -1e9
+    ablate[expert] = -torch.inf
     spec = SteeringSpec([Write(points[0], ablate, op="add")])
     got = sync.capture(ids, points, steering_spec=spec)
     with _hf_router_edit(family, layer, lambda logits: logits + ablate), torch.no_grad():

@@ -307,3 +307,68 @@ def test_sequences_outside_the_pipeline_are_refused(writes: list[Write]) -> None
         len(writes),
     )
     assert len(next(iter(plan.values())).ops) == len(writes)
+
+
+def _banned(seed: int, *experts: int) -> torch.Tensor:
+    vector = _w(seed) * 0.1
+    vector[list(experts)] = -torch.inf
+    return vector
+
+
+BANS: dict[str, list[Write]] = {
+    "add -inf": [Write("router_logits.0", _banned(30, 3))],
+    "set with -inf": [Write("router_logits.0", _banned(31, 0, 5), op="set", scale=2.0)],
+    "add, cap, then add -inf": [
+        Write("router_logits.0", _w(32)),
+        Write("router_logits.0", _w(33), op="cap", hi=0.2),
+        Write("router_logits.0", _banned(34, 7)),
+        Write("router_logits.0", _banned(35, 1), scale=0.5),
+    ],
+    "a set after -inf clears it": [
+        Write("router_logits.0", _banned(36, 2)),
+        Write("router_logits.0", _w(37), op="set"),
+    ],
+}
+
+
+@pytest.mark.parametrize("writes", BANS.values(), ids=BANS.keys())
+def test_minus_inf_router_logits_in_the_slot_pipeline(writes: list[Write]) -> None:
+    """An expert ablated by a -inf logit: the table forces -inf where apply_op gives it, with no
+    NaN from -inf * 0 in the pipeline's other stages, and untouched tokens stay bit for bit."""
+    x = torch.randn(10, WIDTH, generator=torch.Generator().manual_seed(51))
+    expected = x
+    for write in writes:
+        expected = write.apply(expected)
+    table = StaticWrites(4, WIDTH, 16, dtype=torch.float32, device="cpu", bans=True)
+    (slot,) = table.allocate(1)
+    table.fill(slot, compose([(w, w.vector, w.target) for w in writes], WIDTH))
+    table.set_index(torch.tensor([slot] * 7 + [0] * 3))
+    got = table(x)
+    assert not bool(torch.isnan(got).any())
+    assert rel_diff(got[:7], expected[:7]) <= 1e-5  # -inf in the same places on both sides
+    assert torch.equal(got[7:], x[7:])
+    # a table without bans (any address but router_logits) refuses such a slot
+    plain = StaticWrites(4, WIDTH, 16, dtype=torch.float32, device="cpu")
+    (slot,) = plain.allocate(1)
+    if any(bool(torch.isneginf(w.vector).any()) for w in writes[-1:]):
+        with pytest.raises(InvalidSteering, match="router_logits"):
+            plain.fill(slot, compose([(w, w.vector, w.target) for w in writes], WIDTH))
+
+
+def test_minus_inf_is_refused_outside_router_logits_and_before_other_ops() -> None:
+    with pytest.raises(InvalidSteering, match="NaN or infinite"):
+        Write("resid_post.0", _banned(40, 1))
+    with pytest.raises(InvalidSteering, match="every expert"):
+        Write("router_logits.0", torch.full((WIDTH,), -torch.inf))
+    with pytest.raises(InvalidSteering, match="scale > 0"):
+        Write("router_logits.0", _banned(41, 1), scale=0.0)
+    with pytest.raises(InvalidSteering, match="NaN or infinite"):
+        Write("router_logits.0", _banned(42, 1), op="ablate")
+    with pytest.raises(InvalidSteering, match="would be NaN"):
+        compose(
+            [
+                (w, w.vector, w.target)
+                for w in [Write("router_logits.0", _banned(43, 1)), Write("router_logits.0", _w(44), op="ablate")]
+            ],
+            WIDTH,
+        )

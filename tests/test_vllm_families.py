@@ -97,7 +97,7 @@ def _writes(model: Any) -> list[Write]:
         writes += [Write("q_norm_out.1", vec(d_head), heads=[1]), Write("k_norm_in.0", vec(d_head), heads=[0])]
     if "router_logits" in kinds:  # ablate expert 0 at layer 1: every token routes elsewhere
         ablate = torch.zeros(info.n_experts)
-        ablate[0] = -1e4
+        ablate[0] = -torch.inf
         writes.append(Write("router_logits.1", ablate))
     return writes
 
@@ -222,7 +222,7 @@ def test_mixture_of_experts_routing(served: tuple[str, str, Any]) -> None:
             assert rel_diff(weights, used_weights) <= TOL, layer
     # ablating expert 0 at layer 1 through its logits: no token is routed to it, as on eager
     ablate = torch.zeros(model.info.n_experts)
-    ablate[0] = -1e4
+    ablate[0] = -torch.inf
     spec = SteeringSpec([Write("router_logits.1", ablate)])
     watched = [Address("expert_indices", 1), Address("expert_weights", 1), Address("logits")]
     steered = model.capture(ids, watched, steering_spec=spec)

@@ -52,7 +52,7 @@ def _as_index(value: Any) -> int | None:
     return int(value)
 
 
-def _as_vector(value: Any, name: str = "vector") -> torch.Tensor:
+def _as_vector(value: Any, name: str = "vector", *, allow_neg_inf: bool = False) -> torch.Tensor:
     if isinstance(value, torch.Tensor) and (value.layout != torch.strided or value.device.type == "meta"):
         raise InvalidSteering(
             f"a steering {name} must be a dense tensor with data, got a {value.layout} tensor on {value.device}"
@@ -68,7 +68,14 @@ def _as_vector(value: Any, name: str = "vector") -> torch.Tensor:
     tensor = tensor.to(device="cpu", dtype=torch.float32).contiguous().clone()  # never alias the caller's
     if tensor.dim() not in (1, 2, 3) or tensor.numel() == 0:
         raise InvalidSteering(f"a steering {name} is [width] or [n_positions, width], got shape {list(tensor.shape)}")
-    if not bool(torch.isfinite(tensor).all()):
+    if allow_neg_inf:
+        if bool(torch.isnan(tensor).any() | (tensor == math.inf).any()):
+            raise InvalidSteering(f"the steering {name} contains NaN or +inf (only -inf is allowed, at router_logits)")
+        if bool(torch.isneginf(tensor).all(dim=-1).any()):
+            raise InvalidSteering(
+                f"the steering {name} is -inf for every expert of a row: a router needs at least one expert to route to"
+            )
+    elif not bool(torch.isfinite(tensor).all()):
         raise InvalidSteering(f"the steering {name} contains NaN or infinite values")
     return tensor
 
@@ -223,6 +230,12 @@ class Write:
     ``[n_positions, len(heads), d_head]`` (per position, e.g. another run's captured heads).
     Every op works per head there (``p`` and ``|x|`` are per head). Zero-ablating head 3 of
     layer 1 is ``Write("attn_z.1", torch.zeros(d_head), op="set", heads=[3])``.
+
+    At ``router_logits`` (an ``add`` or ``set``) a vector may hold ``-inf``: the router then never
+    picks that expert, its weight is 0 and the others are renormalised as the family does. Ablating
+    expert 2 of layer 1 is ``Write("router_logits.1", v, op="add")`` with ``v`` zeros and
+    ``v[2] = -inf``. JSON has no infinity: over HTTP use a large negative number (``-1e30``), which
+    routes identically (the softmax of it is 0 in float32). NaN and ``+inf`` are refused everywhere.
     """
 
     address: Address
@@ -263,8 +276,13 @@ class Write:
         low, high = _as_bound(lo, "lo"), _as_bound(hi, "hi")
         fraction = _as_bound(max_fraction, "max_fraction")
         _check_op_fields(op, factor, target, low, high, fraction)
-        tensor = _as_vector(vector)
-        if op in ("add", "set", "norm_add") and not bool(torch.isfinite(tensor * factor).all()):
+        # an expert is ablated by its router logit at -inf (add or set); nowhere else is inf allowed
+        expert_ablation = addr.kind == "router_logits" and op in ("add", "set")
+        tensor = _as_vector(vector, allow_neg_inf=expert_ablation)
+        if expert_ablation and bool(torch.isneginf(tensor).any()) and factor <= 0:
+            raise InvalidSteering(f"a -inf router logit needs scale > 0 (scale {factor:g} would make it NaN or +inf)")
+        finite = tensor.masked_fill(torch.isneginf(tensor), 0.0) if expert_ablation else tensor
+        if op in ("add", "set", "norm_add") and not bool(torch.isfinite(finite * factor).all()):
             raise InvalidSteering(
                 f"scale {factor:g} times the vector overflows float32 (largest finite: {FLOAT32_MAX:g}); "
                 "use a smaller scale"
@@ -612,3 +630,35 @@ class SteeringSpec:
         except RecursionError:
             raise InvalidSteering("steering spec is not valid JSON: nested too deeply") from None
         return cls.from_dict(data)
+
+
+RowSpecs = SteeringSpec | Sequence[SteeringSpec | None] | None
+"""What a batched call takes as ``steering_spec``: one spec for every row (or ``None``), or a list
+of one spec (or ``None``) per row."""
+
+
+def row_specs(steering_spec: Any, n_rows: int) -> list[SteeringSpec | None]:
+    """``steering_spec`` as one spec (or ``None``) per row of a batch of ``n_rows``; a single spec
+    (or ``None``) is every row's. The same object repeats where rows share a spec."""
+    if steering_spec is None or isinstance(steering_spec, SteeringSpec):
+        return [steering_spec] * n_rows
+    if isinstance(steering_spec, (str, bytes, Mapping)) or not isinstance(steering_spec, Sequence):
+        raise InvalidSteering(
+            f"steering_spec must be a SteeringSpec, None, or a list of one SteeringSpec (or None) per row; "
+            f"got a {type(steering_spec).__name__}"
+        )
+    specs = list(steering_spec)
+    if any(isinstance(item, (Write, FeatureWrite)) for item in specs):
+        raise InvalidSteering(
+            "a list as steering_spec holds one SteeringSpec (or None) per row of the batch, not writes; "
+            "wrap writes that apply to every row in SteeringSpec([...])"
+        )
+    for i, item in enumerate(specs):
+        if item is not None and not isinstance(item, SteeringSpec):
+            raise InvalidSteering(f"steering_spec[{i}] must be a SteeringSpec or None, got {type(item).__name__}")
+    if len(specs) != n_rows:
+        raise InvalidSteering(
+            f"steering_spec lists {len(specs)} specs but the batch has {n_rows} rows; give one per row "
+            "(None for an unsteered row) or a single SteeringSpec for every row"
+        )
+    return specs

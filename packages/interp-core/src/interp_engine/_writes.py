@@ -117,7 +117,9 @@ class Pipeline:
     1. ``y = keep * x + (x . u) m + shift`` (``u`` a unit vector, or zeros with ``m`` zeros);
     2. ``y = y + (clamp(y . c, lo, hi) - y . c) c`` (``c`` a unit vector or zeros; ``lo``/``hi``
        are ``-inf``/``inf`` on an unbounded side);
-    3. ``y = y + |y| w``.
+    3. ``y = y + |y| w``;
+    4. ``y = -inf`` where ``ban`` is set (an expert's router logit ablated by a ``-inf`` write;
+       the ``-inf`` never enters stages 1-3, where ``-inf * 0`` would be NaN).
 
     ``add`` moves the shift; ``set`` makes the map constant; ``ablate``, ``rescale`` and
     ``swap`` move the component along one direction (``m``), ``cap`` is stage 2 and
@@ -134,6 +136,8 @@ class Pipeline:
     lo: float
     hi: float
     grow: torch.Tensor
+    ban: torch.Tensor | None = None
+    """``[width]`` bool: the entries forced to ``-inf`` last (``None``: none)."""
 
     @classmethod
     def identity(cls, width: int) -> Pipeline:
@@ -169,18 +173,29 @@ class Pipeline:
         """This map followed by one write of ``vector`` (``[width]``; ``target`` likewise)."""
         width = self.width
         v = vector.detach().to("cpu", torch.float32).reshape(width)
+        infinite = torch.isneginf(v)
+        banned = bool(infinite.any())
+        if banned:  # -inf entries (router logits): banned at the end, kept out of the shift
+            v = v.masked_fill(infinite, 0.0)
+            if op not in ("set", "add"):
+                raise InvalidSteering(f"a -inf entry is only for add or set, not {op}")
         if op == "set":
             zeros = torch.zeros(width)
-            return Pipeline(0.0, zeros, zeros, scale * v, zeros, -math.inf, math.inf, zeros)
+            return Pipeline(
+                0.0, zeros, zeros, scale * v, zeros, -math.inf, math.inf, zeros, infinite if banned else None
+            )
+        if self.ban is not None and op != "add":
+            raise InvalidSteering(f"{op} after a -inf write on the same token would be NaN; only add or set may follow")
         if op == "add":
             if self.grows:
                 raise InvalidSteering(f"add after norm_add on the same token {_UNFOLDABLE}")
             shift = self.shift + scale * v
+            ban = self.ban if not banned else infinite if self.ban is None else self.ban | infinite
             if not self.capped:
-                return self._replace(shift=shift)
+                return self._replace(shift=shift, ban=ban)
             # cap(y) + k c + v_perp = cap'(y + k c + v_perp), the bounds moved by k = (s v) . c
             k = float((scale * v) @ self.cap)
-            return self._replace(shift=shift, lo=self.lo + k, hi=self.hi + k)
+            return self._replace(shift=shift, lo=self.lo + k, hi=self.hi + k, ban=ban)
         if op == "norm_add":
             if self.grows:
                 raise InvalidSteering(f"two norm_adds on the same token {_UNFOLDABLE}")
@@ -254,4 +269,6 @@ class Pipeline:
         p = _dot(y, c)
         y = y + (p.clamp(min=self.lo, max=self.hi) - p) * c
         out: torch.Tensor = y + y.norm(dim=-1, keepdim=True) * vec(self.grow)
+        if self.ban is not None:
+            out = out.masked_fill(self.ban.to(x.device), -math.inf)
         return out

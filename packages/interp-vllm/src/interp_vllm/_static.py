@@ -172,8 +172,16 @@ class StaticWrites(nn.Module):
     index: torch.Tensor
 
     def __init__(
-        self, slots: int, width: int, max_tokens: int, *, dtype: torch.dtype, device: torch.device | str
+        self,
+        slots: int,
+        width: int,
+        max_tokens: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        bans: bool = False,
     ) -> None:
+        """``bans``: the table also forces entries to ``-inf`` (a ``-inf`` router logit write)."""
         super().__init__()
         if slots < 2:
             raise ValueError("a write table needs slot 0 (identity) and at least one more")
@@ -192,6 +200,9 @@ class StaticWrites(nn.Module):
         self.register_buffer("hi", table(value=torch.inf), persistent=False)
         self.register_buffer("grow", table(width), persistent=False)
         self.register_buffer("index", torch.zeros(max_tokens, dtype=torch.long, device=device), persistent=False)
+        self.bans = bans
+        if bans:
+            self.register_buffer("ban", torch.zeros(slots, width, dtype=torch.bool, device=device), persistent=False)
         self._free = list(range(slots - 1, 0, -1))
         self._dirty = 0  # index rows [0, _dirty) may be non-zero
 
@@ -208,6 +219,8 @@ class StaticWrites(nn.Module):
         out = out + (capped - along) * c
         # 3. norm-scaled add
         out = out + torch.linalg.vector_norm(out, dim=-1, keepdim=True) * self.grow[slot]
+        if self.bans:  # 4. entries banned to -inf (never inside stages 1-3: -inf * 0 is NaN)
+            out = out.masked_fill(self.ban[slot], -torch.inf)
         return torch.where((slot != 0).unsqueeze(-1), out, rows).reshape(x.shape)
 
     def steered(self, n: int) -> torch.Tensor:
@@ -241,6 +254,10 @@ class StaticWrites(nn.Module):
         self.lo[slot] = op.lo
         self.hi[slot] = op.hi
         self.grow[slot] = op.grow[part].to(self.grow)
+        if self.bans:
+            self.ban[slot] = False if op.ban is None else op.ban[part].to(self.ban.device)
+        elif op.ban is not None:
+            raise InvalidSteering("a -inf entry is only allowed in a write at router_logits")
 
     def set_index(self, index: torch.Tensor | None) -> None:
         """This step's slot per token (``None``: no token is steered)."""

@@ -259,7 +259,14 @@ class StaticTapManager(TapManager):
                 rows = self.max_tokens * self._local_heads(site)
                 table = StaticWrites(self.slots, self.d_head, rows, dtype=self.dtype, device=self.device)
             else:
-                table = StaticWrites(self.slots, width, self.max_tokens, dtype=self.dtype, device=self.device)
+                table = StaticWrites(
+                    self.slots,
+                    width,
+                    self.max_tokens,
+                    dtype=self.dtype,
+                    device=self.device,
+                    bans=address.kind == ROUTER_KIND,  # an expert ablated by a -inf logit
+                )
             setattr(module, write, table)
             self.tables[address] = table
         if address in self.points:
