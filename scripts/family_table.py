@@ -4,7 +4,7 @@ The family tests (``tests/test_eager_families.py``, ``tests/test_vllm_families.p
 sweep run by ``scripts/family_sweep.sh``) write one JSON per model type and backend to
 ``.cache/family-results/<backend>/<model_type>.json``::
 
-    {"model_type": "gpt_neox", "backend": "vllm", "status": "verified" | "refused",
+    {"model_type": "gpt_neox", "backend": "vllm", "status": "verified" | "refused" | "fails",
      "kinds": ["attn_in", ...], "reason": ""}
 
 This script joins them into one markdown table (model type; eager, vllm, vllm-static: how many
@@ -40,12 +40,12 @@ def cell(record: dict[str, object] | None) -> str:
     if record.get("status") == "verified":
         kinds = record.get("kinds") or []
         return f"✓ {len(kinds)} kinds" if isinstance(kinds, list) else "✓"
-    return "refused"
+    return "fails" if record.get("status") == "fails" else "refused"
 
 
 def render(table: dict[str, dict[str, dict[str, object]]]) -> str:
     lines = [
-        "| model type | eager | vllm | vllm-static | refused, and why |",
+        "| model type | eager | vllm | vllm-static | refused or failing, and why |",
         "|---|---|---|---|---|",
     ]
     for model_type in sorted(table):

@@ -74,6 +74,9 @@ class VllmFamily:
     """Query heads (the attention kernel's, times the tensor-parallel ranks)."""
     n_kv_heads: int = 0
     """Key/value heads (the kernel's, times the ranks; on one rank, exact whatever the config calls them)."""
+    sinks: bool = False
+    """The attention normalises over a learned sink logit per head besides the keys (gpt-oss):
+    the pattern's rows sum to less than 1 and there are no scores over the keys alone."""
     batched: bool = False
     """The modules see ``[1, tokens, ...]`` (vLLM's Transformers modeling backend runs HF's
     modules on a batch of one); the attention kernel sees ``[tokens, ...]`` either way."""
@@ -107,6 +110,8 @@ class VllmFamily:
             missing.add("attn_out_post")
         if self.mlp_post_norm is None:
             missing.add("mlp_out_post")
+        if self.sinks:
+            missing.add("attn_scores")
         return frozenset(missing)
 
     def missing_reason(self, kind: str) -> str | None:
@@ -115,6 +120,11 @@ class VllmFamily:
             return (
                 "its MLPs are mixtures of experts: there is no single MLP hidden (read router_logits, "
                 "expert_indices, expert_weights, or mlp_out, the whole block's output)"
+            )
+        if self.sinks and kind == "attn_scores":
+            return (
+                "its attention also normalises over a sink logit per head: there are no scores over the "
+                "keys alone (attn_pattern is served, its rows summing to 1 minus the sink's share)"
             )
         return None
 

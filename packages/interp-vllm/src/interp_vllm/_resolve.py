@@ -202,7 +202,12 @@ def _trace_layer(model: nn.Module, layer: nn.Module, classes: dict[str, Any]) ->
         hidden_name = str(hidden[0].target)
     else:
         raise _unsupported(model, f"no argument of {name}.forward carries the hidden states into its attention")
-    residual_arg = (names.index("residual"), "residual") if "residual" in names else None
+    # a layer defers the residual add when it reads the residual it is given (Llama's add-norm);
+    # one that overwrites it unread (Cohere, EXAONE 4: ``residual = hidden_states``) returns the
+    # whole stream as its first output, like a layer without the argument
+    residual_arg = None
+    if "residual" in names and placeholders[names.index("residual")].users:
+        residual_arg = (names.index("residual"), "residual")
 
     def post_norm(node: fx.Node) -> tuple[str | None, float]:
         for user, scale in _consumers(node, layer):
@@ -406,6 +411,7 @@ def resolve(model: nn.Module, config: Any) -> VllmFamily:
         fields.update(router=moe["router"], experts=moe["experts"])
     kernel = _get(first, fields["attn_kernel"])
     ranks = _tp_size()
+    fields["sinks"] = getattr(getattr(kernel, "impl", None), "sinks", None) is not None
     family = VllmFamily(
         name=type(model).__name__,
         n_heads=int(kernel.num_heads) * ranks,

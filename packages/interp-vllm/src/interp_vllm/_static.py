@@ -170,6 +170,7 @@ class StaticWrites(nn.Module):
     hi: torch.Tensor
     grow: torch.Tensor
     index: torch.Tensor
+    ban: torch.Tensor
 
     def __init__(
         self,

@@ -868,7 +868,13 @@ class TapManager:
             hidden_keys |= k_pos <= q_pos - int(window)
         scores = scores.masked_fill(hidden_keys, float("-inf"))
         if address.kind == "attn_pattern":
-            value, fill = scores.softmax(-1), 0.0  # [heads, q, keys], keys in position order
+            sinks = getattr(_get(self.layers[layer], self.family.attn_kernel).impl, "sinks", None)
+            if sinks is None:
+                value = scores.softmax(-1)  # [heads, q, keys], keys in position order
+            else:  # one more logit per head in the softmax's denominator (gpt-oss), then dropped
+                sink = sinks.float().to(scores.device)[:, None, None].expand(-1, scores.shape[1], 1)
+                value = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+            fill = 0.0
         else:
             value, fill = scores, float("-inf")
         full = torch.full((value.shape[0], value.shape[1], int(key_pos.max()) + 1), fill)
