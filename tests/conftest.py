@@ -9,6 +9,7 @@ family's eager model and its HF oracle are loaded once per session.
 from __future__ import annotations
 
 import functools
+import os
 import pathlib
 from typing import Any
 
@@ -16,6 +17,10 @@ import pytest
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+# The test suite's third-party backend (tests/toy_backend) serves "toy" only where this is set:
+# for this session and the subprocesses it starts, never for a user of the dev install.
+os.environ["INTERP_TOY_BACKEND"] = "1"
 MODELS = ROOT / ".cache" / "test-models"
 
 REQUIRED_FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gpt_neox", "opt", "phi")

@@ -974,6 +974,11 @@ async def test_router_points_on_a_dense_model_and_mlp_hidden_on_moe_layers_are_t
         with pytest.raises(KindNotInFamily, match="mixture of experts"):
             await moe.capture([5, 6, 7], [Address(kind, 0)])
     # a model whose first layer is dense: the MLP hidden there, the router points on the others
+    served = mixed.points()
+    moe_layers = tuple(range(1, mixed.info.n_layers))
+    assert served["router_logits"].layers == served["expert_weights"].layers == moe_layers
+    assert served["mlp_post"].layers == (0,) and served["resid_post"].layers is None
+    assert moe.points()["router_logits"].layers is None  # every layer a mixture of experts
     got = await mixed.capture([5, 6, 7], [Address("mlp_post", 0), Address("router_logits", 1)])
     assert got[Address("mlp_post", 0)].shape == (3, mixed.info.d_mlp)
     with pytest.raises(KindNotInFamily, match=r"layer 1 .* mixture of experts"):

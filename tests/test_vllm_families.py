@@ -27,7 +27,17 @@ from typing import Any
 import pytest
 import torch
 
-from interp_engine import Address, KindNotInFamily, SteeringSpec, Write, load_model, sync_model
+from interp_engine import (
+    WEIGHT_NAMES,
+    Address,
+    KindNotInFamily,
+    SteeringSpec,
+    Write,
+    load_model,
+    logit_attribution,
+    sync_model,
+    weights,
+)
 
 from .conftest import PROMPT, ROOT, hf_for, rel_diff, vllm_model_path
 
@@ -61,7 +71,7 @@ def _every_point(model: Any) -> list[Address]:
     """Every address the model serves, at every layer."""
     out = []
     for kind, info in model.points().items():
-        layers = range(model.info.n_layers) if info.per_layer else [None]
+        layers: Any = (info.layers or range(model.info.n_layers)) if info.per_layer else [None]
         out += [Address(kind, layer) for layer in layers]
     return out
 
@@ -284,6 +294,28 @@ def _rpc(model: Any, function: Any, *args: Any) -> Any:
     return answer
 
 
+def test_weights_and_logit_attribution_equal_eager(served: tuple[str, str, Any]) -> None:
+    """The served weights (joined from the workers) equal the eager twin's, which are HF's own
+    parameters (test_weights.py): the final norm's kind, eps and Gemma's 1 + w offset, the soft-cap,
+    tied embeddings. Direct logit attribution equals eager's and sums to the model's own logit
+    difference (before Gemma 2's soft-cap), per head where no sandwich norm forbids it."""
+    family, _, model = served
+    eager = eager_twin(family)
+    got, expected = weights(model), weights(eager)
+    assert got.layout == expected.layout
+    for name in got.names:
+        for layer in range(model.info.n_layers) if WEIGHT_NAMES[name].per_layer else [None]:
+            assert torch.equal(got.get(name, layer), expected.get(name, layer)), (name, layer)
+    ids = _ids(model)
+    heads = "attn_out_post" not in model.points()
+    dla = logit_attribution(model, ids, 5, 7, heads=heads)
+    twin = logit_attribution(eager, ids, 5, 7, heads=heads)
+    assert dla.labels("component") == twin.labels("component")
+    assert torch.allclose(dla.values, twin.values, atol=1e-4)
+    assert abs(float(dla.values.sum()) - dla.meta["logit_diff"]) <= 1e-4
+    assert abs(dla.meta["logit_diff"] - twin.meta["logit_diff"]) <= 1e-4
+
+
 def test_record_result(served: tuple[str, str, Any]) -> None:
     """Runs last for each (family, backend): writes its result file when every part passed."""
     family, backend, model = served
@@ -378,6 +410,16 @@ def test_sweep(model_type: str, backend: str) -> None:
         except BackendError as exc:
             _write_result(out, model_type, backend, "refused", [], _refusal(exc))
             return
+        # plain vLLM first: where its own greedy output already differs from HF's, the family's
+        # implementation in vLLM differs (no tap involved); recorded as such
+        n = model.info.n_layers
+        hf = hf_for(vllm_model_path(model_type))
+        gen_ids = _ids(model, "Once upon a time")
+        completion = model.generate(gen_ids, max_tokens=8, ignore_eos=True)
+        with torch.no_grad():
+            greedy = hf.generate(torch.tensor([gen_ids]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
+        if completion.token_ids != greedy[0, len(gen_ids) :].tolist():
+            raise VllmDiffers("plain vLLM's greedy output differs from HF's (vLLM's own implementation, no tap)")
         ids = _ids(model)
         points = _every_point(model)
         acts = model.capture(ids, points)
@@ -389,22 +431,15 @@ def test_sweep(model_type: str, backend: str) -> None:
         if eager is not None:
             shared = [p for p in points if p.kind in eager.points()]
             expected = eager.capture(ids, shared)
-            for point in shared:
+            for point in sorted(shared, key=lambda a: a.sort_key()):  # forward order: the first that differs
                 assert rel_diff(acts[point], expected[point]) <= TOL, point
             checked |= {p.kind for p in shared}
-        n = model.info.n_layers
-        hf = hf_for(vllm_model_path(model_type))
         with torch.no_grad():
             ref = hf(torch.tensor([ids]), output_hidden_states=True, output_attentions=True)
         for layer in range(n):
             assert rel_diff(acts[Address("resid_pre", layer)], ref.hidden_states[layer][0]) <= TOL, layer
             assert rel_diff(acts[Address("attn_pattern", layer)], ref.attentions[layer][0]) <= TOL, layer
         assert rel_diff(acts[Address("logits")], ref.logits[0]) <= TOL
-        gen_ids = _ids(model, "Once upon a time")
-        completion = model.generate(gen_ids, max_tokens=8, ignore_eos=True)
-        with torch.no_grad():
-            greedy = hf.generate(torch.tensor([gen_ids]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
-        assert completion.token_ids == greedy[0, len(gen_ids) :].tolist()
         if eager is not None:
             logits = [Address("logits")]
             for write in _writes(model):
@@ -414,5 +449,23 @@ def test_sweep(model_type: str, backend: str) -> None:
                 got = model.capture(ids, logits, steering_spec=spec)[logits[0]]
                 assert rel_diff(got, eager.capture(ids, logits, steering_spec=spec)[logits[0]]) <= TOL, write.address
         _write_result(out, model_type, backend, "verified", sorted(checked))
+    except Exception as exc:  # a failure is recorded too ("fails" in the README's table), then raised
+        _write_result(out, model_type, backend, "fails", [], _failure(exc))
+        raise
     finally:
         model.shutdown()
+
+
+class VllmDiffers(AssertionError):
+    """vLLM's own output differs from HF's on this model type, before any tap."""
+
+
+def _failure(exc: BaseException) -> str:
+    """What failed, in one short line: the assertion's subject (an address, a layer) or the error."""
+    text = " ".join(str(exc).split())
+    if isinstance(exc, VllmDiffers):
+        return text
+    if isinstance(exc, AssertionError):
+        text = text.split(" assert ")[0]
+        return f"differs from HF/eager at {text}"[:160] if text else "differs from HF/eager"
+    return f"{type(exc).__name__}: {text}"[:160]

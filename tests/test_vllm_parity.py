@@ -149,3 +149,30 @@ def test_steering_equals_the_eager_backend(family: str, vllm_engines: Any) -> No
     assert model.generate(ids, max_tokens=6, steering_spec=spec) == eager_twin(family).generate(
         ids, max_tokens=6, steering_spec=spec
     )
+
+
+def test_per_row_steering_in_one_call_equals_each_row_alone(family: str, vllm_engines: Any) -> None:
+    """``steering_spec=[spec, None, other]``: the rows go as concurrent requests that vLLM batches;
+    each equals its solo run and the eager backend's one-forward batch."""
+    from interp_engine import run_with_cache
+
+    model = vllm_engines(family)
+    gen = torch.Generator().manual_seed(11)
+    d_model = model.info.d_model
+    rows = [_ids(model), _ids(model, "A completely different sentence about cats"), _ids(model, "Short one")]
+    specs = [
+        SteeringSpec([Write("resid_post.0", torch.randn(d_model, generator=gen), scale=3.0)]),
+        None,
+        SteeringSpec([Write("resid_pre.1", torch.randn(d_model, generator=gen), positions=[-1], op="set")]),
+    ]
+    points = ["resid_post.1", "logits"]
+    batch = run_with_cache(model, rows, points, steering_spec=specs)
+    twin = run_with_cache(eager_twin(family), rows, points, steering_spec=specs)
+    for i, (row, spec) in enumerate(zip(rows, specs, strict=True)):
+        solo = model.capture(row, points, steering_spec=spec)
+        for point in points:
+            got = batch[point][i, : len(row)]
+            assert rel_diff(got, solo[Address.parse(point)]) <= TOL, (i, point)
+            assert rel_diff(got, twin[point][i, : len(row)]) <= TOL, (i, point)
+    unsteered = model.capture(rows[1], points)
+    assert rel_diff(batch["logits"][1, : len(rows[1])], unsteered[Address("logits")]) <= TOL

@@ -314,6 +314,23 @@ def test_points_lists_what_the_family_has(vllm_engines: Any) -> None:
     assert set(acts) == expected
 
 
+def test_gradients_need_the_eager_backend(vllm_engines: Any) -> None:
+    """vLLM runs its forwards under inference mode: gradients and attribution patching raise
+    ``UnsupportedOperation`` naming the eager backend, before any compute (vllm-static too)."""
+    from interp_engine import GradientCapture, UnsupportedOperation, attribution_patch, run_with_gradients
+    from interp_vllm._static_model import StaticVllmModel
+
+    gpt2 = vllm_engines("gpt2")
+    assert not isinstance(gpt2.model, GradientCapture)
+    assert not issubclass(StaticVllmModel, GradientCapture)
+    ids = _ids(gpt2)
+    refusal = r"gradients need the eager backend.*load_model\(path, backend='eager'\)"
+    with pytest.raises(UnsupportedOperation, match=refusal):
+        run_with_gradients(gpt2, [ids], ["resid_post.0"], lambda logits: logits.sum())
+    with pytest.raises(UnsupportedOperation, match="backend='eager'"):
+        attribution_patch(gpt2, ids, ids, "resid_post", metric=lambda logits: logits.sum())
+
+
 def test_vllm_static_serves_the_sandwich_norms_and_the_bare_unembedding(vllm_engines: Any) -> None:
     """vllm-static on Gemma 2 (compiled; sandwich norms, soft-capped scores and logits): the
     post-sublayer norms, the raw unembedding and the scores from its fixed taps, and writes at

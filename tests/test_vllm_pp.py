@@ -25,6 +25,7 @@ import torch
 
 from interp_engine import (
     KINDS,
+    WEIGHT_NAMES,
     Address,
     Features,
     FeatureWrite,
@@ -32,7 +33,9 @@ from interp_engine import (
     Write,
     capture_attention,
     load_model,
+    logit_attribution,
     sync_model,
+    weights,
 )
 from interp_engine._readouts import read_features
 
@@ -220,6 +223,28 @@ def test_pp2_attention_and_decode_residuals(pp: tuple[Any, Any]) -> None:
     lens = two.decode_residuals({a: v for a, v in acts.items() if a.kind == "resid_post"})
     assert rel_diff(lens[Address("resid_post", N_LAYERS - 1)], acts[Address("logits")]) <= TOL
     assert rel_diff(lens[Address("resid_post", 0)], one.decode_residuals(acts[Address("resid_post", 0)])) <= TOL
+
+
+def test_pp2_weights_and_logit_attribution_equal_pp1(pp: tuple[Any, Any]) -> None:
+    """Each weight comes from the stage that holds it (the embedding from the first, the final norm
+    and the unembedding from the last, each layer's output projection from its own) and equals
+    PP=1's and HF's; direct logit attribution over both stages equals PP=1's."""
+    one, two = pp
+    w1, w2 = weights(one), weights(two)
+    assert w1.layout == w2.layout
+    hf = hf_for(pp_model_path())
+    assert torch.equal(w2.W_E, hf.model.embed_tokens.weight.detach())
+    assert torch.equal(w2.W_U, hf.lm_head.weight.detach().T)
+    for layer in range(N_LAYERS):
+        o_proj = hf.model.layers[layer].self_attn.o_proj.weight.detach()
+        assert torch.equal(w2.W_O(layer), o_proj.T.reshape(w2.W_O(layer).shape)), layer
+    for name in w1.names:
+        for layer in range(N_LAYERS) if WEIGHT_NAMES[name].per_layer else [None]:
+            assert torch.equal(w1.get(name, layer), w2.get(name, layer)), (name, layer)
+    got = logit_attribution(two, PROMPT, 5, 7, heads=True)
+    expected = logit_attribution(one, PROMPT, 5, 7, heads=True)
+    assert torch.allclose(got.values, expected.values, atol=1e-4)
+    assert abs(float(got.values.sum()) - got.meta["logit_diff"]) <= 1e-4
 
 
 def test_pp2_generation_equals_pp1(pp: tuple[Any, Any]) -> None:

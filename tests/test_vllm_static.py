@@ -30,11 +30,14 @@ from interp_engine import (
     UnsupportedAddress,
     Write,
     load_model,
+    logit_attribution,
     run_with_cache,
     sync_model,
+    weights,
 )
 
 from .conftest import PROMPT, VLLM_ENGINE_ARGS, hf_for, rel_diff, vllm_model_path
+from .test_vllm_weights import hf_parameters
 
 TOL = 1e-4
 POINTS = [
@@ -294,6 +297,24 @@ def test_the_default_tap_set_is_every_resid_post(static_engines: Any) -> None:
     with pytest.raises(UndeclaredAddress, match="not a write point"):
         facade.generate(ids, max_tokens=2, steering_spec=SteeringSpec([Write("resid_post.1", torch.ones(128))]))
     assert facade.generate(ids, max_tokens=3).token_ids  # still serving
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_static_weights_equal_hf(static_engines: Any, family: str) -> None:
+    """The compiled engine serves the same weights (read from its workers, whatever taps it
+    declared); direct logit attribution needs captures the declaration lacks: a clear error."""
+    w = weights(static_engines[family])
+    for layer in range(w.info.n_layers):
+        expected = hf_parameters(family, layer)
+        for name in ("W_O", "b_O"):
+            if name in expected:
+                assert torch.equal(w.get(name, layer), expected[name]), (name, layer)
+    for name in ("W_E", "W_U", "ln_final.w", "ln_final.b"):
+        if name in expected:
+            assert torch.equal(w.get(name), expected[name]), name
+    assert w.layout.tied == (family == "gpt2")
+    with pytest.raises(UndeclaredAddress):
+        logit_attribution(static_engines[family], PROMPT, 5, 7)
 
 
 def test_configure_static_after_the_engine_is_built_raises(static_engines: Any) -> None:

@@ -7,9 +7,11 @@ cache = run_with_cache(model, model.to_tokens("Hello"), ["resid_post.5"])
 """
 
 from ._address import ALIASES, KINDS, Address, KindInfo, LayerTypeError, PointInfo
-from ._api import capture_attention, capture_generation, generate_stream, run_with_cache
+from ._api import capture_attention, capture_generation, decode_residuals, generate_stream, run_with_cache
+from ._attribution import attribution_patch
 from ._base import CheckedRequest, ModelBase, SamplingOptions
 from ._cache import Cache
+from ._dla import accumulated_resid, decompose_resid, logit_attribution
 from ._errors import (
     BackendError,
     BackendNotFound,
@@ -31,14 +33,20 @@ from ._errors import (
     UndeclaredAddress,
     UnknownKind,
     UnknownSae,
+    UnknownWeight,
     UnsupportedAddress,
     UnsupportedArchitecture,
+    UnsupportedOperation,
     UnsupportedSae,
 )
+from ._gradients import GradientResult, run_with_gradients
+from ._labelled import Labelled
 from ._plugins import installed_backends, load_model
 from ._protocol import (
     BatchCapture,
     Completion,
+    GradientCapture,
+    GradientMetric,
     InterpModel,
     ModelInfo,
     Results,
@@ -51,6 +59,7 @@ from ._sae import Probe, Sae, load_sae
 from ._shipped import shipped_models, shipped_saes, tiny_model_path
 from ._steering import FeatureWrite, SteeringSpec, Write
 from ._sync import SyncModel, sync_model
+from ._weights import WEIGHT_NAMES, FinalNorm, WeightAccess, WeightInfo, Weights, weights
 from .hookspecs import hookimpl
 
 __version__ = "0.1.0"
@@ -58,6 +67,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ALIASES",
     "KINDS",
+    "WEIGHT_NAMES",
     "Address",
     "BackendError",
     "BackendNotFound",
@@ -69,7 +79,11 @@ __all__ = [
     "FeatureReadout",
     "FeatureWrite",
     "Features",
+    "FinalNorm",
     "ForeignEventLoop",
+    "GradientCapture",
+    "GradientMetric",
+    "GradientResult",
     "InterpError",
     "InterpModel",
     "InvalidActivations",
@@ -80,6 +94,7 @@ __all__ = [
     "InvalidTokens",
     "KindInfo",
     "KindNotInFamily",
+    "Labelled",
     "LayerOutOfRange",
     "LayerTypeError",
     "ModelBase",
@@ -100,21 +115,33 @@ __all__ = [
     "UndeclaredAddress",
     "UnknownKind",
     "UnknownSae",
+    "UnknownWeight",
     "UnsupportedAddress",
     "UnsupportedArchitecture",
+    "UnsupportedOperation",
     "UnsupportedSae",
+    "WeightAccess",
+    "WeightInfo",
+    "Weights",
     "WorkerStats",
     "Write",
+    "accumulated_resid",
+    "attribution_patch",
     "capture_attention",
     "capture_generation",
+    "decode_residuals",
+    "decompose_resid",
     "generate_stream",
     "hookimpl",
     "installed_backends",
     "load_model",
     "load_sae",
+    "logit_attribution",
     "run_with_cache",
+    "run_with_gradients",
     "shipped_models",
     "shipped_saes",
     "sync_model",
     "tiny_model_path",
+    "weights",
 ]

@@ -139,6 +139,10 @@ class PointInfo:
     """``hook``: read where the model computes it; ``recompute``: rebuilt exactly from tensors the
     model computed (e.g. vLLM's attention probabilities from the queries and keys its kernel got)."""
     meaning: str
+    layers: tuple[int, ...] | None = None
+    """The layers it exists at when that is not every layer (``None``: every layer, or no layer
+    axis): a model mixing dense and mixture-of-experts layers has the router points only on the
+    latter and ``mlp_post`` only on the former."""
 
 
 _KIND_ORDER = {  # the order values are computed in, inside one layer

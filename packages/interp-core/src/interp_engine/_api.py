@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from ._address import Address
+from ._address import Address, as_address
 from ._cache import Cache
-from ._errors import InvalidTokens
+from ._errors import InvalidAddress, InvalidTokens
 from ._protocol import BatchCapture, Completion, InterpModel, Points, Results, StreamStep
-from ._readouts import FeatureReadout, Features, stack_readouts
-from ._steering import SteeringSpec
+from ._readouts import FeatureReadout, Features, as_features, stack_readouts
+from ._steering import RowSpecs, SteeringSpec, row_specs
 from ._sync import SyncModel, sync_model
 
 Tokens = str | Sequence[str] | torch.Tensor | Sequence[int] | Sequence[Sequence[int]]
@@ -43,6 +43,33 @@ def token_rows(model: InterpModel, tokens: Tokens) -> list[list[int]]:
     if all(isinstance(t, (list, tuple, torch.Tensor)) for t in items):
         return [[int(i) for i in row] for row in items]
     raise InvalidTokens("tokens must be a text, a list of texts, a list of ids or a list of id lists")
+
+
+def model_points(model: InterpModel, points: Points | Features) -> list[Address | Features]:
+    """Normalise the points of a free function: one point (an ``Address``, its string, a
+    :class:`Features` or its string) or a list of them; each address resolved against the model
+    (a negative layer counts from the end), readouts parsed, repeats dropped.
+
+    ``"resid_post.-1"`` and ``"resid_post.3"`` are one point on a 4-layer model: the cache holds
+    it once, under the absolute layer."""
+    if isinstance(points, (str, Address, Features)) or (isinstance(points, Mapping) and "sae" in points):
+        items: list[Any] = [points]
+    else:
+        try:
+            items = list(points)
+        except TypeError:
+            raise InvalidAddress(
+                "points are one address (an Address or a string such as 'resid_post.0'), one feature readout, "
+                f"or a list of them; got {type(points).__name__}",
+                address=points,
+            ) from None
+    out: list[Address | Features] = []
+    for point in items:
+        if Features.is_form(point) or isinstance(point, Mapping):
+            out.append(as_features(point))
+        else:
+            out.append(as_address(point).resolve(model.info.n_layers))
+    return list(dict.fromkeys(out))
 
 
 def pad_rows(rows: Sequence[Results], lengths: Sequence[int]) -> Results:
@@ -77,15 +104,17 @@ def _readout(value: torch.Tensor | FeatureReadout) -> FeatureReadout:
     return value
 
 
-async def capture_rows(
-    model: InterpModel, rows: list[list[int]], points: Points, steering_spec: SteeringSpec | None
-) -> Results:
+async def capture_rows(model: InterpModel, rows: list[list[int]], points: Points, steering_spec: RowSpecs) -> Results:
     """Batched activations for several prompts: the model's own batch path if it has one,
-    else one ``capture`` per prompt, gathered concurrently and padded."""
-    points = list(points)
+    else one ``capture`` per prompt, gathered concurrently (vLLM batches them) and padded.
+    ``steering_spec``: one spec for every row, or a list of one spec (or ``None``) per row."""
+    points = model_points(model, points)
+    specs = row_specs(steering_spec, len(rows))
     if isinstance(model, BatchCapture):
         return await model.capture_batch(rows, points, steering_spec=steering_spec)
-    per_row = await asyncio.gather(*(model.capture(r, points, steering_spec=steering_spec) for r in rows))
+    per_row = await asyncio.gather(
+        *(model.capture(r, points, steering_spec=spec) for r, spec in zip(rows, specs, strict=True))
+    )
     return pad_rows(per_row, [len(r) for r in rows])
 
 
@@ -102,28 +131,32 @@ def run_with_cache(
     tokens: Tokens,
     points: Points,
     *,
-    steering_spec: SteeringSpec | None = None,
+    steering_spec: RowSpecs = None,
 ) -> Cache:
-    """Activations at ``points`` for one prompt or a batch, as a :class:`Cache` ``[batch, pos, width]``."""
+    """Activations at ``points`` for one prompt or a batch, as a :class:`Cache` ``[batch, pos, width]``.
+
+    ``steering_spec`` is one :class:`SteeringSpec` for every row, or a list of one spec (or
+    ``None``) per row: each row then equals its own run under its own spec (one forward on
+    eager; concurrent requests, batched by vLLM, on the vllm backends)."""
     facade = _facade(model)
     rows = token_rows(facade.model, tokens)
-    points = list(points)
-    values = facade.run(lambda: capture_rows(facade.model, rows, points, steering_spec))
-    return Cache(values, lengths=_lengths(rows))
+    resolved = model_points(facade.model, points)
+    values = facade.run(lambda: capture_rows(facade.model, rows, resolved, steering_spec))
+    return Cache(values, lengths=_lengths(rows), n_layers=facade.model.info.n_layers)
 
 
 def capture_attention(
     model: InterpModel | SyncModel,
     tokens: Tokens,
-    layers: Iterable[int],
+    layers: int | Iterable[int],
     *,
-    steering_spec: SteeringSpec | None = None,
+    steering_spec: RowSpecs = None,
 ) -> Cache:
-    """Attention probabilities of ``layers`` as a :class:`Cache` of ``[batch, heads, q, k]``,
-    under ``steering_spec`` if given: the pattern of head 1.0 with head 0.0 zero-ablated is
-    ``capture_attention(model, tokens, [1], steering_spec=SteeringSpec([Write("attn_z.0",
-    torch.zeros(d_head), op="set", heads=[0])]))``."""
-    points = [Address("attn_pattern", layer) for layer in layers]
+    """Attention probabilities of ``layers`` (one layer or a list; negative ones count from
+    the end) as a :class:`Cache` of ``[batch, heads, q, k]``, under ``steering_spec`` if given:
+    the pattern of head 1.0 with head 0.0 zero-ablated is ``capture_attention(model, tokens, [1],
+    steering_spec=SteeringSpec([Write("attn_z.0", torch.zeros(d_head), op="set", heads=[0])]))``."""
+    points = [Address("attn_pattern", layer) for layer in ([layers] if isinstance(layers, int) else layers)]
     return run_with_cache(model, tokens, points, steering_spec=steering_spec)
 
 
@@ -150,11 +183,13 @@ def capture_generation(
     generated tokens as a :class:`Cache` ``[1, pos, width]``."""
     facade = _facade(model)
     row = _one_prompt(facade.model, tokens, "capture_generation")
+    resolved = model_points(facade.model, points)
     completion, acts = facade.capture_generation(
-        row, points, max_tokens=max_tokens, steering_spec=steering_spec, **sampling
+        row, resolved, max_tokens=max_tokens, steering_spec=steering_spec, **sampling
     )
     n = len(row) + len(completion.token_ids)
-    return completion, Cache({a: _batched(t) for a, t in acts.items()}, lengths=torch.tensor([n]))
+    batched = {a: _batched(t) for a, t in acts.items()}
+    return completion, Cache(batched, lengths=torch.tensor([n]), n_layers=facade.model.info.n_layers)
 
 
 def _batched(value: torch.Tensor | FeatureReadout) -> torch.Tensor | FeatureReadout:
@@ -174,14 +209,34 @@ def generate_stream(
     max_tokens: int,
     n_logprobs: int = 0,
     steering_spec: SteeringSpec | None = None,
-    features: Iterable[Any] = (),
+    features: Iterable[Any] | Features | str = (),
     **sampling: Any,
 ) -> Iterator[StreamStep]:
     """Generated steps of one prompt, each with its top-``n_logprobs`` (token, logprob) pairs
-    and, with ``features=[Features(...)]``, those readouts at the position that produced it."""
+    and, with ``features=[Features(...)]`` (or one readout), those readouts at the position that
+    produced it."""
     facade = _facade(model)
     row = _one_prompt(facade.model, tokens, "generate_stream")
-    extra: dict[str, Any] = {"features": list(features)} if features else {}
+    readouts = model_points(facade.model, features)
+    extra: dict[str, Any] = {"features": readouts} if readouts else {}
     return facade.stream(
         row, max_tokens=max_tokens, n_logprobs=n_logprobs, steering_spec=steering_spec, **extra, **sampling
     )
+
+
+def decode_residuals(
+    model: InterpModel | SyncModel,
+    acts: torch.Tensor | Mapping[Address | str, torch.Tensor],
+) -> torch.Tensor | dict[Address, torch.Tensor]:
+    """The logit lens: residual-stream vectors ``[..., d_model]`` through the model's final norm
+    and unembedding, as logits ``[..., vocab]`` (float32, CPU), delegating to the model's
+    ``decode_residuals``. A mapping (a capture result, or a :class:`Cache` of residual kinds) is
+    decoded value by value into a dict keyed by :class:`Address`; every value is checked first.
+
+    ``decode_residuals(model, cache.stack("resid_post", include_embed=True))`` decodes the
+    embedding and every layer at once: ``[1 + n_layers, batch, pos, vocab]``."""
+    facade = _facade(model)
+    if isinstance(acts, Mapping):
+        keyed = {as_address(key): value for key, value in acts.items()}
+        return facade.decode_residuals(keyed)
+    return facade.decode_residuals(acts)

@@ -69,7 +69,7 @@ from ._errors import (
 from ._protocol import Activations, Completion, ModelInfo, Results, StreamStep
 from ._readouts import FeatureReadout, Features, as_features, check_readout, check_sae_name, read_features
 from ._sae import Sae, load_sae
-from ._steering import AnyWrite, FeatureWrite, SteeringSpec, Write, finite_float, short_repr
+from ._steering import AnyWrite, FeatureWrite, RowSpecs, SteeringSpec, Write, finite_float, row_specs, short_repr
 from .validation import (
     check_max_tokens,
     check_residuals,
@@ -311,9 +311,20 @@ class ModelBase(abc.ABC):
             address = Address(kind, 0 if meta.per_layer else None)
             how: Literal["hook", "recompute"] = "recompute" if served[kind] == "recompute" else "hook"
             out[kind] = PointInfo(
-                kind, value_shape(address, self.info), meta.per_layer, kind in writable, how, meta.meaning
+                kind,
+                value_shape(address, self.info),
+                meta.per_layer,
+                kind in writable,
+                how,
+                meta.meaning,
+                self._kind_layers(kind) if meta.per_layer else None,
             )
         return dict(sorted(out.items(), key=lambda kv: Address(kv[0], 0 if kv[1].per_layer else None).sort_key()))
+
+    def _kind_layers(self, kind: str) -> tuple[int, ...] | None:
+        """The layers ``kind`` exists at when not every layer (``None``: every layer); backends
+        whose layers differ (dense and mixture-of-experts layers mixed) override it."""
+        return None
 
     def _check_served(self, addresses: Iterable[Address]) -> None:
         """``KindNotInFamily`` for the first address whose kind this model does not have."""
@@ -524,9 +535,10 @@ class ModelBase(abc.ABC):
         return self._check_capture_batch([token_ids], points, steering_spec)[0]
 
     def _check_capture_batch(
-        self, rows: Iterable[Any], points: Iterable[Any], steering_spec: SteeringSpec | None
+        self, rows: Iterable[Any], points: Iterable[Any], steering_spec: RowSpecs
     ) -> list[CheckedRequest]:
-        """:meth:`_check_capture` for several prompts sharing the points and the spec."""
+        """:meth:`_check_capture` for several prompts sharing the points; ``steering_spec`` is
+        one spec for every row, or a list of one spec (or ``None``) per row."""
         self._check_open()
         checked = [check_token_ids(row, self.info) for row in rows]
         if not checked:
@@ -534,9 +546,14 @@ class ModelBase(abc.ABC):
         addresses, readouts = self._split_points(points)
         mapping = self._check_points(addresses, required=not readouts)
         saes = self._check_readouts(readouts)
-        writes, written = self._check_writes(steering_spec)
+        specs = row_specs(steering_spec, len(checked))
+        resolved: dict[int, tuple[list[AnyWrite], dict[str, Sae]]] = {}
+        for spec in specs:  # a spec shared by several rows is checked once
+            if id(spec) not in resolved:
+                resolved[id(spec)] = self._check_writes(spec)
         requests = []
-        for ids in checked:
+        for ids, spec in zip(checked, specs, strict=True):
+            writes, written = resolved[id(spec)]
             check_write_shapes(writes, len(ids), len(ids))
             request = CheckedRequest(ids, mapping, writes, readouts=readouts, saes={**saes, **written})
             self._check_request(request)

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import json
+import numbers
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 
 from ._address import KINDS, Address, AddressLike, as_address
-from ._errors import InvalidAddress, InvalidFeatures
+from ._errors import InvalidActivations, InvalidAddress, InvalidFeatures, InvalidOption
 from ._readouts import FeatureReadout, Features
 
 _LENGTHS_KEY = "__lengths__"
 _FEATURES_KEY = "__features__"
+_N_LAYERS_KEY = "__n_layers__"
 
 Key = Address | Features
 Value = torch.Tensor | FeatureReadout
@@ -32,6 +34,32 @@ def _order(key: Key) -> tuple[int, int, int, str]:
     return (0, *key.sort_key(), "")
 
 
+def _check_n_layers(n_layers: Any) -> int | None:
+    if n_layers is None:
+        return None
+    if isinstance(n_layers, bool) or not isinstance(n_layers, numbers.Integral) or n_layers < 1:
+        raise InvalidOption(f"n_layers is the model's layer count, an int >= 1 (or None), got {n_layers!r}")
+    return int(n_layers)
+
+
+def _same(a: Value, b: Value) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a is b or (a.shape == b.shape and bool(torch.equal(a, b.to(a.device, a.dtype))))
+    return a is b
+
+
+def _pos_axes(key: Key) -> tuple[int, ...]:
+    """The padded axes of a batched value: the key and query axes of attention scores and
+    patterns ``[batch, heads, q, k]``, else the position axis ``[batch, pos, ...]``."""
+    if isinstance(key, Address) and key.info.width == "heads x keys":
+        return (2, 3)
+    return (1,)
+
+
+def _fill(key: Key) -> float:
+    return float("-inf") if isinstance(key, Address) and key.kind == "attn_scores" else 0.0
+
+
 class Cache(Mapping[Key, Value]):
     """A read-only mapping ``Address -> Tensor`` (and ``Features -> FeatureReadout``) that
     keeps the batch axis.
@@ -41,25 +69,55 @@ class Cache(Mapping[Key, Value]):
     :class:`Address`, a :class:`Features` or their string forms (``cache["resid_post.5"]``,
     ``cache["features:res:top8"]``). When the batch held prompts of different lengths, they
     were right-padded: ``lengths[i]`` is row ``i``'s real token count and the padded positions
-    hold zeros (readout ids ``-1``).
+    hold zeros (readout ids ``-1``; attention scores ``-inf``).
+
+    Layers are stored absolute. ``n_layers`` (the model's layer count; the free functions set
+    it) lets a negative layer count from the end, on the way in and on lookup:
+    ``cache["resid_post.-1"]`` is ``cache["resid_post.3"]`` on a 4-layer model, and the two
+    given together are one point, stored once. Without ``n_layers`` a negative layer is refused.
     """
 
-    __slots__ = ("_data", "lengths")
+    __slots__ = ("_data", "lengths", "n_layers")
 
     def __init__(
         self,
         data: Mapping[Any, Any],
         *,
         lengths: torch.Tensor | None = None,
+        n_layers: int | None = None,
     ) -> None:
+        self.n_layers = _check_n_layers(n_layers)
         items: dict[Key, Value] = {}
         for key, value in data.items():
-            items[_key(key)] = value
+            found = self._absolute(_key(key), on_lookup=False)
+            if found in items and not _same(items[found], value):
+                raise InvalidAddress(
+                    f"{key} and another key are the same point, {found}, on a {self.n_layers}-layer model, "
+                    "but hold different values",
+                    address=key,
+                    valid=(str(found),),
+                )
+            items.setdefault(found, value)
         self._data = dict(sorted(items.items(), key=lambda kv: _order(kv[0])))
         self.lengths = lengths
 
+    def _absolute(self, key: Key, *, on_lookup: bool) -> Key:
+        """``key`` with a negative layer made absolute against :attr:`n_layers`."""
+        if not isinstance(key, Address) or key.layer is None or key.layer >= 0:
+            return key
+        if self.n_layers is None:
+            what = "look up" if on_lookup else "store"
+            raise InvalidAddress(
+                f"cannot {what} {key}: a negative layer counts from the end, and this cache does not know the "
+                "model's layer count; use the absolute layer, or build the Cache with n_layers= "
+                "(run_with_cache and the other free functions set it)",
+                address=key,
+                valid=("a layer >= 0",),
+            )
+        return key.resolve(self.n_layers)
+
     def __getitem__(self, key: AddressLike | Features) -> Any:
-        found = _key(key)
+        found = self._absolute(_key(key), on_lookup=True)
         try:
             return self._data[found]
         except KeyError:
@@ -70,7 +128,7 @@ class Cache(Mapping[Key, Value]):
         if not isinstance(key, (Address, Features, str)):
             return False
         try:
-            return _key(key) in self._data
+            return self._absolute(_key(key), on_lookup=True) in self._data
         except (InvalidAddress, InvalidFeatures):
             return False
 
@@ -88,11 +146,23 @@ class Cache(Mapping[Key, Value]):
         body = ", ".join(f"{a}: {list(t.shape)}" for a, t in self._data.items())
         return f"Cache({{{body}}})"
 
-    def stack(self, kind: str) -> torch.Tensor:
+    def stack(self, kind: str, *, include_embed: bool = False) -> torch.Tensor:
         """The values of one per-layer kind stacked over layers: ``[n_layers_held, ...]``.
 
         Layers appear in increasing order; ``stack("resid_post")[i]`` is the i-th held layer.
+        ``include_embed=True`` puts ``embed`` first (a ``d_model`` kind only; ``embed`` must be
+        held): ``stack("resid_post", include_embed=True)`` is the residual stream after the
+        embedding and after each layer, TransformerLens's ``accumulated_resid``, what the logit
+        lens decodes. :meth:`stack_labels` names the rows.
         """
+        return torch.stack([self._data[a] for a in self._stacked(kind, include_embed)])  # type: ignore[misc]
+
+    def stack_labels(self, kind: str, *, include_embed: bool = False) -> list[str]:
+        """The rows of :meth:`stack` with the same arguments, as address strings
+        (``["embed", "resid_post.0", ...]``), e.g. for a plot's axis."""
+        return [str(a) for a in self._stacked(kind, include_embed)]
+
+    def _stacked(self, kind: str, include_embed: bool) -> list[Address]:
         if kind not in KINDS or not KINDS[kind].per_layer:
             per_layer = [k for k, info in KINDS.items() if info.per_layer]
             raise InvalidAddress(
@@ -100,14 +170,26 @@ class Cache(Mapping[Key, Value]):
                 address=kind,
                 valid=per_layer,
             )
-        values = [
-            t
+        if include_embed and KINDS[kind].width != "d_model":
+            raise InvalidAddress(
+                f"include_embed=True stacks the embedding with a d_model kind (resid_pre, resid_mid, resid_post, "
+                f"attn_out, mlp_out, ...); {kind} is {KINDS[kind].width} wide",
+                address=kind,
+                valid=[k for k, info in KINDS.items() if info.per_layer and info.width == "d_model"],
+            )
+        held = [
+            a
             for a, t in self._data.items()
             if isinstance(a, Address) and a.kind == kind and isinstance(t, torch.Tensor)
         ]
-        if not values:
+        if not held:
             raise KeyError(f"this cache holds no {kind!r} values; it holds {', '.join(map(str, self))}")
-        return torch.stack(values)
+        if not include_embed:
+            return held
+        embed = Address("embed")
+        if embed not in self._data:
+            raise KeyError(f"include_embed=True needs embed in the cache; it holds {', '.join(map(str, self))}")
+        return [embed, *held]
 
     def layers(self, kind: str) -> list[int]:
         """The layers held for ``kind``, in increasing order."""
@@ -115,7 +197,55 @@ class Cache(Mapping[Key, Value]):
 
     def to(self, device: str | torch.device) -> Cache:
         """A copy with every tensor moved to ``device``."""
-        return Cache({a: t.to(device) for a, t in self._data.items()}, lengths=self.lengths)
+        return Cache({a: t.to(device) for a, t in self._data.items()}, lengths=self.lengths, n_layers=self.n_layers)
+
+    @classmethod
+    def concat(cls, caches: Iterable[Cache]) -> Cache:
+        """One cache of the rows of ``caches``, in order, along the batch axis (e.g. the chunks
+        of a long run).
+
+        Every cache must hold the same points. Rows keep their real lengths: caches padded to
+        different lengths are re-padded to the longest (zeros; attention scores ``-inf``,
+        readout ids ``-1``), and ``lengths`` is joined (a cache without lengths counts each of
+        its rows as full). Values are copied once into the joined tensors.
+        """
+        parts = list(caches)
+        if not parts:
+            raise InvalidActivations("Cache.concat needs at least one cache")
+        for i, part in enumerate(parts):
+            if not isinstance(part, Cache):
+                raise InvalidActivations(f"Cache.concat joins Cache objects; item {i} is a {type(part).__name__}")
+        keys = list(parts[0]._data)
+        for i, part in enumerate(parts[1:], start=1):
+            if part._data.keys() != parts[0]._data.keys():
+                missing = [str(k) for k in keys if k not in part._data]
+                extra = [str(k) for k in part._data if k not in parts[0]._data]
+                what = "; ".join(
+                    text
+                    for text in (
+                        f"it lacks {', '.join(missing)}" if missing else "",
+                        f"it also holds {', '.join(extra)}" if extra else "",
+                    )
+                    if text
+                )
+                raise InvalidAddress(
+                    f"Cache.concat joins caches of the same points; cache {i} differs from cache 0: {what}",
+                    address=missing + extra,
+                    valid=[str(k) for k in keys],
+                )
+        known = {p.n_layers for p in parts if p.n_layers is not None}
+        if len(known) > 1:
+            raise InvalidActivations(
+                f"Cache.concat joins caches of one model; these know {sorted(known)} layers (n_layers)"
+            )
+        joined: dict[Key, Value] = {}
+        for key in keys:
+            values = [p._data[key] for p in parts]
+            if isinstance(key, Features):
+                joined[key] = _concat_readouts(key, values)
+            else:
+                joined[key] = _concat_tensors(key, values, _pos_axes(key), _fill(key))
+        return cls(joined, lengths=_concat_lengths(parts), n_layers=known.pop() if known else None)
 
     def save(self, path: str | os.PathLike[str], *, metadata: Mapping[str, str] | None = None) -> None:
         """Write the cache to a safetensors file (keys are address strings).
@@ -139,6 +269,8 @@ class Cache(Mapping[Key, Value]):
             header[_FEATURES_KEY] = json.dumps(readouts)
         if self.lengths is not None:
             header[_LENGTHS_KEY] = json.dumps([int(n) for n in self.lengths.tolist()])
+        if self.n_layers is not None:
+            header[_N_LAYERS_KEY] = str(self.n_layers)
         save_file(tensors, os.fspath(path), metadata=header)
 
     @classmethod
@@ -156,4 +288,83 @@ class Cache(Mapping[Key, Value]):
             if not key.startswith("features:"):
                 data[Address.parse(key)] = tensor
         lengths = metadata.get(_LENGTHS_KEY)
-        return cls(data, lengths=torch.tensor(json.loads(lengths)) if lengths else None)
+        n_layers = metadata.get(_N_LAYERS_KEY)
+        return cls(
+            data,
+            lengths=torch.tensor(json.loads(lengths)) if lengths else None,
+            n_layers=int(n_layers) if n_layers else None,
+        )
+
+
+def _batch(value: Value) -> int:
+    return int(value.values.shape[0] if isinstance(value, FeatureReadout) else value.shape[0])
+
+
+def _concat_lengths(parts: list[Cache]) -> torch.Tensor | None:
+    """The joined lengths; ``None`` when no cache had lengths and none needed padding."""
+    full = []
+    for part in parts:
+        first = next(iter(part._data.items()), None)
+        if first is None:
+            return None
+        key, value = first
+        tensor = value.values if isinstance(value, FeatureReadout) else value
+        full.append(int(tensor.shape[_pos_axes(key)[-1]]))
+    if all(p.lengths is None for p in parts) and len(set(full)) == 1:
+        return None
+    return torch.cat(
+        [
+            torch.as_tensor(p.lengths).reshape(-1).long()
+            if p.lengths is not None
+            else torch.full((_batch(next(iter(p._data.values()))),), n, dtype=torch.long)
+            for p, n in zip(parts, full, strict=True)
+        ]
+    )
+
+
+def _concat_tensors(key: Key, values: list[Any], axes: tuple[int, ...], fill: float) -> torch.Tensor:
+    """``values`` joined on axis 0, each right-padded along ``axes`` to the longest."""
+    first = values[0]
+    for value in values:
+        if not isinstance(value, torch.Tensor):
+            raise InvalidActivations(f"{key}: Cache.concat joins tensors, got a {type(value).__name__}")
+        same = [d for d in range(1, first.dim()) if d not in axes]
+        if value.dim() != first.dim() or any(value.shape[d] != first.shape[d] for d in same):
+            raise InvalidActivations(
+                f"{key}: Cache.concat joins values of one shape but for the batch and position axes; "
+                f"got {list(first.shape)} and {list(value.shape)}"
+            )
+    shape = list(first.shape)
+    shape[0] = sum(int(v.shape[0]) for v in values)
+    for axis in axes:
+        shape[axis] = max(int(v.shape[axis]) for v in values)
+    dtype = first.dtype
+    for value in values[1:]:
+        dtype = torch.promote_types(dtype, value.dtype)
+    if all(v.shape[1:] == first.shape[1:] for v in values):  # no padding: one cat
+        return torch.cat([v.to(first.device, dtype) for v in values])
+    out = torch.full(shape, fill, dtype=dtype, device=first.device)
+    start = 0
+    for value in values:
+        index: list[slice] = [slice(start, start + int(value.shape[0]))]
+        index += [slice(0, int(value.shape[d])) for d in range(1, value.dim())]
+        out[tuple(index)] = value
+        start += int(value.shape[0])
+    return out
+
+
+def _concat_readouts(key: Features, values: list[Any]) -> FeatureReadout:
+    for value in values:
+        if not isinstance(value, FeatureReadout):
+            raise InvalidActivations(f"{key}: Cache.concat joins feature readouts, got a {type(value).__name__}")
+    readouts: list[FeatureReadout] = values
+    if len({r.ids is None for r in readouts}) > 1 or len({r.error_norm is None for r in readouts}) > 1:
+        raise InvalidActivations(
+            f"{key}: Cache.concat joins readouts of one kind; some have ids or error norms and some not"
+        )
+    joined_values = _concat_tensors(key, [r.values for r in readouts], (1,), 0.0)
+    ids = None if readouts[0].ids is None else _concat_tensors(key, [r.ids for r in readouts], (1,), -1)
+    errors = (
+        None if readouts[0].error_norm is None else _concat_tensors(key, [r.error_norm for r in readouts], (1,), 0.0)
+    )
+    return FeatureReadout(joined_values, ids, errors)

@@ -22,6 +22,7 @@ Every error is an :class:`InterpError` and also the builtin a Python user would 
     ├── StaticConfigError (RuntimeError)     configure_static (or attach_sae) after the engine is built
     ├── UnsupportedSae (ValueError)          an SAE folder or architecture that cannot be read
     ├── UnknownSae (KeyError)                no SAE attached under that name: .name, .valid
+    ├── UnknownWeight (KeyError)             a weight name the model does not have: .name, .valid
     ├── InvalidFeatures (ValueError)         a bad readout or feature write: id out of range,
     │                                        width mismatch, unknown option
     └── BackendError (RuntimeError)          the backend failed to serve a valid request
@@ -125,13 +126,18 @@ class BackendError(InterpError, RuntimeError):
     """The backend failed while serving a request that passed validation."""
 
 
+class UnsupportedOperation(InterpError, NotImplementedError):
+    """An operation this backend cannot do (gradients on vLLM, for instance); the message names
+    the backend that can."""
+
+
 class UnsupportedSae(InterpError, ValueError):
     """An SAE (or probe) that cannot be read: not SAELens's on-disk format, or an architecture
     interp-engine does not implement (the message names the supported ones)."""
 
 
-class UnknownSae(InterpError, KeyError):
-    """No SAE or probe is attached to the model under that name; ``valid`` lists the attached ones."""
+class _UnknownName(InterpError, KeyError):
+    """A name looked up and not found; ``name`` is what was asked, ``valid`` what exists."""
 
     def __init__(self, message: str, *, name: Any = None, valid: Sequence[str] = ()) -> None:
         super().__init__(message)
@@ -140,6 +146,16 @@ class UnknownSae(InterpError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else ""
+
+
+class UnknownSae(_UnknownName):
+    """No SAE or probe is attached to the model under that name; ``valid`` lists the attached ones."""
+
+
+class UnknownWeight(_UnknownName):
+    """A weight name the model does not have (``weights(model).get(name)``): not a weight
+    interp-engine knows, or one this model lacks (``b_U`` without an unembedding bias);
+    ``valid`` lists the model's weight names."""
 
 
 class InvalidFeatures(InterpError, ValueError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import threading
 from collections.abc import Mapping
 from importlib.metadata import entry_points
@@ -11,7 +12,7 @@ from typing import Any
 import pluggy
 
 from . import hookspecs
-from ._errors import BackendNotFound, InvalidOption
+from ._errors import BackendNotFound, InvalidOption, ModelLoadError
 from ._protocol import InterpModel
 from ._shipped import resolve_model
 
@@ -57,6 +58,40 @@ def installed_backends() -> list[str]:
     return sorted({name for group in names for name in group})
 
 
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
+"""What a Hugging Face hub id looks like: a name, or one ``owner/name``."""
+
+
+def local_model(name_or_path: str | os.PathLike[str]) -> str:
+    """``name_or_path`` as a backend should see it: a shipped name becomes its directory, a
+    leading ``~`` is expanded, and what can only be a local path must exist.
+
+    A path object, or a string that starts with ``/``, ``./``, ``../`` or ``~``, or that is no hub
+    id (a name, or one ``owner/name``), is a local path: if it does not exist, ``ModelLoadError``
+    says "no such directory" here, before any backend loads, instead of the hub's repo-id error.
+    Anything else (a hub id, an existing path) is passed on unchanged.
+    """
+    path = resolve_model(name_or_path)
+    if os.path.exists(path):
+        return path
+    expanded = os.path.expanduser(path)
+    if expanded != path and os.path.exists(expanded):
+        return expanded
+    looks_local = (
+        not isinstance(name_or_path, str)
+        or path.startswith(("/", "./", "../", "~"))
+        or any(sep in path for sep in (os.sep, os.altsep) if sep and sep != "/")
+        or _HUB_ID.fullmatch(path) is None
+    )
+    if looks_local:
+        shown = repr(path) if expanded == path else f"{path!r} ({expanded})"
+        raise ModelLoadError(
+            f"no such directory: {shown}; a model is a local directory (config.json, weights, tokenizer), "
+            "a hub id such as 'owner/name', or interp:tiny"
+        )
+    return path
+
+
 def load_model(name_or_path: str | os.PathLike[str], backend: str | None = None, **kwargs: Any) -> InterpModel:
     """Load a model on a backend chosen by name.
 
@@ -68,7 +103,7 @@ def load_model(name_or_path: str | os.PathLike[str], backend: str | None = None,
     attaches SAEs or probes before the engine is built (``model.attach_sae`` for each).
     """
     chosen = backend or os.environ.get(ENV_BACKEND) or "eager"
-    path = resolve_model(name_or_path)
+    path = local_model(name_or_path)
     available = installed_backends()
     if chosen not in available:
         install = _DISTRIBUTIONS.get(chosen, "a package that registers it in the 'interp_engine.backends' entry points")

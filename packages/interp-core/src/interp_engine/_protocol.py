@@ -14,6 +14,9 @@ implementing its methods, nothing else:
   set in ``GET /v1/model``.
 - :class:`WorkerStats` (``worker_stats``): per-worker counters of a backend that runs its model
   in worker processes (``vllm``, ``vllm-static``), for leak and recompilation checks.
+- :class:`GradientCapture` (``capture_gradients``): gradients of a scalar metric of the logits
+  with respect to activations, for ``run_with_gradients`` and attribution patching. The eager
+  backend has it; vLLM runs under inference mode and does not.
 
 All are ``@runtime_checkable``: ``isinstance`` checks that the members exist, not their
 signatures; the signatures here are the contract.
@@ -21,7 +24,7 @@ signatures; the signatures here are the contract.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, overload, runtime_checkable
 
@@ -29,7 +32,7 @@ import torch
 
 from ._address import Address, AddressLike
 from ._readouts import FeatureReadout, Features
-from ._steering import SteeringSpec
+from ._steering import RowSpecs, SteeringSpec
 
 
 @dataclass(frozen=True)
@@ -100,7 +103,22 @@ class Results(dict[Address | Features, Any]):
     def __getitem__(self, key: Features) -> FeatureReadout: ...
 
     def __getitem__(self, key: Address | Features) -> Any:
-        return super().__getitem__(key)
+        try:
+            return super().__getitem__(key)
+        except KeyError:
+            raise KeyError(self._missing(key)) from None
+
+    def _missing(self, key: object) -> str:
+        held = ", ".join(str(k) for k in self) or "nothing"
+        if isinstance(key, str):
+            parse = "Features.parse" if Features.is_form(key) else "Address.parse"
+            return (
+                f"{key!r} is a string, and capture results are keyed by Address and Features only, by design "
+                "(an Address is never equal to its string: keys stay typed); look it up with "
+                f"{parse}({key!r}) or bind what you asked for to a variable. run_with_cache "
+                f"returns a Cache, which takes strings. These results hold {held}"
+            )
+        return f"{key} is not in these results; they hold {held} (keyed as asked for, e.g. a negative layer as given)"
 
 
 @runtime_checkable
@@ -191,11 +209,12 @@ class BatchCapture(Protocol):
     """A model that captures several prompts in one batched forward."""
 
     async def capture_batch(
-        self, rows: Sequence[Sequence[int]], points: Points, *, steering_spec: SteeringSpec | None = None
+        self, rows: Sequence[Sequence[int]], points: Points, *, steering_spec: RowSpecs = None
     ) -> Results:
         """Activations ``[batch, n_max, width]`` (head addresses ``[batch, n_max, heads,
         d_head]``) over prompts of any lengths, right-padded with zeros; each row equals its
-        solo ``capture``."""
+        solo ``capture``. ``steering_spec`` is one spec for every row or a list of one spec (or
+        ``None``) per row."""
         ...
 
 
@@ -226,4 +245,31 @@ class WorkerStats(Protocol):
 
     async def worker_stats(self) -> list[dict[str, int]]:
         """One dict of counters per worker (e.g. ``live_requests``: request state still held)."""
+        ...
+
+
+GradientMetric = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""What ``capture_gradients`` differentiates: ``metric(logits, lengths)`` with the logits ``[batch,
+n_max, vocab]`` (float32, zero at right-padded positions) and each row's real length ``[batch]``
+(int64), to a scalar tensor."""
+
+
+@runtime_checkable
+class GradientCapture(Protocol):
+    """A model that backpropagates a metric of its logits to its activations."""
+
+    async def capture_gradients(
+        self,
+        rows: Sequence[Sequence[int]],
+        points: Points,
+        metric: GradientMetric,
+        *,
+        steering_spec: RowSpecs = None,
+    ) -> tuple[Results, Results, float]:
+        """One forward with autograd over ``rows`` (right-padded), then one backward of
+        ``metric``: the activations at ``points`` and the metric's gradient with respect to
+        each, both ``[batch, n_max, width]`` (head addresses ``[batch, n_max, heads, d_head]``,
+        float32, on the CPU, zero at padded positions), and the metric's value. Steering
+        writes apply first: the gradient is with respect to the value after them. The model's
+        parameters gather no ``.grad``."""
         ...

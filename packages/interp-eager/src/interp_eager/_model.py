@@ -30,23 +30,28 @@ from interp_engine import (
     Completion,
     FeatureReadout,
     Features,
+    GradientMetric,
     InvalidOption,
     ModelBase,
     ModelInfo,
     ModelLoadError,
     Results,
+    Sae,
     SamplingOptions,
     SteeringSpec,
     StreamStep,
     UnsupportedAddress,
 )
 from interp_engine._readouts import read_features
+from interp_engine._steering import AnyWrite, RowSpecs
+from interp_engine._weights import WeightInfo, check_weight_request
 from interp_engine.tokens import TextPieces, TokenizerMixin, pad_rows
 
 from ._families import Family, family_for
 from ._generate import choose, generator_for, top_logprobs
-from ._plan import EAGER_KINDS, Architecture, Chunk, Plan
+from ._plan import EAGER_KINDS, Architecture, Chunk, Plan, check_probe
 from ._resolve import resolve_config
+from ._weights import read_weight, weight_info
 
 T = TypeVar("T")
 
@@ -202,6 +207,7 @@ class EagerModel(TokenizerMixin, ModelBase):
         self._can_trim_logits = "logits_to_keep" in parameters
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="interp-eager")
+        self._weight_info: WeightInfo | None = None
 
     @classmethod
     def from_hf(cls, hf_model: nn.Module, tokenizer: Any) -> EagerModel:
@@ -237,6 +243,16 @@ class EagerModel(TokenizerMixin, ModelBase):
     def _served_kinds(self) -> dict[str, str]:
         """The family's table, less the optional modules this model lacks."""
         return self._kinds
+
+    def _kind_layers(self, kind: str) -> tuple[int, ...] | None:
+        arch = self.arch
+        if not (arch.moe_layers and arch.dense_layers):  # every layer alike
+            return None
+        if kind in ("router_logits", "expert_indices", "expert_weights"):
+            return tuple(sorted(arch.moe_layers))
+        if kind in ("mlp_pre", "mlp_pre_linear", "mlp_post"):
+            return tuple(sorted(arch.dense_layers))
+        return None
 
     def _missing_reason(self, kind: str) -> str:
         if kind == "resid_mid" and self.arch.post_norm:
@@ -283,6 +299,7 @@ class EagerModel(TokenizerMixin, ModelBase):
         past: Any = None,
         use_cache: bool = False,
         last_logits_only: bool = False,
+        grad: bool = False,
     ) -> Any:
         hf = self.hf_model
         kwargs: dict[str, Any] = {"input_ids": input_ids.to(self.device), "use_cache": use_cache}
@@ -294,7 +311,8 @@ class EagerModel(TokenizerMixin, ModelBase):
             kwargs["logits_to_keep"] = 1
         needs_weights = any(a.kind in _NEEDS_EAGER_ATTENTION for a in plan.wanted)
         output = None
-        with self._lock, torch.inference_mode(), self._attention_weights(needs_weights), plan.installed(chunk):
+        mode = torch.enable_grad() if grad else torch.inference_mode()
+        with self._lock, mode, self._attention_weights(needs_weights), plan.installed(chunk):
             output = hf(**kwargs)
         return output
 
@@ -308,13 +326,24 @@ class EagerModel(TokenizerMixin, ModelBase):
             )
 
     def _capture_sync(
-        self, rows: list[list[int]], request: CheckedRequest
+        self, requests: list[CheckedRequest]
     ) -> tuple[dict[Address, torch.Tensor], dict[Features, FeatureReadout]]:
+        request = requests[0]  # the points are every row's; the writes may differ per row
         addresses = request.addresses
+        rows = [r.token_ids for r in requests]
         lengths = [len(r) for r in rows]
         ids, mask = pad_rows(rows, self.pad_id)
         hooked = list(dict.fromkeys([a for a in addresses if a != _LOGITS] + request.readout_addresses))
-        plan = Plan(self.arch, hooked, request.writes, lengths, stop_early=_LOGITS not in addresses, saes=request.saes)
+        writes, write_rows, saes = _batch_writes(requests)
+        plan = Plan(
+            self.arch,
+            hooked,
+            writes,
+            lengths,
+            stop_early=_LOGITS not in addresses,
+            saes=saes,
+            write_rows=write_rows,
+        )
         padded = not bool(mask.all())
         output = self._forward(plan, Chunk(len(rows), ids.shape[1], 0), ids, attention_mask=mask if padded else None)
         values = plan.result()
@@ -336,16 +365,87 @@ class EagerModel(TokenizerMixin, ModelBase):
         rows: Sequence[Sequence[int]],
         points: Iterable[Any],
         *,
-        steering_spec: SteeringSpec | None = None,
+        steering_spec: RowSpecs = None,
     ) -> Results:
         """One batched forward over prompts of any lengths: ``[batch, n_max, width]`` (head
         addresses ``[batch, n_max, heads, d_head]``), right-padded with zeros (attention scores:
-        ``-inf``); each row equals its solo run."""
+        ``-inf``); each row equals its solo run. ``steering_spec``: one spec for every row, or a
+        list of one spec (or ``None``) per row, still one forward."""
         requests = self._check_capture_batch(rows, points, steering_spec)
-        first = requests[0]
-        checked = [r.token_ids for r in requests]
-        values, readouts = await self._run(lambda: self._capture_sync(checked, first))
-        return first.keyed(values, readouts)
+        values, readouts = await self._run(lambda: self._capture_sync(requests))
+        return requests[0].keyed(values, readouts)
+
+    # -- gradients ----------------------------------------------------------------------
+    async def capture_gradients(
+        self,
+        rows: Sequence[Sequence[int]],
+        points: Iterable[Any],
+        metric: GradientMetric,
+        *,
+        steering_spec: RowSpecs = None,
+    ) -> tuple[Results, Results, float]:
+        """One forward with autograd on over prompts of any lengths (right-padded), one backward
+        of ``metric(logits, lengths)``: the activations at ``points``, the metric's gradient with
+        respect to each (both ``[batch, n_max, width]``, head addresses ``[batch, n_max, heads,
+        d_head]``, zero at padded positions) and the metric's value. The gradient at an address is
+        taken by adding a zero tensor that requires grad to its value, after any steering writes:
+        at every writable kind, and at ``attn_q``/``attn_k`` where the attention function receives
+        them (``_plan.check_probe``). The model's parameters gather no ``.grad``."""
+        if not callable(metric):
+            raise InvalidOption(f"metric must be a callable of the logits, got {type(metric).__name__}")
+        points = [points] if isinstance(points, (str, Address, Features)) else list(points)
+        _, readouts = self._split_points(points)
+        if readouts:
+            raise UnsupportedAddress(
+                "gradients are taken at addresses, not feature readouts; take them at the SAE's address "
+                "and project onto its encoder",
+                address=readouts[0],
+            )
+        requests = self._check_capture_batch(rows, points, steering_spec)
+        for address in requests[0].addresses:
+            check_probe(self.arch, address)
+        values, grads, value = await self._run(lambda: self._gradients_sync(requests, metric))
+        return requests[0].keyed(values), requests[0].keyed(grads), value
+
+    def _gradients_sync(
+        self, requests: list[CheckedRequest], metric: GradientMetric
+    ) -> tuple[dict[Address, torch.Tensor], dict[Address, torch.Tensor], float]:
+        addresses = requests[0].addresses
+        rows = [r.token_ids for r in requests]
+        lengths = [len(r) for r in rows]
+        ids, mask = pad_rows(rows, self.pad_id)
+        writes, write_rows, saes = _batch_writes(requests)
+        plan = Plan(self.arch, addresses, writes, lengths, saes=saes, write_rows=write_rows, probes=addresses)
+        padded = not bool(mask.all())
+        output = self._forward(
+            plan, Chunk(len(rows), ids.shape[1], 0), ids, attention_mask=mask if padded else None, grad=True
+        )
+        logits = output.logits
+        logits = logits if logits.dtype == torch.float64 else logits.float()  # float32, or a float64 model's
+        del output
+        n_real = torch.tensor(lengths)
+        real = torch.arange(logits.shape[1])[None, :] < n_real[:, None]  # [batch, n_max]
+        with torch.enable_grad():  # padded positions' logits are zeros: no gradient flows from them
+            logits = torch.where(real[..., None].to(logits.device), logits, 0.0)
+            value = metric(logits, n_real)
+            if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.is_floating_point():
+                got = f"shape {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+                raise InvalidOption(f"the metric must return a scalar float tensor computed from the logits, got {got}")
+            if not value.requires_grad:
+                raise InvalidOption("the metric's value does not depend on the logits it was given: no gradient")
+            probes = [(a, delta) for a in addresses for delta in plan.probed[a]]
+            grads = torch.autograd.grad(value.reshape(()), [d for _, d in probes], allow_unused=True)
+        by_address: dict[Address, list[torch.Tensor]] = {a: [] for a in addresses}
+        for (address, delta), grad in zip(probes, grads, strict=True):
+            by_address[address].append(torch.zeros_like(delta) if grad is None else grad)
+        for address, found in by_address.items():
+            if not found:  # pragma: no cover - every site of a full forward runs
+                raise UnsupportedAddress(f"the forward never reached {address}", address=address)
+        del probes, grads, logits
+        values = plan.result()
+        out_values = {a: _zero_padding(a, _to_cpu(values[a]), lengths) for a in addresses}
+        out_grads = {a: _zero_padding(a, _to_cpu(torch.cat(g, dim=1)), lengths) for a, g in by_address.items()}
+        return out_values, out_grads, float(value.detach())
 
     # -- generation ---------------------------------------------------------------------
     async def _decode(
@@ -496,6 +596,18 @@ class EagerModel(TokenizerMixin, ModelBase):
             logits = self.arch.unembed_residuals(acts.to(device=param.device, dtype=param.dtype))
         return _to_cpu(logits)
 
+    # -- weights (interp_engine.weights) -------------------------------------------------
+    async def weight_info(self) -> WeightInfo:
+        """The weight names this model has, its final norm's kind and how its logits compute."""
+        if self._weight_info is None:
+            self._weight_info = await self._run(lambda: weight_info(self.hf_model, self.arch, self.info))
+        return self._weight_info
+
+    async def weight(self, name: str, layer: int | None = None, *, vocab: Sequence[int] | None = None) -> torch.Tensor:
+        """A float32 CPU copy of the HF parameter behind weight ``name`` (``interp_engine.WEIGHT_NAMES``)."""
+        name, layer, ids = check_weight_request(await self.weight_info(), self.info, name, layer, vocab)
+        return await self._run(lambda: read_weight(self.hf_model, self.arch, self.info, name, layer, ids))
+
     # -- lifecycle ----------------------------------------------------------------------
     async def warmup(self) -> None:
         """Run one tiny forward so the first real request does not pay for kernel set-up."""
@@ -508,6 +620,31 @@ class EagerModel(TokenizerMixin, ModelBase):
         self._executor.shutdown(wait=False)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def _batch_writes(
+    requests: list[CheckedRequest],
+) -> tuple[list[AnyWrite], list[frozenset[int] | None] | None, dict[str, Sae]]:
+    """The writes of a batch whose rows may carry different specs, each with the rows it applies
+    to (``None`` throughout when every row has the same writes), and the SAEs they use."""
+    saes: dict[str, Sae] = {}
+    for request in requests:
+        saes.update(request.saes)
+    first = requests[0].writes
+    if all(r.writes is first for r in requests):
+        return list(first), None, saes
+    writes: list[AnyWrite] = []
+    rows: list[frozenset[int] | None] = []
+    seen: dict[int, int] = {}  # id of a request's write list -> its first row
+    for row, request in enumerate(requests):
+        key = id(request.writes)
+        if key in seen:
+            continue
+        seen[key] = row
+        sharing = frozenset(i for i, r in enumerate(requests) if r.writes is request.writes)
+        writes += request.writes
+        rows += [sharing] * len(request.writes)
+    return writes, rows, saes
 
 
 def _row_at(chunks: list[torch.Tensor], position: int) -> torch.Tensor:

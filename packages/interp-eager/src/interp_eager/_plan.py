@@ -29,6 +29,13 @@ On a mixture-of-experts layer, ``router_logits`` are read (and written) by a *ro
 (:func:`add_router_tap`): while the router runs, the first linear map to ``n_experts`` outputs it
 computes is handed to the plan, and the router routes from what the plan returns, so a write
 reroutes; ``expert_indices``/``expert_weights`` are the experts module's positional arguments.
+
+For gradients (``EagerModel.capture_gradients``), a plan takes *probes*: at each, after the
+writes, a zero tensor that requires grad is added to the value the model carries on (``x +
+delta``, in :attr:`Plan.probed`), so the gradient with respect to ``delta`` is the gradient with
+respect to the value. That works wherever a write does, and at ``attn_q``/``attn_k`` where the
+attention tap runs before the attention function (:func:`attention_probes`); elsewhere
+:func:`check_probe` refuses.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -389,6 +396,52 @@ def _maybe(root: nn.Module, path: str) -> nn.Module | None:
     return found if isinstance(found, nn.Module) else None
 
 
+# -- gradient probes ---------------------------------------------------------------------------
+
+_NO_GRADIENT = {
+    "attn_pattern": "the model never passes it on as one tensor (attention kernels fuse it); take it at attn_q/attn_k",
+    "attn_scores": "it is recomputed from the queries and keys; take it at attn_q/attn_k",
+    "logits": "the metric's own input: differentiate the metric",
+    "logits_raw": "the metric's own input: differentiate the metric",
+    "expert_indices": "it holds integers",
+    "expert_weights": "it is read from the experts' arguments; take it at router_logits",
+}
+
+
+def attention_probes(arch: Architecture) -> bool:
+    """Whether ``arch``'s attention taps run before its attention function and can hand it
+    other queries and keys (transformers' attention interface, a family's own method read before
+    it runs), so ``attn_q``/``attn_k`` take gradient probes."""
+    family = arch.family
+    if family.attn_fn is None:
+        return True
+    return family.attn_fn.rsplit(".", 1)[-1] != "forward" and not family.attn_scores_at_softmax
+
+
+def probe_kinds(arch: Architecture) -> list[str]:
+    """The kinds this model serves where a gradient can be taken: every writable kind, and
+    ``attn_q``/``attn_k`` where :func:`attention_probes` says so."""
+    queries = attention_probes(arch)
+    return [k for k in arch.served_kinds() if KINDS[k].writable or (queries and k in ("attn_q", "attn_k"))]
+
+
+def check_probe(arch: Architecture, address: Address) -> None:
+    """``UnsupportedAddress`` unless a gradient can be taken at ``address`` (:func:`probe_kinds`)."""
+    valid = probe_kinds(arch)
+    if address.kind in valid:
+        return
+    if address.kind in ("attn_q", "attn_k"):
+        why = (
+            "this model computes attention inside its own module, where its queries and keys cannot be "
+            "replaced; take it at attn_in, attn_v or attn_z"
+        )
+    else:
+        why = _NO_GRADIENT.get(address.kind, "it is not served here")
+    raise UnsupportedAddress(
+        f"no gradient at {address}: {why}; gradients are taken at {', '.join(valid)}", address=address, valid=valid
+    )
+
+
 # -- reading and writing one tensor -----------------------------------------------------------
 
 
@@ -465,6 +518,13 @@ class _SitePlan:
     mid_reads: list[Address] = field(default_factory=list)
     stash_resid_pre_for: list[int] = field(default_factory=list)
     mid_layer: int | None = None
+    probes: list[Address] = field(default_factory=list)
+    mid_probes: list[Address] = field(default_factory=list)
+
+    @property
+    def changes(self) -> bool:
+        """Whether the site hands the model anything other than what it computed."""
+        return bool(self.edits or self.mid_edits or self.probes or self.mid_probes)
 
 
 class Plan:
@@ -481,7 +541,14 @@ class Plan:
         total: Sequence[int] | None = None,
         stop_early: bool = False,
         saes: Mapping[str, Sae] | None = None,
+        write_rows: Sequence[frozenset[int] | None] | None = None,
+        probes: Sequence[Address] = (),
     ) -> None:
+        """``write_rows``: per write, the batch rows it applies to (``None``: every row), for a
+        batch whose rows carry different steering specs. ``probes``: addresses where a zero
+        tensor requiring grad is added to the value (after the writes), for a forward run with
+        autograd on: the gradient of anything computed downstream with respect to a probe
+        (:attr:`probed`) is its gradient with respect to the value there."""
         self.arch = arch
         self.stop_early = stop_early
         self.steered = bool(writes)
@@ -499,11 +566,15 @@ class Plan:
                 self._plan_mid(point.layer).mid_reads.append(point)
             else:
                 self._sites[arch.site(point)].reads.append(point)
-        for write in writes:
+        for i, write in enumerate(writes):
             if write.address is None:  # pragma: no cover - the model binds feature writes
                 raise UnsupportedAddress(f"an unbound feature write on {getattr(write, 'sae', '?')!r}")
             arch.check_servable(write.address)
-            positions = [write_positions(write, n, t) for n, t in zip(prompts, totals, strict=True)]
+            only = None if write_rows is None else write_rows[i]
+            positions = [
+                write_positions(write, n, t) if only is None or row in only else []
+                for row, (n, t) in enumerate(zip(prompts, totals, strict=True))
+            ]
             edit = _Edit(write, positions)
             if isinstance(write, FeatureWrite):
                 edit.sae = (saes or {})[write.sae]
@@ -511,6 +582,14 @@ class Plan:
                 self._plan_mid(write.address.layer).mid_edits.append(edit)
             else:
                 self._sites[arch.site(write.address)].edits.append(edit)
+        for point in probes:
+            check_probe(arch, point)
+            if point.kind == "resid_mid":
+                self._plan_mid(point.layer).mid_probes.append(point)
+            else:
+                self._sites[arch.site(point)].probes.append(point)
+        self.probed: dict[Address, list[torch.Tensor]] = defaultdict(list)
+        """Each probe's zero tensors (one per forward run), ``[batch, length, ...]`` as read."""
         self.wanted = set(points)
         self._pending: set[Address] = set()
 
@@ -527,6 +606,12 @@ class Plan:
         self.chunk = chunk
         self._pending = set(self.wanted)
         return _Installed(self)
+
+    def _probe(self, address: Address, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` plus a new zero tensor requiring grad (kept in :attr:`probed`)."""
+        delta = torch.zeros(rows.shape, dtype=rows.dtype, device=rows.device, requires_grad=True)
+        self.probed[address].append(delta)
+        return rows + delta
 
     def _record(self, address: Address, rows: torch.Tensor) -> None:
         self.values[address].append(rows.detach().clone())
@@ -553,6 +638,9 @@ class Plan:
 
     def _put(self, site: Site, value: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """``value`` with its ``_rows`` replaced by ``rows``."""
+        if site.when == "attention":  # [batch, heads, keys, d_head]: the chunk's tokens are the last keys
+            earlier = value[:, :, : value.shape[2] - self.chunk.length]
+            return torch.cat([earlier, rows.transpose(1, 2)], dim=2)
         if site.heads is None and site.cols is None:
             return rows.reshape(value.shape)
         out = value.clone()
@@ -571,9 +659,11 @@ class Plan:
         edited = rows
         for edit in plan.edits:
             edited = edit.apply(edited, chunk)
+        for address in plan.probes:
+            edited = self._probe(address, edited)
         for layer in plan.stash_resid_pre_for:
             self._stash[layer] = edited
-        if plan.mid_layer is not None and (plan.mid_edits or plan.mid_reads):
+        if plan.mid_layer is not None and (plan.mid_edits or plan.mid_reads or plan.mid_probes):
             resid_pre = self._stash[plan.mid_layer]
             mid = resid_pre + edited
             steered = mid
@@ -581,6 +671,9 @@ class Plan:
                 steered = edit.apply(steered, chunk)
             if steered is not mid:
                 edited = steered - resid_pre
+            for address in plan.mid_probes:  # resid_mid + delta is what attn_out + delta adds
+                steered = self._probe(address, steered)
+                edited = edited + self.probed[address][-1]
             for address in plan.mid_reads:
                 self._record(address, steered)
         for address in plan.reads:
@@ -594,17 +687,22 @@ class Plan:
         return handles
 
     def _hook(self, site: Site, site_plan: _SitePlan) -> Any:
-        if site.when == "attention":  # read-only: queries, keys and scores are not writable
+        if site.when == "attention":  # not writable; queries and keys take gradient probes
             divisor = self.arch.family.attn_score_divisor
             repeat = self.arch.family.kv_repeat
 
-            def tap(call: AttentionCall) -> None:
+            def tap(call: AttentionCall) -> AttentionCall | None:
                 if site.index == ATTENTION_SCORES:
                     value = attention_scores(call, divisor=divisor)
                 else:
                     value = call.key[:, ::repeat] if site.index else call.query
-                self._handle(site, site_plan, value)
+                handed = self._handle(site, site_plan, value)
                 self._finish_site()
+                if handed is value:
+                    return None
+                if site.index:  # keys the function receives repeated per query head: each copy
+                    return replace(call, key=handed.repeat_interleave(repeat, dim=1))
+                return replace(call, query=handed)
 
             family = self.arch.family
             owner, method = attention_owner(site.module, family.attn_fn)
@@ -637,18 +735,18 @@ class Plan:
             def pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
                 if args:
                     value = self._handle(site, site_plan, args[0])
-                    result: Any = ((value, *args[1:]), kwargs) if site_plan.edits else None
+                    result: Any = ((value, *args[1:]), kwargs) if site_plan.changes else None
                 else:
                     key = "hidden_states" if "hidden_states" in kwargs else next(iter(kwargs))
                     value = self._handle(site, site_plan, kwargs[key])
-                    result = (args, {**kwargs, key: value}) if site_plan.edits else None
+                    result = (args, {**kwargs, key: value}) if site_plan.changes else None
                 self._finish_site()
                 return result
 
             return site.module.register_forward_pre_hook(pre, with_kwargs=True)
 
         def post(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-            changes = bool(site_plan.edits or site_plan.mid_edits)
+            changes = site_plan.changes
             if isinstance(output, torch.Tensor):
                 value = self._handle(site, site_plan, output)
                 result: Any = value if changes else None
@@ -722,7 +820,11 @@ class AttentionCall:
     """Per-head learned sink logits the softmax also normalises over (gpt-oss's ``s_aux``)."""
 
 
-AttentionTap = Callable[[AttentionCall], None]
+AttentionTap = Callable[[AttentionCall], AttentionCall | None]
+"""Called with what an attention function received. Where taps run before the function
+(transformers' attention interface; a family's own method whose scores are not read at its
+softmax), a returned call's query and key are what the function then receives (a gradient
+probe's ``x + delta``); elsewhere the return value is ignored."""
 
 
 def _mask_argument(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -768,12 +870,15 @@ mask adds (or fills) the minimum, and some families scale it afterwards (CodeGen
 masked scores by ``sqrt(d_head)``)."""
 
 
-def _run_taps(module: Any, make_call: Callable[[], AttentionCall]) -> None:
+def _run_taps(module: Any, make_call: Callable[[], AttentionCall]) -> AttentionCall | None:
+    """Run ``module``'s taps; the call as the last tap left it (``None`` without taps)."""
     taps = getattr(module, "__dict__", {}).get(_TAPS)
-    if taps:
-        call = make_call()
-        for tap in tuple(taps):
-            tap(call)
+    if not taps:
+        return None
+    call = make_call()
+    for tap in tuple(taps):
+        call = tap(call) or call
+    return call
 
 
 def _tapped(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -781,12 +886,14 @@ def _tapped(function: Callable[..., Any]) -> Callable[..., Any]:
     (a fresh closure per lookup: caching them would keep every function ever looked up alive)."""
 
     def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *a: Any, **kw: Any) -> Any:
-        _run_taps(
+        call = _run_taps(
             module,
             lambda: AttentionCall(
                 module, query, key, _mask_argument(a, kw), kw.get("scaling"), kw.get("softcap"), value, kw.get("s_aux")
             ),
         )
+        if call is not None:
+            query, key = call.query, call.key
         return function(module, query, key, value, *a, **kw)
 
     return attention
@@ -958,7 +1065,11 @@ def add_attention_tap(
 
             def call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *a: Any, **kw: Any) -> Any:
                 if not scores_at_softmax:
-                    _run_taps(module, lambda: AttentionCall(module, query, key, _mask_argument(a, kw), value=value))
+                    tapped = _run_taps(
+                        module, lambda: AttentionCall(module, query, key, _mask_argument(a, kw), value=value)
+                    )
+                    if tapped is not None:
+                        query, key = tapped.query, tapped.key
                     return original(query, key, value, *a, **kw)
                 with _SoftmaxInput() as seen:
                     result = original(query, key, value, *a, **kw)

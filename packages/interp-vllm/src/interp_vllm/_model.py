@@ -47,10 +47,12 @@ from interp_engine import (
     UnsupportedArchitecture,
     Write,
 )
+from interp_engine._weights import WeightInfo, check_weight_request
 from interp_engine.tokens import TextPieces, TokenizerMixin
 
 from ._resolve import resolve_without_weights
 from ._sites import SITES, merge_ranks
+from ._weights import merge_info, merge_weight
 from ._wire import Fetched, RequestPayload, pack, unpack
 
 FRONT_END_OPTIONS = ("tokenizer_path",)
@@ -204,6 +206,7 @@ class VllmModel(TokenizerMixin, ModelBase):
         # dropped from the workers once none does
         self._key_users: collections.Counter[str] = collections.Counter()
         self._sae_lock: asyncio.Lock | None = None
+        self._weight_info: WeightInfo | None = None
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "running" if self._engine is not None else "not started"
@@ -309,6 +312,10 @@ class VllmModel(TokenizerMixin, ModelBase):
 
     def _missing_reason(self, kind: str) -> str:
         return self.family.missing_reason(kind) or super()._missing_reason(kind)
+
+    def _kind_layers(self, kind: str) -> tuple[int, ...] | None:
+        layers = [layer for layer in range(self.info.n_layers) if self.family.layer_lacks(kind, layer) is None]
+        return None if len(layers) == self.info.n_layers else tuple(layers)
 
     def _check_served(self, addresses: Iterable[Address]) -> None:
         addresses = list(addresses)
@@ -796,6 +803,38 @@ class VllmModel(TokenizerMixin, ModelBase):
         blobs = await engine.collective_rpc("interp_decode", args=(pack({"residuals": flat}),))
         logits: torch.Tensor = unpack(blobs[self._owners(Address("final_norm"))[0]])["logits"]
         return logits.reshape(*residuals.shape[:-1], logits.shape[-1])
+
+    # -- weights (interp_engine.weights) ---------------------------------------------------------
+    async def weight_info(self) -> WeightInfo:
+        """The weight names this model has, its final norm's kind and how its logits compute,
+        as the workers serve them."""
+        if self._weight_info is None:
+            answers = await self._weight_rpc("interp_weight_info")
+            self._weight_info = merge_info(answers, self._stages[0][1], self._stages[-1][1], self.config)
+        return self._weight_info
+
+    async def weight(self, name: str, layer: int | None = None, *, vocab: Sequence[int] | None = None) -> torch.Tensor:
+        """A float32 CPU copy of served weight ``name`` (``interp_engine.WEIGHT_NAMES``), joined from
+        the tensor-parallel shards of the pipeline stage that holds it."""
+        name, layer, ids = check_weight_request(await self.weight_info(), self.info, name, layer, vocab)
+        blobs = await self._weight_rpc("interp_weight", name, layer, ids)
+        if name == "W_E":
+            owners = self._stages[0][1]
+        elif name in ("W_O", "b_O"):
+            owners = self._owners(Address("attn_out", layer))
+        else:  # the unembedding and the final norm: the last stage
+            owners = self._stages[-1][1]
+        return merge_weight(name, [unpack(blobs[i]) for i in owners], self.info, ids)
+
+    async def _weight_rpc(self, method: str, *args: Any) -> list[Any]:
+        engine = await self._ready()
+        try:
+            answers: list[Any] = await engine.collective_rpc(method, args=args)
+        except Exception as exc:
+            if _is_engine_dead(exc):
+                raise self._engine_died(f"{type(exc).__name__}: {exc}") from exc
+            raise BackendError(f"the workers could not read the weights: {type(exc).__name__}: {exc}") from exc
+        return answers
 
     # -- lifecycle ---------------------------------------------------------------------------
     def _probe_engine(self) -> None:

@@ -118,6 +118,22 @@ def interp_decode(self: Any, data: bytes) -> bytes:
     return pack({} if logits is None else {"logits": logits})  # nothing from a stage before the last
 
 
+def interp_weight_info(self: Any) -> dict[str, Any]:
+    """What this worker's pipeline stage holds of the weights (``interp_vllm._weights``)."""
+    from ._weights import worker_info
+
+    return worker_info(_taps(self.model_runner))
+
+
+def interp_weight(self: Any, name: str, layer: int | None, vocab: list[int] | None) -> bytes:
+    """This worker's shard of a weight the front end checked, as safetensors bytes (empty where
+    its stage does not hold it)."""
+    from ._weights import worker_weight
+    from ._wire import pack
+
+    return pack(worker_weight(_taps(self.model_runner), name, layer, vocab))
+
+
 def interp_stats(self: Any) -> dict[str, int]:
     """Per-worker bookkeeping (live per-request states), for leak checks."""
     return dict(_taps(self.model_runner).stats())
@@ -167,6 +183,8 @@ _RPCS = (
     interp_detach,
     interp_release,
     interp_decode,
+    interp_weight_info,
+    interp_weight,
     interp_stats,
 )
 

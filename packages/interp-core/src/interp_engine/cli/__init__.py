@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -149,10 +150,36 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(text.split()) or type(exc).__name__
 
 
+_NEGATIVE_LIST = re.compile(r"-[0-9]+(,-?[0-9]+)*")
+LIST_OPTIONS = ("--positions",)
+"""Options whose value is a comma-separated list of integers that may start with a minus sign."""
+
+
+def join_negative_lists(argv: Sequence[str]) -> list[str]:
+    """``--positions -3,-2,-1`` as ``--positions=-3,-2,-1``: argparse reads a value that starts
+    with ``-`` and is not one negative number as an option, and refuses the line."""
+    out: list[str] = []
+    args = list(argv)
+    index = 0
+    while index < len(args):
+        arg = args[index]
+        if arg == "--":
+            out.extend(args[index:])
+            break
+        following = args[index + 1] if index + 1 < len(args) else None
+        if arg in LIST_OPTIONS and following is not None and _NEGATIVE_LIST.fullmatch(following):
+            out.append(f"{arg}={following}")
+            index += 2
+            continue
+        out.append(arg)
+        index += 1
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``interp`` command; returns the exit status (0 ok, 1 error, 2 usage, 130 interrupted)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(join_negative_lists(sys.argv[1:] if argv is None else argv))
     if args.command is None:
         parser.error("choose a command: demo, capture, lens, attention, features or serve")
     try:

@@ -22,7 +22,6 @@ from typing import Any
 import torch
 
 from .._address import Address
-from .._api import pad_rows
 from .._cache import Cache
 from .._protocol import Results
 from .._readouts import Features
@@ -103,22 +102,19 @@ def prepare_parts(parts: pathlib.Path, manifest: dict[str, Any], overwrite: bool
     return set()
 
 
-def write_shard(parts: pathlib.Path, index: int, acts: Results, n_tokens: int) -> None:
+def write_shard(parts: pathlib.Path, index: int, acts: Results, n_tokens: int, n_layers: int | None = None) -> None:
     """One prompt's activations (and readouts) as a batch-1 Cache, written atomically."""
     final = shard_path(parts, index)
     tmp = final.with_suffix(".tmp")
-    Cache({a: v[None] for a, v in acts.items()}, lengths=torch.tensor([n_tokens])).save(tmp)
+    batched = {a: v[None] for a, v in acts.items()}
+    Cache(batched, lengths=torch.tensor([n_tokens]), n_layers=n_layers).save(tmp)
     os.replace(tmp, final)
 
 
 def join_parts(parts: pathlib.Path, n: int, out: pathlib.Path, metadata: dict[str, str]) -> Cache:
-    rows: list[Results] = []
-    lengths: list[int] = []
-    for index in range(n):
-        shard = Cache.load(shard_path(parts, index))
-        rows.append(Results({a: v[0] for a, v in shard.items()}))
-        lengths.append(int(shard.lengths[0]) if shard.lengths is not None else next(iter(rows[-1].values())).shape[0])
-    cache = Cache(pad_rows(rows, lengths), lengths=torch.tensor(lengths))
+    """The ``n`` shards joined along the batch axis (:meth:`Cache.concat`: right-padded to the
+    longest prompt, lengths kept) into ``out``, written atomically; the parts are removed."""
+    cache = Cache.concat(Cache.load(shard_path(parts, index)) for index in range(n))
     tmp = out.with_name(out.name + ".tmp")
     cache.save(tmp, metadata=metadata)
     os.replace(tmp, out)
@@ -156,7 +152,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
             for start in range(0, len(todo), args.batch_size):
                 chunk = todo[start : start + args.batch_size]
                 for index, acts in zip(chunk, capture_chunk(sync, [ids[i] for i in chunk], resolved), strict=True):
-                    write_shard(parts, index, acts, len(ids[index]))
+                    write_shard(parts, index, acts, len(ids[index]), n_layers)
                     progress.update()
         finally:
             progress.close()

@@ -191,16 +191,20 @@ def add_plot_options(parser: argparse.ArgumentParser, default_dir: str) -> None:
     parser.add_argument("--no-plots", action="store_true", help="print the tables only")
 
 
-def figure_class(args: argparse.Namespace) -> Any:
-    """matplotlib's ``Figure`` (drawn without pyplot), or ``None`` after saying how to get plots."""
-    if args.no_plots:
-        return None
+def plots_available() -> bool:
+    """Whether matplotlib can be imported (after saying how to get it when not)."""
     try:
-        from matplotlib.figure import Figure
+        import matplotlib.figure  # noqa: F401 - interp_engine.plot imports it when it draws
     except ImportError:
         note(PLOTS_HINT)
-        return None
-    return Figure
+        return False
+    return True
+
+
+def plots_wanted(args: argparse.Namespace) -> bool:
+    """Whether to draw the command's plots: not with ``--no-plots``, nor without matplotlib
+    (then one line says how to get it)."""
+    return not args.no_plots and plots_available()
 
 
 def save_figure(fig: Any, out_dir: str, name: str) -> pathlib.Path:

@@ -4,13 +4,16 @@ tables and PNGs."""
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from .. import plot
 from .._address import Address
+from .._base import ModelBase
 from .._errors import InterpError, UnsupportedAddress
 from .._readouts import FeatureReadout, Features
 from .._sae import Sae, load_sae
@@ -22,15 +25,15 @@ from ._common import (
     add_model_options,
     add_plot_options,
     bar,
-    figure_class,
     opened,
+    plots_wanted,
     prompt_ids,
     save_figure,
     show_token,
     table,
 )
-from ._features import attach_name, describe_sae, feature_cells, feature_names, fired, label, plot_features
-from ._views import lens_top_k, logit_lens, plot_heads, plot_lens
+from ._features import attach_name, describe_sae, feature_cells, feature_names, fired, label
+from ._views import lens_top_k, logit_lens, plot_lens
 
 PROMPT = "The capital of France is"
 CONTRAST = "The capital of Germany is"
@@ -364,17 +367,61 @@ def section_feature_steering(
         print(f"\n   {line}")
 
 
+def check_options(args: argparse.Namespace) -> None:
+    """The options that need no model, checked before it loads."""
+    if args.max_tokens < 0:
+        raise UserError(f"--max-tokens must be 0 (no generation) or more, got {args.max_tokens}")
+    if args.induction_length < 2:
+        raise UserError(f"--induction-length must be at least 2 tokens, got {args.induction_length}")
+    if args.ablate_heads < 0:
+        raise UserError(f"--ablate-heads must be 0 or more, got {args.ablate_heads}")
+    if not math.isfinite(args.scale):
+        raise UserError(f"--scale must be a finite number, got {args.scale}")
+    if args.seed < 0:
+        raise UserError(f"--seed must be 0 or more, got {args.seed}")
+    if not args.prompt or not args.contrast:
+        raise UserError("--prompt and --contrast must not be empty")
+
+
+def check_against_model(sync: SyncModel, args: argparse.Namespace, ids: list[int]) -> int:
+    """The options that need the model (the steering layer, what fits its context), checked
+    before anything is printed; returns the steering layer."""
+    info = sync.model.info
+    layer: int = info.n_layers // 2 if args.layer is None else args.layer
+    if not -info.n_layers <= layer < info.n_layers:
+        raise UserError(
+            f"--layer {layer} is out of range for a model with {info.n_layers} layers "
+            f"(valid: {-info.n_layers}..{info.n_layers - 1})"
+        )
+    if args.max_tokens > 0:
+        try:
+            if isinstance(sync.model, ModelBase):  # the checks the generation itself runs, without compute
+                sync.model._check_generation(ids, [], max_tokens=args.max_tokens, steering_spec=None, sampling={})
+            elif len(ids) + args.max_tokens > info.n_ctx:
+                raise UserError(f"{len(ids)} + {args.max_tokens} tokens exceed the context of {info.n_ctx}")
+        except (InterpError, UserError) as exc:
+            raise UserError(f"--max-tokens {args.max_tokens} with the {len(ids)}-token prompt: {exc}") from None
+    other = prompt_ids(sync, args.contrast)
+    if len(other) > info.n_ctx:
+        raise UserError(f"--contrast is {len(other)} tokens, longer than the model's context of {info.n_ctx}")
+    prefix = len(sync.to_tokens("")[0])  # the tokenizer's BOS, if it adds one
+    if prefix + 2 * args.induction_length > info.n_ctx:
+        raise UserError(
+            f"--induction-length {args.induction_length}: the repeated sequence ({prefix + 2 * args.induction_length} "
+            f"tokens) exceeds the model's context of {info.n_ctx}; the most is {(info.n_ctx - prefix) // 2}"
+        )
+    return layer % info.n_layers
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
-    figure = figure_class(args)
+    check_options(args)
     sae = load_sae(args.sae) if args.sae else None  # a bad --sae is one line, before the model loads
     with opened(args) as sync:
         demo = attach_demo_sae(sync, args.sae, sae) if sae is not None else None  # before any request
         info = sync.model.info
-        layer = info.n_layers // 2 if args.layer is None else args.layer
-        if not -info.n_layers <= layer < info.n_layers:
-            raise UserError(f"--layer {layer} is out of range for a model with {info.n_layers} layers")
-        layer %= info.n_layers
         ids = prompt_ids(sync, args.prompt)
+        layer = check_against_model(sync, args, ids)
+        plots = plots_wanted(args)
         print(
             f"model {args.model} on {sync.model.backend}: {info.architecture}, {info.n_layers} layers, "
             f"d_model {info.d_model}, {info.n_heads} heads, vocab {info.vocab_size}"
@@ -403,19 +450,25 @@ def cmd_demo(args: argparse.Namespace) -> int:
         elif demo is not None:
             print(f"\n6. features: skipped ({args.sae} cannot be attached here): {demo}")
 
-        if figure is not None:
+        if plots:
             print()
-            plot_lens(figure, sync, lens, list(range(len(ids))), args.out, "lens.png")
+            plot_lens(sync, lens, list(range(len(ids))), args.out, "lens.png")
             if induction is not None:
-                rand_ids, _, (layer_, head), score = induction
+                rand_ids, start, (layer_, head), score = induction
                 pattern = sync.capture_attention(rand_ids, [layer_])[Address("attn_pattern", layer_)]
-                title = f"layer {layer_} on repeated random tokens (head {head}: induction {score:.2f})"
-                plot_heads(figure, pattern, sync.to_str_tokens(rand_ids), title, args.out, "induction.png")
+                title = (
+                    f"layer {layer_} on {args.induction_length} random tokens shown twice "
+                    f"(strongest: head {head}, induction {score:.2f})"
+                )
+                fig = plot.induction(
+                    pattern, repeat_start=start + args.induction_length, length=args.induction_length, title=title
+                )
+                save_figure(fig, args.out, "induction.png")
             if isinstance(demo, DemoSae):
                 spec = Features(demo.name, top_k=SAE_TOP_K)
                 readout = sync.capture(ids, [spec])[spec]
                 title = f"{demo.source}: top {SAE_TOP_K} features per token of {args.prompt!r}"
-                fig = plot_features(figure, sync.to_str_tokens(ids), readout, demo.names, title)
+                fig = plot.features(readout, tokens=sync.to_str_tokens(ids), names=demo.names, title=title)
                 save_figure(fig, args.out, "features.png")
     return 0
 

@@ -16,14 +16,22 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch
-
+from .. import plot
 from .._plugins import load_model
 from .._readouts import FeatureReadout, Features
 from .._sae import Sae, load_sae
 from .._shipped import PREFIX, resolve_sae
 from .._sync import SyncModel, sync_model
-from ._common import PLOTS_HINT, UserError, add_model_options, load_options, note, prompt_ids, show_token, table
+from ._common import (
+    UserError,
+    add_model_options,
+    load_options,
+    note,
+    plots_available,
+    prompt_ids,
+    show_token,
+    table,
+)
 
 NAMES_FILE = "features.json"
 """The file beside an SAE's weights that may name its features (the shipped SAE's report)."""
@@ -144,45 +152,13 @@ def features_json(
     }
 
 
-def plot_features(
-    figure: Any, tokens: Sequence[str], readout: FeatureReadout, names: Mapping[int, str], title: str
-) -> Any:
-    """A heatmap: tokens (rows) x the union of their top features (columns, at most
-    :data:`MAX_PLOT_FEATURES`, the strongest), ordered by the token each is strongest on."""
-    strongest: dict[int, tuple[float, int]] = {}  # feature -> (its largest value, at which token)
-    for position in range(len(tokens)):
-        for feature, value in fired(readout, position):
-            if feature not in strongest or value > strongest[feature][0]:
-                strongest[feature] = (value, position)
-    chosen = sorted(strongest, key=lambda f: -strongest[f][0])[:MAX_PLOT_FEATURES]
-    columns = sorted(chosen, key=lambda f: (strongest[f][1], -strongest[f][0]))
-    grid = torch.zeros(len(tokens), len(columns))
-    for position in range(len(tokens)):
-        values = dict(fired(readout, position))
-        for col, feature in enumerate(columns):
-            grid[position, col] = values.get(feature, 0.0)
-    fig = figure(figsize=(max(4.0, 0.32 * len(columns) + 2.5), max(2.5, 0.32 * len(tokens) + 1.8)))
-    ax = fig.add_subplot()
-    image = ax.imshow(grid.numpy(), aspect="auto", cmap="magma", vmin=0.0)
-    ax.set_xticks(range(len(columns)), [label(f, names) for f in columns], rotation=90, fontsize=7)
-    ax.set_yticks(range(len(tokens)), [repr(t) for t in tokens], fontsize=7)
-    ax.set_xlabel("feature")
-    shown = "" if len(columns) == len(strongest) else f" (the {len(columns)} strongest of {len(strongest)})"
-    ax.set_title(f"{title}{shown}", fontsize=9)
-    fig.colorbar(image, ax=ax, label="activation (0: not in the token's top k)")
-    return fig
-
-
 def plot_class(plot: str | None) -> Any:
     """matplotlib's ``Figure`` for ``--plot FILE`` (``None`` without ``--plot``, or after saying
     how to get plots); a suffix matplotlib cannot write is refused before the model loads."""
-    if not plot:
+    if not plot or not plots_available():
         return None
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:
-        note(PLOTS_HINT)
-        return None
+    from matplotlib.figure import Figure
+
     suffix = pathlib.Path(plot).suffix.lstrip(".").lower()
     known = Figure().canvas.get_supported_filetypes()
     if suffix and suffix not in known:
@@ -192,10 +168,11 @@ def plot_class(plot: str | None) -> Any:
 
 
 def write_plot(
-    figure: Any, args: argparse.Namespace, tokens: Sequence[str], readout: FeatureReadout, names: Mapping[int, str]
+    args: argparse.Namespace, tokens: Sequence[str], readout: FeatureReadout, names: Mapping[int, str]
 ) -> None:
     path = pathlib.Path(args.plot)
-    fig = plot_features(figure, tokens, readout, names, f"{args.sae}: top {args.top_k} features per token")
+    title = f"{args.sae}: top {args.top_k} features per token"
+    fig = plot.features(readout, tokens=tokens, names=names, max_features=MAX_PLOT_FEATURES, title=title)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     if args.json:  # stdout is the JSON document
@@ -228,7 +205,7 @@ def cmd_features(args: argparse.Namespace) -> int:
             print(f"the top {args.top_k} features per token{named}; error: |x - reconstruct(x)|\n")
             print(features_table(tokens, readout, names))
         if figure is not None:
-            write_plot(figure, args, tokens, readout, names)
+            write_plot(args, tokens, readout, names)
     finally:
         sync.shutdown()
     return 0

@@ -8,14 +8,15 @@ from typing import Any, cast
 
 import torch
 
+from .. import plot
 from .._address import Address
 from .._sync import SyncModel
 from ._common import (
     UserError,
     add_model_options,
     add_plot_options,
-    figure_class,
     opened,
+    plots_wanted,
     prompt_ids,
     save_figure,
     show_token,
@@ -31,7 +32,8 @@ class Lens:
 
     points: list[Address]  # embed, resid_post.0 .. resid_post.N-1
     tokens: list[str]  # the input tokens
-    probs: torch.Tensor  # [len(points), n_tokens, vocab]
+    logits: torch.Tensor  # [len(points), n_tokens, vocab]
+    probs: torch.Tensor  # their softmax
 
 
 def logit_lens(sync: SyncModel, ids: list[int]) -> Lens:
@@ -40,7 +42,7 @@ def logit_lens(sync: SyncModel, ids: list[int]) -> Lens:
     acts = sync.capture(ids, points)
     stacked = torch.stack([acts[p] for p in points])  # [points, n, d_model]
     logits = cast(torch.Tensor, sync.decode_residuals(stacked))
-    return Lens(points, sync.to_str_tokens(ids), logits.float().softmax(-1))
+    return Lens(points, sync.to_str_tokens(ids), logits.float(), logits.float().softmax(-1))
 
 
 def lens_grid(sync: SyncModel, lens: Lens, positions: list[int]) -> str:
@@ -70,21 +72,14 @@ def lens_top_k(sync: SyncModel, lens: Lens, position: int, k: int) -> str:
     return table(["layer", *[f"top {j + 1}" for j in range(k)]], rows)
 
 
-def plot_lens(figure: Any, sync: SyncModel, lens: Lens, positions: list[int], out_dir: str, name: str) -> None:
-    top = lens.probs[:, positions].max(-1)
-    fig = figure(figsize=(max(4.0, 1.1 * len(positions) + 2), max(3.0, 0.45 * len(lens.points) + 1.5)))
-    ax = fig.add_subplot()
-    image = ax.imshow(top.values.numpy(), aspect="auto", cmap="viridis", vmin=0.0, vmax=1.0)
-    if len(positions) <= 40:
-        for row in range(len(lens.points)):
-            for col in range(len(positions)):
-                piece = repr(sync.to_str_tokens([int(top.indices[row, col])])[0])[1:-1][:8]
-                dark = float(top.values[row, col]) < 0.6
-                ax.text(col, row, piece, ha="center", va="center", fontsize=7, color="white" if dark else "black")
-    ax.set_xticks(range(len(positions)), [repr(lens.tokens[i]) for i in positions], rotation=60, ha="right")
-    ax.set_yticks(range(len(lens.points)), [str(p) for p in lens.points])
-    ax.set_title("logit lens: top-1 next token and its probability")
-    fig.colorbar(image, ax=ax, label="probability")
+def plot_lens(sync: SyncModel, lens: Lens, positions: list[int], out_dir: str, name: str) -> None:
+    fig = plot.logit_lens(
+        lens.logits[:, positions],
+        tokens=[lens.tokens[i] for i in positions],
+        layers=[str(p) for p in lens.points],
+        decode=sync.to_str_tokens,
+        title="logit lens: the top-1 next token and its probability",
+    )
     save_figure(fig, out_dir, name)
 
 
@@ -115,9 +110,8 @@ def cmd_lens(args: argparse.Namespace) -> int:
         last = positions[-1]
         print(f"\ntop {args.top_k} at position {last} ({show_token(lens.tokens[last])}):\n")
         print(lens_top_k(sync, lens, last, min(args.top_k, lens.probs.shape[-1])))
-        figure = figure_class(args)
-        if figure is not None:
-            plot_lens(figure, sync, lens, positions, args.out, "lens.png")
+        if plots_wanted(args):
+            plot_lens(sync, lens, positions, args.out, "lens.png")
     return 0
 
 
@@ -169,26 +163,6 @@ def head_summary(pattern: torch.Tensor, tokens: list[str]) -> list[list[object]]
 SUMMARY_HEADERS = ["head", "prev-token", "self", "first-token", "entropy", "last token looks at"]
 
 
-def plot_heads(figure: Any, pattern: torch.Tensor, tokens: list[str], title: str, out_dir: str, name: str) -> None:
-    heads = pattern.shape[0]
-    cols = min(4, heads)
-    rows = (heads + cols - 1) // cols
-    fig = figure(figsize=(3.2 * cols, 3.0 * rows + 0.6))
-    labels = [repr(t) for t in tokens] if len(tokens) <= 24 else None
-    for head in range(heads):
-        ax = fig.add_subplot(rows, cols, head + 1)
-        ax.imshow(pattern[head].numpy(), cmap="Blues", vmin=0.0, vmax=1.0)
-        ax.set_title(f"head {head}", fontsize=9)
-        if labels is not None:
-            ax.set_xticks(range(len(labels)), labels, rotation=90, fontsize=6)
-            ax.set_yticks(range(len(labels)), labels, fontsize=6)
-        else:
-            ax.set_xticks([])
-            ax.set_yticks([])
-    fig.suptitle(title)
-    save_figure(fig, out_dir, name)
-
-
 def cmd_attention(args: argparse.Namespace) -> int:
     with opened(args) as sync:
         info = sync.model.info
@@ -203,10 +177,9 @@ def cmd_attention(args: argparse.Namespace) -> int:
         pattern = sync.capture_attention(ids, [layer])[Address("attn_pattern", layer)]
         print(f"attention of layer {layer}: {pattern.shape[0]} heads over {len(ids)} tokens (rows: queries)\n")
         print(table(SUMMARY_HEADERS, head_summary(pattern, tokens)))
-        figure = figure_class(args)
-        if figure is not None:
+        if plots_wanted(args):
             title = f"attention patterns, layer {layer} (query rows, key columns)"
-            plot_heads(figure, pattern, tokens, title, args.out, f"attention_L{layer}.png")
+            save_figure(plot.attention(pattern, tokens=tokens, title=title), args.out, f"attention_L{layer}.png")
     return 0
 
 

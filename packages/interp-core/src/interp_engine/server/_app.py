@@ -639,7 +639,8 @@ async def _tensor_body(
     # checking and serialising megabytes of values runs on a worker thread, not on the serving loop
     await asyncio.to_thread(_check_finite, tensors, readouts or {}, steered)
     if served.wants_safetensors(request, format):
-        return await asyncio.to_thread(safetensors_response, tensors, n_tokens, head, readouts)
+        n_layers = served.model.info.n_layers if served.model is not None else None
+        return await asyncio.to_thread(safetensors_response, tensors, n_tokens, head, readouts, n_layers)
     encoded = await asyncio.to_thread(lambda: {name: encode(t) for name, t in tensors.items()})
     if readouts is None:
         return {**head, key: encoded}

@@ -2,8 +2,9 @@
 
 - request bodies that do not fit the schema (pydantic): ``422``, ``error: "ValidationError"``;
 - the core's typed input errors (``InvalidAddress``, ``InvalidTokens``, ``InvalidSteering``,
-  ``InvalidActivations``, ``InvalidOption``, and for SAEs ``UnknownSae`` -- no SAE attached under
-  that name, ``valid`` the attached ones -- ``InvalidFeatures`` and ``UnsupportedSae``): ``400``,
+  ``InvalidActivations``, ``InvalidOption``, ``UnsupportedOperation``, and for SAEs ``UnknownSae``
+  -- no SAE attached under that name, ``valid`` the attached ones -- ``InvalidFeatures`` and
+  ``UnsupportedSae``): ``400``,
   ``error`` is the type's name (an unknown SAE is a 400 like an unknown address, not a 404);
 - a :class:`ServerLimits` bound exceeded: ``413``, ``error: "LimitExceeded"``;
 - ``ModelClosed`` or a model not loaded yet: ``503``; ``BackendError`` and anything else: ``500``
@@ -35,6 +36,7 @@ from .._errors import (
     ModelClosed,
     UnknownSae,
     UnsupportedArchitecture,
+    UnsupportedOperation,
     UnsupportedSae,
 )
 
@@ -48,6 +50,7 @@ _CLIENT_ERRORS = (
     UnknownSae,
     InvalidFeatures,
     UnsupportedSae,
+    UnsupportedOperation,
 )
 
 

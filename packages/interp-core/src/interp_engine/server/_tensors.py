@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from fastapi.responses import Response
 
-from .._cache import _FEATURES_KEY, _LENGTHS_KEY
+from .._cache import _FEATURES_KEY, _LENGTHS_KEY, _N_LAYERS_KEY
 from .._readouts import FeatureReadout
 from ._errors import ApiError, limit_exceeded
 from ._schemas import EncodedTensor
@@ -72,10 +72,12 @@ def safetensors_response(
     n_tokens: int,
     extra: Mapping[str, Any],
     readouts: Mapping[str, FeatureReadout] | None = None,
+    n_layers: int | None = None,
 ) -> Response:
     """The tensors (and feature readouts) as a Cache file of the core (batch axis of 1, readable
     by ``Cache.load``: a readout is stored as ``KEY/values``, ``KEY/ids`` (int64) and
-    ``KEY/error_norm``); ``extra`` goes into the metadata as JSON strings."""
+    ``KEY/error_norm``; keys as requested, a negative layer read back through the model's
+    ``n_layers``, kept in the metadata); ``extra`` goes into the metadata as JSON strings."""
     from safetensors.torch import save
 
     batched: dict[str, torch.Tensor] = {}
@@ -87,6 +89,8 @@ def safetensors_response(
         seen.add(value.data_ptr())
         batched[key] = value[None]
     metadata = {"format": "interp-engine-cache", _LENGTHS_KEY: json.dumps([n_tokens])}
+    if n_layers is not None:
+        metadata[_N_LAYERS_KEY] = str(n_layers)
     for key, readout in (readouts or {}).items():
         batched.update({name: t.detach().cpu().contiguous()[None] for name, t in readout.tensors(key).items()})
     if readouts:

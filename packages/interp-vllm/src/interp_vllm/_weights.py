@@ -1,0 +1,254 @@
+"""The vllm backends' weights: read from the served model in its workers, joined in the front end.
+
+Each worker answers for what its pipeline stage holds and sends its tensor-parallel shard:
+
+- ``W_E`` (the first stage's input embedding), ``W_U`` and ``b_U`` (the last stage's unembedding)
+  are vocabulary-parallel: a rank holds the ids ``[org_vocab_start_index, org_vocab_end_index)``
+  of its ``shard_indices`` (its padding rows are dropped), sent with their positions in the answer;
+- ``W_O`` of a layer (the stage holding it) is the row-parallel output projection: a rank holds the
+  input columns of its heads (``weight [d_model, heads_here * d_head]``), joined by rank order;
+  ``b_O`` is not split (rank 0's is the one added);
+- the final norm (last stage) is replicated; its kind, ``eps`` and weight offset are probed from
+  the module (:func:`interp_engine._weights.probe_norm`), as on eager.
+
+Everything crosses the process boundary as safetensors bytes (``_wire.pack``), float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from interp_engine import BackendError, ModelInfo, UnsupportedArchitecture
+from interp_engine._weights import WEIGHT_NAMES, WeightInfo, norm_parameters, probe_norm
+
+_VOCAB_WEIGHTS = ("W_E", "W_U", "b_U")
+
+
+def _get(root: Any, path: str) -> Any:
+    for part in path.split("."):
+        root = getattr(root, part)
+    return root
+
+
+def _copy(value: torch.Tensor) -> torch.Tensor:
+    return value.detach().to("cpu", torch.float32, copy=True)
+
+
+def _vocab_size(taps: Any) -> int:
+    config = taps.runner.model_config.hf_config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(text.vocab_size)
+
+
+def input_embedding(taps: Any) -> Any:
+    """This stage's input embedding (vocabulary-parallel, the model's vocabulary size, not the
+    ``ParallelLMHead``), or ``None`` on a stage that has none."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    vocab = _vocab_size(taps)
+    for _, module in taps.model.named_modules():
+        if (
+            isinstance(module, VocabParallelEmbedding)
+            and not isinstance(module, ParallelLMHead)
+            and int(module.org_vocab_size) == vocab
+        ):
+            return module
+    return None
+
+
+def _unembedding(taps: Any) -> Any:
+    return _get(taps.model, taps.family.unembed) if taps.last_stage and taps.family.unembed else None
+
+
+def _output_projection(taps: Any, layer: int) -> Any:
+    return _get(taps.layers[layer], taps.family.attn_o_proj)
+
+
+def _bias(module: Any) -> torch.Tensor | None:
+    bias = getattr(module, "bias", None)
+    return bias if isinstance(bias, torch.Tensor) else None
+
+
+def worker_info(taps: Any) -> dict[str, Any]:
+    """What this worker's stage holds of the weights (plain data for ``interp_weight_info``)."""
+    param = next(taps.model.parameters())
+    out: dict[str, Any] = {
+        "pp_rank": taps.pp_rank,
+        "rank": taps.rank,
+        "dtype": str(param.dtype).removeprefix("torch."),
+        "embed": input_embedding(taps) is not None,
+        "o_bias": all(_bias(_output_projection(taps, layer)) is not None for layer in taps.owned),
+    }
+    unembed = _unembedding(taps)
+    if unembed is None:
+        return out
+    embed = input_embedding(taps)
+    out["tied"] = None if embed is None else getattr(unembed, "weight", None) is getattr(embed, "weight", None)
+    out["unembed_bias"] = _bias(unembed) is not None
+    processor = getattr(taps.model, "logits_processor", None)
+    scale = getattr(processor, "scale", 1.0)
+    cap = getattr(processor, "soft_cap", None)
+    out["logit_scale"] = float(scale) if isinstance(scale, (int, float)) else 1.0
+    out["softcap"] = float(cap) if isinstance(cap, (int, float)) and cap else None
+    norm = _get(taps.model, taps.family.final_norm)
+    found = probe_norm(  # its own forward, not a call: the taps' hooks on the norm never see the probe
+        norm.forward,
+        norm,
+        d_model=int(taps.runner.model_config.get_hidden_size()),
+        device=param.device,
+        dtype=param.dtype,
+        config=taps.runner.model_config.hf_config,
+    )
+    if found is None:
+        out["norm_error"] = (
+            f"the final norm {type(norm).__name__} computes neither a LayerNorm nor an RMSNorm (with or without "
+            "a 1 + w weight): its weights cannot be described"
+        )
+        return out
+    out["norm"] = {
+        "kind": found.kind,
+        "eps": found.eps,
+        "offset": found.weight_offset,
+        "weight": found.weight is not None,
+        "bias": found.bias is not None,
+    }
+    return out
+
+
+def worker_weight(taps: Any, name: str, layer: int | None, vocab: list[int] | None) -> dict[str, torch.Tensor]:
+    """This worker's part of a checked weight (empty where its stage does not hold it)."""
+    with torch.no_grad():
+        if name == "W_E":
+            embed = input_embedding(taps)
+            return {} if embed is None else _vocab_rows(embed, embed.weight, vocab)
+        if name in ("W_U", "b_U"):
+            unembed = _unembedding(taps)
+            if unembed is None:
+                return {}
+            table = unembed.weight if name == "W_U" else _bias(unembed)
+            if not isinstance(table, torch.Tensor):
+                raise BackendError(f"the unembedding {type(unembed).__name__} has no {name}")
+            return _vocab_rows(unembed, table, vocab)
+        if name in ("ln_final.w", "ln_final.b"):
+            if not taps.last_stage:
+                return {}
+            weight, bias = norm_parameters(_get(taps.model, taps.family.final_norm))
+            value = weight if name == "ln_final.w" else bias
+            if value is None:
+                raise BackendError(f"the final norm has no {name}")
+            return {"values": _copy(value)}
+        if layer is None or layer not in taps.owned:
+            return {}
+        projection = _output_projection(taps, layer)
+        if name == "b_O":
+            bias = _bias(projection)
+            if bias is None:
+                raise BackendError(f"the output projection of layer {layer} has no bias")
+            return {"values": _copy(bias)}
+        matrix = linear_matrix(projection)  # [this rank's heads * d_head, d_model]
+        return {"values": _copy(matrix.reshape(-1, taps.d_head, matrix.shape[1]))}
+
+
+def linear_matrix(module: Any) -> torch.Tensor:
+    """The ``[in, out]`` matrix of this rank's part of a vLLM linear layer (``out = in @ M``,
+    without bias). Its ``weight`` is ``[out, in]``; vLLM's CPU build repacks linear weights for its
+    GEMM kernels and drops ``weight`` (an empty tensor), and then the map is read by applying the
+    layer's own kernel (``quant_method.apply``, no all-reduce, no bias) to the identity: each
+    output is one weight times 1.0, exact."""
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.numel() > 0:
+        return weight.T
+    method = getattr(module, "quant_method", None)
+    width = getattr(module, "input_size_per_partition", None)
+    if method is None or not isinstance(width, int):
+        raise BackendError(f"cannot read the weights of {type(module).__name__}: no weight and no kernel to apply")
+    dtype = getattr(module, "params_dtype", None) or torch.float32
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    identity = torch.eye(width, dtype=dtype, device=device)
+    matrix: torch.Tensor = method.apply(module, identity)
+    return matrix
+
+
+def _vocab_rows(module: Any, table: torch.Tensor, vocab: list[int] | None) -> dict[str, torch.Tensor]:
+    """The rows of a vocabulary-parallel ``table`` this rank holds, with their positions in the
+    answer (the ids themselves for the whole table; else indices into ``vocab``)."""
+    shard = module.shard_indices
+    start, end = int(shard.org_vocab_start_index), int(shard.org_vocab_end_index)
+    if vocab is None:
+        positions = torch.arange(start, end)
+        local = torch.arange(0, end - start)
+    else:
+        held = [(i, v - start) for i, v in enumerate(vocab) if start <= v < end]
+        positions = torch.tensor([i for i, _ in held], dtype=torch.long)
+        local = torch.tensor([j for _, j in held], dtype=torch.long)
+    return {"positions": positions, "values": _copy(table[local.to(table.device)])}
+
+
+# -- the front end ---------------------------------------------------------------------------------
+
+
+def merge_info(answers: Sequence[dict[str, Any]], first: Sequence[int], last: Sequence[int], config: Any) -> WeightInfo:
+    """One :class:`WeightInfo` from the workers' answers (``first``/``last``: the indices of the
+    first and last pipeline stages' workers)."""
+    head = answers[last[0]]
+    if head.get("norm_error"):
+        raise UnsupportedArchitecture(str(head["norm_error"]))
+    norm = head.get("norm")
+    if not isinstance(norm, dict):
+        raise BackendError("the last pipeline stage did not describe its final norm")
+    names = {"W_U", "W_O"}
+    if answers[first[0]].get("embed"):
+        names.add("W_E")
+    if head.get("unembed_bias"):
+        names.add("b_U")
+    if all(a.get("o_bias") for a in answers):
+        names.add("b_O")
+    if norm["weight"]:
+        names.add("ln_final.w")
+    if norm["bias"]:
+        names.add("ln_final.b")
+    tied = head.get("tied")
+    if tied is None:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        tied = bool(getattr(text, "tie_word_embeddings", False))
+    return WeightInfo(
+        names=tuple(n for n in WEIGHT_NAMES if n in names),
+        norm=norm["kind"],
+        norm_eps=float(norm["eps"]),
+        norm_weight_offset=float(norm["offset"]),
+        tied=bool(tied),
+        logit_scale=float(head.get("logit_scale", 1.0)),
+        logit_softcap=head.get("softcap"),
+        dtype=str(head.get("dtype", "float32")),
+    )
+
+
+def merge_weight(
+    name: str, parts: Sequence[dict[str, torch.Tensor]], info: ModelInfo, vocab: list[int] | None
+) -> torch.Tensor:
+    """The full weight from the owning stage's parts, ordered by tensor-parallel rank."""
+    if not parts or any(not part for part in parts):
+        raise BackendError(f"a worker of the stage that should hold {name} sent nothing for it")
+    if name in _VOCAB_WEIGHTS:
+        n = info.vocab_size if vocab is None else len(vocab)
+        first = parts[0]["values"]
+        out = torch.zeros(n, *first.shape[1:], dtype=torch.float32)
+        seen = torch.zeros(n, dtype=torch.bool)
+        for part in parts:
+            out[part["positions"]] = part["values"]
+            seen[part["positions"]] = True
+        if not bool(seen.all()):
+            raise BackendError(f"the workers' shards of {name} cover {int(seen.sum())} of {n} vocabulary entries")
+        return out.T.contiguous() if name == "W_U" else out
+    if name == "W_O":
+        value = torch.cat([part["values"] for part in parts])
+        if value.shape != (info.n_heads, info.d_head, info.d_model):
+            raise BackendError(
+                f"the workers' output projections join to {list(value.shape)}, not "
+                f"[{info.n_heads}, {info.d_head}, {info.d_model}]"
+            )
+        return value
+    return parts[0]["values"]  # replicated (b_O: rank 0's is the one added; the final norm)
