@@ -8,6 +8,7 @@ family's eager model and its HF oracle are loaded once per session.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import os
 import pathlib
@@ -177,5 +178,7 @@ def vllm_engines() -> Any:
         return started[key]
 
     yield get
-    for facade in started.values():
-        facade.shutdown()
+    # shut them down side by side: each waits seconds for its engine core to exit
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(started))) as pool:
+        for future in [pool.submit(facade.shutdown) for facade in started.values()]:
+            future.result()

@@ -821,7 +821,7 @@ class VllmModel(TokenizerMixin, ModelBase):
         if name == "W_E":
             owners = self._stages[0][1]
         elif name in ("W_O", "b_O"):
-            owners = self._owners(Address("attn_out", layer))
+            owners = self._owners(Address("resid_post", layer))  # the stage holding the layer
         else:  # the unembedding and the final norm: the last stage
             owners = self._stages[-1][1]
         return merge_weight(name, [unpack(blobs[i]) for i in owners], self.info, ids)
