@@ -159,6 +159,20 @@ VLLM_ENGINE_ARGS: dict[str, dict[str, Any]] = {
 }
 
 
+def started_engine(path: pathlib.Path, backend: str = "vllm", **engine_args: Any) -> Any:
+    """A vLLM engine of its own (outside the session's shared ones), warmed up, behind its sync
+    facade; shut down again if it fails to start."""
+    from interp_engine import load_model, sync_model
+
+    facade = sync_model(load_model(path, backend=backend, **engine_args))
+    try:
+        facade.warmup()
+    except BaseException:
+        facade.shutdown()
+        raise
+    return facade
+
+
 @pytest.fixture(scope="session")
 def vllm_engines() -> Any:
     """``get(family, **engine_args)``: one started vLLM engine per (family, args) for the whole

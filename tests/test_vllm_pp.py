@@ -32,14 +32,12 @@ from interp_engine import (
     SteeringSpec,
     Write,
     capture_attention,
-    load_model,
     logit_attribution,
-    sync_model,
     weights,
 )
 from interp_engine._readouts import read_features
 
-from .conftest import MODELS, PROMPT, VLLM_SHAPE, hf_for, rel_diff
+from .conftest import MODELS, PROMPT, VLLM_SHAPE, hf_for, rel_diff, started_engine
 from .test_vllm_sae import assert_close_readout, assert_same_readout, make_sae
 
 TOL = 1e-4
@@ -57,13 +55,7 @@ def pp_model_path() -> pathlib.Path:
 
 
 def _start(backend: str = "vllm", **engine_args: Any) -> Any:
-    facade = sync_model(load_model(pp_model_path(), backend=backend, **ENGINE, **engine_args))
-    try:
-        facade.warmup()
-    except BaseException:
-        facade.shutdown()
-        raise
-    return facade
+    return started_engine(pp_model_path(), backend, **ENGINE, **engine_args)
 
 
 @pytest.fixture(scope="module")

@@ -32,11 +32,11 @@ from typing import Any
 import pytest
 import torch
 
-from interp_engine import Address, Features, SteeringSpec, Write, load_model, sync_model
+from interp_engine import Address, Features, SteeringSpec, Write
 from interp_engine._readouts import read_features
 
 from . import _procs
-from .conftest import PROMPT, hf_for, rel_diff, vllm_model_path
+from .conftest import PROMPT, hf_for, rel_diff, started_engine, vllm_model_path
 from .test_vllm_sae import assert_close_readout, assert_same_readout, make_sae
 
 TOL = 1e-4
@@ -103,13 +103,7 @@ def local_ray_cluster(n_workers: int) -> Iterator[str]:
 
 
 def _start(**engine_args: Any) -> Any:
-    facade = sync_model(load_model(vllm_model_path("llama"), backend="vllm", **{**ENGINE, **engine_args}))
-    try:
-        facade.warmup()
-    except BaseException:
-        facade.shutdown()
-        raise
-    return facade
+    return started_engine(vllm_model_path("llama"), **{**ENGINE, **engine_args})
 
 
 @pytest.fixture(scope="module")

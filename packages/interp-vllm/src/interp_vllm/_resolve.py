@@ -335,21 +335,20 @@ def _unembed(model: nn.Module, classes: dict[str, Any]) -> str:
     raise _unsupported(model, "found no (vocab-parallel) embedding to unembed with")
 
 
+def _first_count(config: Any, keys: tuple[str, ...]) -> int:
+    """The first of ``keys`` that ``config`` sets to a positive int (0: none)."""
+    for key in keys:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 0
+
+
 def n_experts_of(config: Any) -> tuple[int, int]:
     """``(experts, experts per token)`` from an HF config (``(0, 0)``: a dense model)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    experts = 0
-    for key in ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"):
-        value = getattr(text, key, None)
-        if isinstance(value, int) and value > 0:
-            experts = value
-            break
-    per_token = 0
-    for key in ("num_experts_per_tok", "moe_top_k", "moe_k", "top_k"):
-        value = getattr(text, key, None)
-        if isinstance(value, int) and value > 0:
-            per_token = value
-            break
+    experts = _first_count(text, ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"))
+    per_token = _first_count(text, ("num_experts_per_tok", "moe_top_k", "moe_k", "top_k"))
     ffn = getattr(text, "ffn_config", None)  # DBRX
     if not experts and ffn is not None:
         experts = int(getattr(ffn, "moe_num_experts", 0) or 0)
