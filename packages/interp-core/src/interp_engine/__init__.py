@@ -41,6 +41,7 @@ from ._errors import (
 )
 from ._gradients import GradientResult, run_with_gradients
 from ._labelled import Labelled
+from ._lens import LensRequest, LensResult, LensTopK
 from ._plugins import installed_backends, load_model
 from ._protocol import (
     BatchCapture,
@@ -95,6 +96,9 @@ __all__ = [
     "KindInfo",
     "KindNotInFamily",
     "Labelled",
+    "LensRequest",
+    "LensResult",
+    "LensTopK",
     "LayerOutOfRange",
     "LayerTypeError",
     "ModelBase",

@@ -66,6 +66,7 @@ from ._errors import (
     UnknownSae,
     UnsupportedAddress,
 )
+from ._lens import LensRequest
 from ._protocol import Activations, Completion, ModelInfo, Results, StreamStep
 from ._readouts import FeatureReadout, Features, as_features, check_readout, check_sae_name, read_features
 from ._sae import Sae, load_sae
@@ -164,6 +165,24 @@ class SamplingOptions:
 
 
 @dataclass(frozen=True)
+class CheckedLens:
+    """A :class:`LensRequest` checked against the model and the prompt: what a backend reads."""
+
+    request: LensRequest
+    """As the caller gave it (results are keyed by it)."""
+    layers: tuple[int, ...]
+    """The ``resid_post`` layers, absolute, in the order asked."""
+    top_k: int
+    prompt_positions: tuple[int, ...] = ()
+    """Prompt positions (absolute, ascending) read once the prompt is processed, besides every
+    position that produces a generated token (``n_prompt - 1`` onwards)."""
+
+    @property
+    def addresses(self) -> list[Address]:
+        return [Address("resid_post", layer) for layer in self.layers]
+
+
+@dataclass(frozen=True)
 class CheckedRequest:
     """A request that passed the checks: what a backend runs."""
 
@@ -183,6 +202,8 @@ class CheckedRequest:
     """The feature readouts asked for (each names an attached SAE), in request order."""
     saes: Mapping[str, Sae] = field(default_factory=dict)
     """The attached SAEs this request's readouts and feature writes use, by name."""
+    lens: CheckedLens | None = None
+    """The logit lens to read while generating (``stream(lens=...)``, ``capture_generation(lens=...)``)."""
 
     @property
     def addresses(self) -> list[Address]:
@@ -569,9 +590,10 @@ class ModelBase(abc.ABC):
         steering_spec: SteeringSpec | None,
         sampling: Mapping[str, Any],
         n_logprobs: Any = 0,
+        lens: LensRequest | None = None,
     ) -> CheckedRequest:
         """The checks at the top of ``generate`` / ``capture_generation`` / ``stream`` (points
-        may be empty: then nothing is captured)."""
+        may be empty: then nothing is captured; ``lens``: the logit lens to read per step)."""
         self._check_open()
         n_logprobs = self._check_n_logprobs(n_logprobs)
         max_tokens = check_max_tokens(max_tokens)
@@ -583,10 +605,46 @@ class ModelBase(abc.ABC):
         writes, written = self._check_writes(steering_spec)
         check_write_shapes(writes, len(ids), len(ids) + max_tokens)
         request = CheckedRequest(
-            ids, mapping, writes, max_tokens, options, n_logprobs, readouts=readouts, saes={**saes, **written}
+            ids,
+            mapping,
+            writes,
+            max_tokens,
+            options,
+            n_logprobs,
+            readouts=readouts,
+            saes={**saes, **written},
+            lens=self._check_lens(lens, token_ids, len(ids)),
         )
         self._check_request(request)
         return request
+
+    def _check_lens(self, lens: Any, tokens: Any, n_prompt: int) -> CheckedLens | None:
+        """``lens`` checked: a :class:`LensRequest` (or its JSON object), its layers inside the
+        model and served as ``resid_post``, its prompt positions resolved against the prompt
+        (chat span names against ``tokens``' spans)."""
+        if lens is None:
+            return None
+        if isinstance(lens, Mapping):
+            lens = LensRequest.from_json(lens)
+        if not isinstance(lens, LensRequest):
+            raise InvalidOption(f"lens must be a LensRequest (layers, top_k), got {type(lens).__name__}")
+        n_layers = self.info.n_layers
+        bad = [layer for layer in lens.layers if not -n_layers <= layer < n_layers]
+        if bad:
+            raise InvalidOption(
+                f"lens layer {bad[0]} is outside this {n_layers}-layer model (valid: {-n_layers}..{n_layers - 1})"
+            )
+        layers = tuple(layer % n_layers for layer in lens.layers)
+        if len(set(layers)) != len(layers):
+            raise InvalidOption(
+                f"lens layers {list(lens.layers)} name one layer twice (negative layers count from the end)"
+            )
+        if lens.top_k > self.info.vocab_size:
+            raise InvalidOption(f"lens top_k {lens.top_k} is more than the vocabulary ({self.info.vocab_size})")
+        addresses = [Address("resid_post", layer) for layer in layers]
+        requested_points(addresses, self.info, self.supported_points)
+        self._check_served(addresses)
+        return CheckedLens(lens, layers, lens.top_k, _lens_prompt_positions(lens, tokens, n_prompt))
 
     def _check_request(self, request: CheckedRequest) -> None:  # noqa: B027 (an optional hook)
         """A backend's own limits on a request that passed the shared checks (raise to refuse)."""
@@ -626,9 +684,11 @@ class ModelBase(abc.ABC):
         *,
         max_tokens: int,
         steering_spec: SteeringSpec | None = None,
+        lens: LensRequest | None = None,
         **sampling: Any,
     ) -> tuple[Completion, Results]:
-        """A completion and activations over prompt + every generated token."""
+        """A completion and activations over prompt + every generated token (and with ``lens``,
+        a :class:`LensResult` keyed by the request)."""
 
     @abc.abstractmethod
     def stream(
@@ -639,10 +699,12 @@ class ModelBase(abc.ABC):
         n_logprobs: int = 0,
         steering_spec: SteeringSpec | None = None,
         features: Iterable[Any] = (),
+        lens: LensRequest | None = None,
         **sampling: Any,
     ) -> AsyncIterator[StreamStep]:
-        """Generated tokens one at a time, each with its top-n logprobs and the ``features``
-        readouts (``StreamStep.features``) at the position that produced it."""
+        """Generated tokens one at a time, each with its top-n logprobs, the ``features``
+        readouts (``StreamStep.features``) and the ``lens`` (``StreamStep.lens``) at the position
+        that produced it."""
 
     async def capture_attention(
         self, token_ids: Sequence[int], layers: Iterable[int], *, steering_spec: SteeringSpec | None = None
@@ -726,3 +788,29 @@ class ModelBase(abc.ABC):
 
     def _close_resources(self) -> None:  # noqa: B027 (an optional hook)
         """Free what the model holds (weights, engine, processes); runs once, on the first close."""
+
+
+def _lens_prompt_positions(lens: LensRequest, tokens: Any, n_prompt: int) -> tuple[int, ...]:
+    """A lens's prompt positions, absolute and ascending."""
+    positions = lens.positions
+    if positions is None:
+        return ()
+    if positions == "prompt":
+        return tuple(range(n_prompt))
+    if isinstance(positions, str):  # a chat span name, resolved against the prompt's spans
+        from .chat import span_positions
+
+        try:
+            found = span_positions(positions, tokens, n_prompt)
+        except InvalidSteering as exc:
+            raise InvalidOption(f"lens positions: {exc}") from None
+        return tuple(sorted(set(found)))
+    out = set()
+    for index in positions:
+        absolute = index + n_prompt if index < 0 else index
+        if not 0 <= absolute < n_prompt:
+            raise InvalidOption(
+                f"lens position {index} is outside the {n_prompt}-token prompt (valid: {-n_prompt}..{n_prompt - 1})"
+            )
+        out.add(absolute)
+    return tuple(sorted(out))

@@ -31,6 +31,7 @@ from typing import Any, Protocol, overload, runtime_checkable
 import torch
 
 from ._address import Address, AddressLike
+from ._lens import LensRequest, LensResult, LensTopK
 from ._readouts import FeatureReadout, Features
 from ._steering import RowSpecs, SteeringSpec
 
@@ -84,13 +85,17 @@ class StreamStep:
     position: int = -1
     """The position of the forward pass that produced this token (``-1``: not reported)."""
     features: dict[Features, FeatureReadout] = field(default_factory=dict)
+    lens: LensTopK | None = None
+    """With ``lens=`` asked of ``stream``: the logit lens's top-k at ``position``, per layer."""
+    prompt_lens: LensResult | None = None
+    """On the first step only, with ``LensRequest(positions=...)``: the lens at those prompt positions."""
 
 
 Points = Iterable[AddressLike | Features | str]
 Activations = dict[Address, torch.Tensor]
 
 
-class Results(dict[Address | Features, Any]):
+class Results(dict[Address | Features | LensRequest, Any]):
     """What a capture returns: a plain dict of activations by :class:`Address` and feature
     readouts (:class:`FeatureReadout`) by :class:`Features`, keyed as the caller asked (a string
     key is a ``KeyError``, as for any dict keyed by ``Address``; ``Cache`` takes strings). The
@@ -102,7 +107,10 @@ class Results(dict[Address | Features, Any]):
     @overload
     def __getitem__(self, key: Features) -> FeatureReadout: ...
 
-    def __getitem__(self, key: Address | Features) -> Any:
+    @overload
+    def __getitem__(self, key: LensRequest) -> LensResult: ...
+
+    def __getitem__(self, key: Address | Features | LensRequest) -> Any:
         try:
             return super().__getitem__(key)
         except KeyError:
@@ -167,9 +175,12 @@ class InterpModel(Protocol):
         *,
         max_tokens: int,
         steering_spec: SteeringSpec | None = None,
+        lens: LensRequest | None = None,
         **sampling: Any,
     ) -> tuple[Completion, Results]:
-        """A completion and activations (and readouts) over prompt + every generated token."""
+        """A completion and activations (and readouts) over prompt + every generated token; with
+        ``lens=``, a :class:`LensResult` under the request at every position that produced a
+        generated token (and the request's prompt positions)."""
         ...
 
     def stream(
@@ -180,10 +191,12 @@ class InterpModel(Protocol):
         n_logprobs: int = 0,
         steering_spec: SteeringSpec | None = None,
         features: Iterable[Any] = (),
+        lens: LensRequest | None = None,
         **sampling: Any,
     ) -> AsyncIterator[StreamStep]:
         """Generated tokens one at a time, each with its top-n logprobs (and, with
-        ``features=[Features(...)]``, those readouts at the position that produced it)."""
+        ``features=[Features(...)]``, those readouts at the position that produced it; with
+        ``lens=LensRequest(...)``, the logit lens's top-k there, per layer)."""
         ...
 
     async def capture_attention(
