@@ -347,6 +347,8 @@ ERRORS: dict[str, type[BaseException]] = {
     "ContextTooLong": ValueError,
     "InvalidSteering": ValueError,
     "InvalidActivations": ValueError,
+    "InvalidChat": ValueError,
+    "NoChatTemplate": ValueError,
     "InvalidOption": TypeError,
     "UnsupportedArchitecture": ValueError,
     "ModelLoadError": OSError,

@@ -277,6 +277,18 @@ def train(args: argparse.Namespace) -> pathlib.Path:
     return _save(model, tokenizer, record, args.out)
 
 
+def _write_chat_template(folder: pathlib.Path) -> None:
+    """The minimal chat template (``interp_engine._shipped.TINY_CHAT_TEMPLATE``) written into
+    ``tokenizer_config.json``, the file the package ships (not a separate ``.jinja``)."""
+    from interp_engine._shipped import TINY_CHAT_TEMPLATE
+
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    path = folder / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["chat_template"] = TINY_CHAT_TEMPLATE
+    path.write_text(json.dumps(dict(sorted(config.items())), indent=2) + "\n")
+
+
 def _save(
     model: GPT2LMHeadModel, tokenizer: PreTrainedTokenizerFast, record: dict[str, Any], out: pathlib.Path
 ) -> pathlib.Path:
@@ -286,6 +298,7 @@ def _save(
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        _write_chat_template(tmp)
         (tmp / "training.json").write_text(json.dumps(record, indent=2) + "\n")
         tmp.chmod(0o755)  # mkdtemp makes it private; the package data should be readable by all
         for path in tmp.iterdir():

@@ -7,7 +7,14 @@ cache = run_with_cache(model, model.to_tokens("Hello"), ["resid_post.5"])
 """
 
 from ._address import ALIASES, KINDS, Address, KindInfo, LayerTypeError, PointInfo
-from ._api import capture_attention, capture_generation, decode_residuals, generate_stream, run_with_cache
+from ._api import (
+    capture_attention,
+    capture_generation,
+    chat_tokens,
+    decode_residuals,
+    generate_stream,
+    run_with_cache,
+)
 from ._attribution import attribution_patch
 from ._base import CheckedRequest, ModelBase, SamplingOptions
 from ._cache import Cache
@@ -20,6 +27,7 @@ from ._errors import (
     InterpError,
     InvalidActivations,
     InvalidAddress,
+    InvalidChat,
     InvalidFeatures,
     InvalidOption,
     InvalidSteering,
@@ -28,6 +36,7 @@ from ._errors import (
     LayerOutOfRange,
     ModelClosed,
     ModelLoadError,
+    NoChatTemplate,
     RunningLoopError,
     StaticConfigError,
     UndeclaredAddress,
@@ -41,7 +50,7 @@ from ._errors import (
 )
 from ._gradients import GradientResult, run_with_gradients
 from ._labelled import Labelled
-from ._lens import LensRequest, LensResult, LensTopK
+from ._lens import LensRequest, LensResult, LensTopK, lens_top_k
 from ._plugins import installed_backends, load_model
 from ._protocol import (
     BatchCapture,
@@ -61,6 +70,7 @@ from ._shipped import shipped_models, shipped_saes, tiny_model_path
 from ._steering import FeatureWrite, SteeringSpec, Write
 from ._sync import SyncModel, sync_model
 from ._weights import WEIGHT_NAMES, FinalNorm, WeightAccess, WeightInfo, Weights, weights
+from .chat import ChatTokens, Span
 from .hookspecs import hookimpl
 
 __version__ = "0.1.0"
@@ -74,6 +84,7 @@ __all__ = [
     "BackendNotFound",
     "BatchCapture",
     "Cache",
+    "ChatTokens",
     "CheckedRequest",
     "Completion",
     "ContextTooLong",
@@ -89,6 +100,7 @@ __all__ = [
     "InterpModel",
     "InvalidActivations",
     "InvalidAddress",
+    "InvalidChat",
     "InvalidFeatures",
     "InvalidOption",
     "InvalidSteering",
@@ -96,21 +108,23 @@ __all__ = [
     "KindInfo",
     "KindNotInFamily",
     "Labelled",
+    "LayerOutOfRange",
+    "LayerTypeError",
     "LensRequest",
     "LensResult",
     "LensTopK",
-    "LayerOutOfRange",
-    "LayerTypeError",
     "ModelBase",
     "ModelClosed",
     "ModelInfo",
     "ModelLoadError",
+    "NoChatTemplate",
     "PointInfo",
     "Probe",
     "Results",
     "RunningLoopError",
     "Sae",
     "SamplingOptions",
+    "Span",
     "StaticConfigError",
     "StaticTaps",
     "SteeringSpec",
@@ -133,11 +147,13 @@ __all__ = [
     "attribution_patch",
     "capture_attention",
     "capture_generation",
+    "chat_tokens",
     "decode_residuals",
     "decompose_resid",
     "generate_stream",
     "hookimpl",
     "installed_backends",
+    "lens_top_k",
     "load_model",
     "load_sae",
     "logit_attribution",

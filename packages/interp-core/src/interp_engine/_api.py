@@ -9,22 +9,32 @@ from typing import Any
 import torch
 
 from ._address import Address, as_address
-from ._cache import Cache
+from ._cache import Cache, keep_positions
 from ._errors import InvalidAddress, InvalidTokens
+from ._lens import LensRequest, LensResult
 from ._protocol import BatchCapture, Completion, InterpModel, Points, Results, StreamStep
 from ._readouts import FeatureReadout, Features, as_features, stack_readouts
 from ._steering import RowSpecs, SteeringSpec, row_specs
 from ._sync import SyncModel, sync_model
+from .chat import ChatTokens, select_positions
 
 Tokens = str | Sequence[str] | torch.Tensor | Sequence[int] | Sequence[Sequence[int]]
 
 
-def token_rows(model: InterpModel, tokens: Tokens) -> list[list[int]]:
+Row = list[int] | ChatTokens
+"""One prompt's ids: a list, or a :class:`ChatTokens` kept whole (its spans name positions)."""
+
+
+def token_rows(model: InterpModel, tokens: Tokens) -> list[Row]:
     """Normalise any token input into one list of ids per prompt.
 
     Accepts a text, a list of texts (each tokenized alone), ids ``[n]`` or ``[batch, n]`` as a
-    tensor, a list of ids, or a list of id lists (rows may differ in length).
+    tensor, a list of ids, or a list of id lists (rows may differ in length). A
+    :class:`ChatTokens` (or a list of them, mixed with id lists or not) stays intact, so the
+    model resolves positions named by chat span against it.
     """
+    if isinstance(tokens, ChatTokens):
+        return [tokens]
     if isinstance(tokens, str):
         return [model.to_tokens(tokens)[0].tolist()]
     if isinstance(tokens, torch.Tensor):
@@ -40,8 +50,8 @@ def token_rows(model: InterpModel, tokens: Tokens) -> list[list[int]]:
         return [model.to_tokens(t)[0].tolist() for t in items]
     if all(isinstance(t, int) for t in items):
         return [[int(t) for t in items]]
-    if all(isinstance(t, (list, tuple, torch.Tensor)) for t in items):
-        return [[int(i) for i in row] for row in items]
+    if all(isinstance(t, (list, tuple, torch.Tensor, ChatTokens)) for t in items):
+        return [row if isinstance(row, ChatTokens) else [int(i) for i in row] for row in items]
     raise InvalidTokens("tokens must be a text, a list of texts, a list of ids or a list of id lists")
 
 
@@ -81,6 +91,8 @@ def pad_rows(rows: Sequence[Results], lengths: Sequence[int]) -> Results:
         if isinstance(address, Features):
             out[address] = stack_readouts([_readout(row[address]) for row in rows], lengths)
             continue
+        if not isinstance(address, Address):
+            raise TypeError(f"{address} is not an activation to pad (a capture returns activations and readouts)")
         padded = []
         for row in rows:
             value = row[address]
@@ -104,7 +116,9 @@ def _readout(value: torch.Tensor | FeatureReadout) -> FeatureReadout:
     return value
 
 
-async def capture_rows(model: InterpModel, rows: list[list[int]], points: Points, steering_spec: RowSpecs) -> Results:
+async def capture_rows(
+    model: InterpModel, rows: Sequence[Sequence[int]], points: Points, steering_spec: RowSpecs
+) -> Results:
     """Batched activations for several prompts: the model's own batch path if it has one,
     else one ``capture`` per prompt, gathered concurrently (vLLM batches them) and padded.
     ``steering_spec``: one spec for every row, or a list of one spec (or ``None``) per row."""
@@ -122,8 +136,29 @@ def _facade(model: InterpModel | SyncModel) -> SyncModel:
     return sync_model(model)
 
 
-def _lengths(rows: list[list[int]]) -> torch.Tensor:
+def _lengths(rows: Sequence[Sequence[int]]) -> torch.Tensor:
     return torch.tensor([len(r) for r in rows])
+
+
+def _chats(rows: Sequence[Sequence[int]]) -> list[ChatTokens | None] | None:
+    """Each row's ChatTokens (``None`` for plain ids), or ``None`` when no row is a chat."""
+    chats = [r if isinstance(r, ChatTokens) else None for r in rows]
+    return chats if any(c is not None for c in chats) else None
+
+
+def chat_tokens(
+    model: InterpModel | SyncModel,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    template: str | None = None,
+    **template_kwargs: Any,
+) -> ChatTokens:
+    """``model.chat_tokens(messages, ...)``: the chat rendered by the model's own template as a
+    :class:`ChatTokens` (ids with message and reasoning spans), to pass wherever ids go."""
+    return _facade(model).chat_tokens(
+        messages, add_generation_prompt=add_generation_prompt, template=template, **template_kwargs
+    )
 
 
 def run_with_cache(
@@ -132,17 +167,31 @@ def run_with_cache(
     points: Points,
     *,
     steering_spec: RowSpecs = None,
+    positions: Any = None,
 ) -> Cache:
     """Activations at ``points`` for one prompt or a batch, as a :class:`Cache` ``[batch, pos, width]``.
 
     ``steering_spec`` is one :class:`SteeringSpec` for every row, or a list of one spec (or
     ``None``) per row: each row then equals its own run under its own spec (one forward on
-    eager; concurrent requests, batched by vLLM, on the vllm backends)."""
+    eager; concurrent requests, batched by vLLM, on the vllm backends).
+
+    ``positions`` keeps only those positions of each row: a chat span name (``"user[-1].last"``,
+    resolved against each row's :class:`ChatTokens`), ``"all"`` or indices (negative ones count
+    back from each row's end); values are then ``[batch, n_kept, ...]`` and ``cache.positions``
+    holds the absolute positions kept. Prompts given as :class:`ChatTokens` are ``cache.chat``."""
     facade = _facade(model)
     rows = token_rows(facade.model, tokens)
     resolved = model_points(facade.model, points)
+    selected = None
+    if positions is not None:  # checked before any compute
+        selected = [select_positions(positions, row, len(row), len(row)) for row in rows]
     values = facade.run(lambda: capture_rows(facade.model, rows, resolved, steering_spec))
-    return Cache(values, lengths=_lengths(rows), n_layers=facade.model.info.n_layers)
+    n_layers = facade.model.info.n_layers
+    if selected is None:
+        return Cache(values, lengths=_lengths(rows), n_layers=n_layers, chat=_chats(rows))
+    kept, absolute = keep_positions(values, selected)
+    lengths = torch.tensor([len(p) for p in selected])
+    return Cache(kept, lengths=lengths, n_layers=n_layers, chat=_chats(rows), positions=absolute)
 
 
 def capture_attention(
@@ -160,7 +209,7 @@ def capture_attention(
     return run_with_cache(model, tokens, points, steering_spec=steering_spec)
 
 
-def _one_prompt(model: InterpModel, tokens: Tokens, what: str) -> list[int]:
+def _one_prompt(model: InterpModel, tokens: Tokens, what: str) -> Row:
     rows = token_rows(model, tokens)
     if len(rows) != 1:
         raise InvalidTokens(
@@ -177,19 +226,38 @@ def capture_generation(
     *,
     max_tokens: int,
     steering_spec: SteeringSpec | None = None,
+    lens: LensRequest | None = None,
+    positions: Any = None,
     **sampling: Any,
 ) -> tuple[Completion, Cache]:
     """Generate from one prompt and return the completion with activations over prompt +
-    generated tokens as a :class:`Cache` ``[1, pos, width]``."""
+    generated tokens as a :class:`Cache` ``[1, pos, width]``; with ``lens=LensRequest(...)``,
+    the logit lens read during the generation is ``cache.lens`` (a :class:`LensResult`).
+    ``points`` may be empty (``[]``) to read the lens alone. ``positions`` keeps only those
+    positions, as for :func:`run_with_cache` (``"generated"``: the generated tokens; chat span
+    names select prompt tokens; indices count back from the end of prompt + generation)."""
     facade = _facade(model)
     row = _one_prompt(facade.model, tokens, "capture_generation")
     resolved = model_points(facade.model, points)
+    if isinstance(positions, str) and positions not in ("all", "prompt", "generated"):
+        select_positions(positions, row, len(row), len(row))  # a span name checked before generating
+    extra: dict[str, Any] = {"lens": lens} if lens is not None else {}
     completion, acts = facade.capture_generation(
-        row, resolved, max_tokens=max_tokens, steering_spec=steering_spec, **sampling
+        row, resolved, max_tokens=max_tokens, steering_spec=steering_spec, **extra, **sampling
     )
     n = len(row) + len(completion.token_ids)
-    batched = {a: _batched(t) for a, t in acts.items()}
-    return completion, Cache(batched, lengths=torch.tensor([n]), n_layers=facade.model.info.n_layers)
+    read = next((v for k, v in acts.items() if isinstance(k, LensRequest) and isinstance(v, LensResult)), None)
+    batched = {a: _batched(t) for a, t in acts.items() if not isinstance(a, LensRequest)}
+    n_layers = facade.model.info.n_layers
+    chat = _chats([row])
+    if positions is None:
+        return completion, Cache(batched, lengths=torch.tensor([n]), n_layers=n_layers, lens=read, chat=chat)
+    selected = select_positions(positions, row, len(row), n)
+    kept, absolute = keep_positions(batched, [selected])
+    cache = Cache(
+        kept, lengths=torch.tensor([len(selected)]), n_layers=n_layers, lens=read, chat=chat, positions=absolute
+    )
+    return completion, cache
 
 
 def _batched(value: torch.Tensor | FeatureReadout) -> torch.Tensor | FeatureReadout:
@@ -210,15 +278,19 @@ def generate_stream(
     n_logprobs: int = 0,
     steering_spec: SteeringSpec | None = None,
     features: Iterable[Any] | Features | str = (),
+    lens: LensRequest | None = None,
     **sampling: Any,
 ) -> Iterator[StreamStep]:
     """Generated steps of one prompt, each with its top-``n_logprobs`` (token, logprob) pairs
     and, with ``features=[Features(...)]`` (or one readout), those readouts at the position that
-    produced it."""
+    produced it; with ``lens=LensRequest(...)``, the logit lens there (``step.lens``, and the
+    first step's ``prompt_lens`` at the prompt positions asked)."""
     facade = _facade(model)
     row = _one_prompt(facade.model, tokens, "generate_stream")
     readouts = model_points(facade.model, features)
     extra: dict[str, Any] = {"features": readouts} if readouts else {}
+    if lens is not None:
+        extra["lens"] = lens
     return facade.stream(
         row, max_tokens=max_tokens, n_logprobs=n_logprobs, steering_spec=steering_spec, **extra, **sampling
     )

@@ -65,12 +65,24 @@ from ._errors import (
     ModelClosed,
     UnknownSae,
     UnsupportedAddress,
+    UnsupportedOperation,
 )
 from ._lens import LensRequest
 from ._protocol import Activations, Completion, ModelInfo, Results, StreamStep
 from ._readouts import FeatureReadout, Features, as_features, check_readout, check_sae_name, read_features
 from ._sae import Sae, load_sae
-from ._steering import AnyWrite, FeatureWrite, RowSpecs, SteeringSpec, Write, finite_float, row_specs, short_repr
+from ._steering import (
+    AnyWrite,
+    FeatureWrite,
+    RowSpecs,
+    SteeringSpec,
+    Write,
+    finite_float,
+    resolve_named_positions,
+    row_specs,
+    short_repr,
+)
+from .chat import ChatTokens, build_chat_tokens
 from .validation import (
     check_max_tokens,
     check_residuals,
@@ -561,13 +573,17 @@ class ModelBase(abc.ABC):
         """:meth:`_check_capture` for several prompts sharing the points; ``steering_spec`` is
         one spec for every row, or a list of one spec (or ``None``) per row."""
         self._check_open()
-        checked = [check_token_ids(row, self.info) for row in rows]
+        given = list(rows)
+        checked = [check_token_ids(row, self.info) for row in given]
         if not checked:
             raise InvalidTokens("no prompts given; a batch needs at least one row of token ids")
         addresses, readouts = self._split_points(points)
         mapping = self._check_points(addresses, required=not readouts)
         saes = self._check_readouts(readouts)
-        specs = row_specs(steering_spec, len(checked))
+        specs = [  # chat span names resolved per row, against that row's ChatTokens
+            resolve_named_positions(spec, row, len(ids))
+            for spec, row, ids in zip(row_specs(steering_spec, len(checked)), given, checked, strict=True)
+        ]
         resolved: dict[int, tuple[list[AnyWrite], dict[str, Sae]]] = {}
         for spec in specs:  # a spec shared by several rows is checked once
             if id(spec) not in resolved:
@@ -602,7 +618,7 @@ class ModelBase(abc.ABC):
         addresses, readouts = self._split_points(points)
         mapping = self._check_points(addresses, required=False)
         saes = self._check_readouts(readouts)
-        writes, written = self._check_writes(steering_spec)
+        writes, written = self._check_writes(resolve_named_positions(steering_spec, token_ids, len(ids)))
         check_write_shapes(writes, len(ids), len(ids) + max_tokens)
         request = CheckedRequest(
             ids,
@@ -648,6 +664,44 @@ class ModelBase(abc.ABC):
 
     def _check_request(self, request: CheckedRequest) -> None:  # noqa: B027 (an optional hook)
         """A backend's own limits on a request that passed the shared checks (raise to refuse)."""
+
+    # -- chat ---------------------------------------------------------------------------------------
+    def chat_tokens(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        template: str | None = None,
+        reasoning_markers: Sequence[tuple[str, str]] | None = None,
+        **template_kwargs: Any,
+    ) -> ChatTokens:
+        """``messages`` (``[{"role": ..., "content": ...}, ...]``) rendered by this model's own
+        chat template (``template``, a Jinja string, overrides it) as a :class:`ChatTokens`: the
+        ids ``apply_chat_template(messages, tokenize=True)`` gives, with each message's span and
+        each reasoning section's (``reasoning_markers``: the ``(start, end)`` pairs that mark one;
+        default ``<think>…</think>`` and ``<thinking>…</thinking>``). ``template_kwargs`` reach the
+        template (``tools=``, ``enable_thinking=``, ...). Pass the result as a prompt to name
+        positions by span (``Write(..., positions="user[-1].last")``).
+
+        Raises ``NoChatTemplate`` when the tokenizer has none (pass ``template=``) and
+        ``InvalidChat`` for bad messages or messages the template refuses."""
+        self._check_open()
+        return build_chat_tokens(
+            self._chat_tokenizer(),
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            template=template,
+            reasoning_markers=reasoning_markers,
+            **template_kwargs,
+        )
+
+    def _chat_tokenizer(self) -> Any:
+        """The Hugging Face tokenizer whose ``apply_chat_template`` renders chats (a backend
+        serving one returns it; :class:`~interp_engine.tokens.TokenizerMixin` does)."""
+        raise UnsupportedOperation(
+            f"the {self.backend} backend has no Hugging Face tokenizer to render chats with; "
+            "the eager and vllm backends have one"
+        )
 
     # -- the protocol: what each backend computes -------------------------------------------------
     @abc.abstractmethod

@@ -5,18 +5,23 @@ from __future__ import annotations
 import json
 import numbers
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from ._address import KINDS, Address, AddressLike, as_address
 from ._errors import InvalidActivations, InvalidAddress, InvalidFeatures, InvalidOption
+from ._lens import LensResult
 from ._readouts import FeatureReadout, Features
+from .chat import ChatTokens, select_positions
 
 _LENGTHS_KEY = "__lengths__"
 _FEATURES_KEY = "__features__"
 _N_LAYERS_KEY = "__n_layers__"
+_LENS_KEY = "__lens__"
+_CHAT_KEY = "__chat__"
+_POSITIONS_KEY = "__positions__"
 
 Key = Address | Features
 Value = torch.Tensor | FeatureReadout
@@ -75,9 +80,18 @@ class Cache(Mapping[Key, Value]):
     it) lets a negative layer count from the end, on the way in and on lookup:
     ``cache["resid_post.-1"]`` is ``cache["resid_post.3"]`` on a 4-layer model, and the two
     given together are one point, stored once. Without ``n_layers`` a negative layer is refused.
+
+    ``lens``: the logit lens read during the generation (``capture_generation(..., lens=...)``),
+    a :class:`LensResult` (it has no batch axis: one generation's), else ``None``.
+
+    ``chat``: each row's :class:`~interp_engine.ChatTokens` when the prompts were chats (``None``
+    for a row given as plain ids; ``chat`` itself ``None`` when no row was), so positions can be
+    named by span in :meth:`select`. ``positions``: when a capture kept only some positions
+    (``run_with_cache(..., positions=...)``), the absolute positions held, ``[batch, n_kept]``
+    (``-1`` where a row kept fewer; ``lengths`` then counts the kept ones); ``None``: every position.
     """
 
-    __slots__ = ("_data", "lengths", "n_layers")
+    __slots__ = ("_data", "chat", "lengths", "lens", "n_layers", "positions")
 
     def __init__(
         self,
@@ -85,8 +99,20 @@ class Cache(Mapping[Key, Value]):
         *,
         lengths: torch.Tensor | None = None,
         n_layers: int | None = None,
+        lens: LensResult | None = None,
+        chat: Sequence[ChatTokens | None] | None = None,
+        positions: torch.Tensor | None = None,
     ) -> None:
         self.n_layers = _check_n_layers(n_layers)
+        if chat is not None and not all(c is None or isinstance(c, ChatTokens) for c in chat):
+            raise InvalidActivations("a cache's chat holds one ChatTokens (or None) per row")
+        self.chat: tuple[ChatTokens | None, ...] | None = None if chat is None else tuple(chat)
+        if positions is not None and (not isinstance(positions, torch.Tensor) or positions.dim() != 2):
+            raise InvalidActivations("a cache's positions are a [batch, n_kept] tensor of absolute positions")
+        self.positions = positions
+        if lens is not None and not isinstance(lens, LensResult):
+            raise InvalidActivations(f"a cache's lens is a LensResult (or None), got {type(lens).__name__}")
+        self.lens = lens
         items: dict[Key, Value] = {}
         for key, value in data.items():
             found = self._absolute(_key(key), on_lookup=False)
@@ -144,7 +170,10 @@ class Cache(Mapping[Key, Value]):
 
     def __repr__(self) -> str:
         body = ", ".join(f"{a}: {list(t.shape)}" for a, t in self._data.items())
-        return f"Cache({{{body}}})"
+        if self.lens is None:
+            return f"Cache({{{body}}})"
+        lens = f"layers {list(self.lens.layers)} x {len(self.lens.positions)} positions x top-{self.lens.ids.shape[-1]}"
+        return f"Cache({{{body}}}, lens={lens})"
 
     def stack(self, kind: str, *, include_embed: bool = False) -> torch.Tensor:
         """The values of one per-layer kind stacked over layers: ``[n_layers_held, ...]``.
@@ -195,9 +224,55 @@ class Cache(Mapping[Key, Value]):
         """The layers held for ``kind``, in increasing order."""
         return [a.layer for a in self._data if isinstance(a, Address) and a.kind == kind and a.layer is not None]
 
+    def select(self, key: AddressLike | Features, positions: Any, row: int = 0) -> Any:
+        """Row ``row`` of ``self[key]`` at ``positions``: a chat span name (``"user[-1].last"``,
+        resolved against the row's :attr:`chat`), ``"all"``, ``"prompt"``, ``"generated"`` or
+        indices (negative ones count back from the row's end). ``[n_selected, width]`` (attention:
+        ``[heads, n_selected, k]``, the query axis selected; a feature readout likewise). When the
+        cache kept only some positions, the positions asked must be among them."""
+        value = self[key]
+        tensor = value.values if isinstance(value, FeatureReadout) else value
+        n_rows = int(tensor.shape[0])
+        if isinstance(row, bool) or not isinstance(row, int) or not -n_rows <= row < n_rows:
+            raise InvalidOption(f"row must be an int in {-n_rows}..{n_rows - 1} (the cache has {n_rows} rows)")
+        row %= n_rows
+        found = self._absolute(_key(key), on_lookup=True)
+        axis = _pos_axes(found)[0] - 1  # the query axis of attention, else the position axis
+        chat = self.chat[row] if self.chat is not None else None
+        kept = None if self.positions is None else [int(p) for p in self.positions[row].tolist() if p >= 0]
+        n_total = int(self.lengths[row]) if self.lengths is not None and kept is None else int(tensor.shape[axis + 1])
+        if kept is not None:
+            n_total = max(kept) + 1
+            if not isinstance(positions, str) and any(int(p) < 0 for p in torch.as_tensor(positions).reshape(-1)):
+                raise InvalidOption(f"this cache kept positions {kept} of row {row}; give absolute positions")
+        if kept is not None and positions == "all":
+            absolute = list(kept)
+        else:
+            absolute = select_positions(positions, chat, len(chat) if chat is not None else n_total, n_total)
+        if kept is not None:
+            missing = [p for p in absolute if p not in kept]
+            if missing:
+                raise InvalidOption(f"position {missing[0]} was not kept in this cache; row {row} holds {kept}")
+            absolute = [kept.index(p) for p in absolute]
+        index = torch.tensor(absolute, dtype=torch.long)
+        if isinstance(value, FeatureReadout):
+            return FeatureReadout(
+                value.values[row].index_select(axis, index),
+                None if value.ids is None else value.ids[row].index_select(axis, index),
+                None if value.error_norm is None else value.error_norm[row].index_select(axis, index),
+            )
+        return value[row].index_select(axis, index.to(value.device))
+
     def to(self, device: str | torch.device) -> Cache:
         """A copy with every tensor moved to ``device``."""
-        return Cache({a: t.to(device) for a, t in self._data.items()}, lengths=self.lengths, n_layers=self.n_layers)
+        return Cache(
+            {a: t.to(device) for a, t in self._data.items()},
+            lengths=self.lengths,
+            n_layers=self.n_layers,
+            lens=self.lens,
+            chat=self.chat,
+            positions=self.positions,
+        )
 
     @classmethod
     def concat(cls, caches: Iterable[Cache]) -> Cache:
@@ -233,6 +308,13 @@ class Cache(Mapping[Key, Value]):
                     address=missing + extra,
                     valid=[str(k) for k in keys],
                 )
+        with_lens = [i for i, p in enumerate(parts) if p.lens is not None]
+        if with_lens:
+            raise InvalidActivations(
+                f"Cache.concat joins activations along the batch axis and cache {with_lens[0]} holds a logit lens "
+                "(cache.lens, one generation's, no batch axis); keep the lenses apart ([c.lens for c in caches]) and "
+                "join the activations: Cache.concat(Cache(c, lengths=c.lengths, n_layers=c.n_layers) for c in caches)"
+            )
         known = {p.n_layers for p in parts if p.n_layers is not None}
         if len(known) > 1:
             raise InvalidActivations(
@@ -245,7 +327,13 @@ class Cache(Mapping[Key, Value]):
                 joined[key] = _concat_readouts(key, values)
             else:
                 joined[key] = _concat_tensors(key, values, _pos_axes(key), _fill(key))
-        return cls(joined, lengths=_concat_lengths(parts), n_layers=known.pop() if known else None)
+        return cls(
+            joined,
+            lengths=_concat_lengths(parts),
+            n_layers=known.pop() if known else None,
+            chat=_concat_chat(parts),
+            positions=_concat_positions(parts),
+        )
 
     def save(self, path: str | os.PathLike[str], *, metadata: Mapping[str, str] | None = None) -> None:
         """Write the cache to a safetensors file (keys are address strings).
@@ -271,6 +359,14 @@ class Cache(Mapping[Key, Value]):
             header[_LENGTHS_KEY] = json.dumps([int(n) for n in self.lengths.tolist()])
         if self.n_layers is not None:
             header[_N_LAYERS_KEY] = str(self.n_layers)
+        if self.chat is not None:
+            header[_CHAT_KEY] = json.dumps([None if c is None else c.to_json() for c in self.chat])
+        if self.positions is not None:
+            tensors[_POSITIONS_KEY] = self.positions.detach().cpu().contiguous()
+        if self.lens is not None:
+            header[_LENS_KEY] = json.dumps({"layers": list(self.lens.layers), "positions": list(self.lens.positions)})
+            tensors[f"{_LENS_KEY}.ids"] = self.lens.ids.detach().cpu().contiguous()
+            tensors[f"{_LENS_KEY}.probs"] = self.lens.probs.detach().cpu().contiguous()
         save_file(tensors, os.fspath(path), metadata=header)
 
     @classmethod
@@ -284,6 +380,17 @@ class Cache(Mapping[Key, Value]):
             tensors = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 - safe_open is not a mapping
         for name in json.loads(metadata.get(_FEATURES_KEY, "[]")):
             data[Features.parse(name)] = FeatureReadout.from_tensors(tensors, name)
+        lens = None
+        if _LENS_KEY in metadata:
+            held = json.loads(metadata[_LENS_KEY])
+            lens = LensResult(
+                tuple(held["layers"]),
+                tuple(held["positions"]),
+                tensors.pop(f"{_LENS_KEY}.ids"),
+                tensors.pop(f"{_LENS_KEY}.probs"),
+            )
+        positions = tensors.pop(_POSITIONS_KEY, None)
+        chat = metadata.get(_CHAT_KEY)
         for key, tensor in tensors.items():
             if not key.startswith("features:"):
                 data[Address.parse(key)] = tensor
@@ -293,7 +400,66 @@ class Cache(Mapping[Key, Value]):
             data,
             lengths=torch.tensor(json.loads(lengths)) if lengths else None,
             n_layers=int(n_layers) if n_layers else None,
+            lens=lens,
+            chat=None if chat is None else [None if c is None else ChatTokens.from_json(c) for c in json.loads(chat)],
+            positions=positions,
         )
+
+
+def keep_positions(values: Mapping[Any, Any], rows: Sequence[Sequence[int]]) -> tuple[dict[Any, Any], torch.Tensor]:
+    """Batched ``values`` cut to each row's ``rows[i]`` positions (absolute, in order), right-padded
+    to the longest selection (zeros; attention scores ``-inf``, readout ids ``-1``), and the kept
+    positions ``[batch, n_kept]`` (``-1`` as padding). Attention keeps its query axis' rows."""
+    longest = max(len(r) for r in rows)
+    kept = torch.full((len(rows), longest), -1, dtype=torch.long)
+    for i, row in enumerate(rows):
+        kept[i, : len(row)] = torch.tensor(list(row), dtype=torch.long)
+    out: dict[Any, Any] = {}
+    for key, value in values.items():
+        found = _key(key)
+        axis = _pos_axes(found)[0]
+        if isinstance(value, FeatureReadout):
+            out[key] = FeatureReadout(
+                _gather(value.values, rows, axis, longest, 0.0),
+                None if value.ids is None else _gather(value.ids, rows, axis, longest, -1),
+                None if value.error_norm is None else _gather(value.error_norm, rows, axis, longest, 0.0),
+            )
+        else:
+            out[key] = _gather(value, rows, axis, longest, _fill(found))
+    return out, kept
+
+
+def _gather(value: torch.Tensor, rows: Sequence[Sequence[int]], axis: int, longest: int, fill: float) -> torch.Tensor:
+    shape = list(value.shape)
+    shape[axis] = longest
+    out = torch.full(shape, fill, dtype=value.dtype, device=value.device)
+    for i, row in enumerate(rows):
+        index = torch.tensor(list(row), dtype=torch.long, device=value.device)
+        out[i].narrow(axis - 1, 0, len(row)).copy_(value[i].index_select(axis - 1, index))
+    return out
+
+
+def _concat_chat(parts: list[Cache]) -> list[ChatTokens | None] | None:
+    """Each row's ChatTokens across ``parts`` (``None`` for rows of a cache without chats)."""
+    if all(p.chat is None for p in parts):
+        return None
+    out: list[ChatTokens | None] = []
+    for part in parts:
+        out += list(part.chat) if part.chat is not None else [None] * _batch(next(iter(part._data.values())))
+    return out
+
+
+def _concat_positions(parts: list[Cache]) -> torch.Tensor | None:
+    """The kept positions joined (``-1`` padded); every cache must have kept positions, or none."""
+    kept = [p.positions for p in parts]
+    if all(k is None for k in kept):
+        return None
+    if any(k is None for k in kept):
+        raise InvalidActivations(
+            "Cache.concat joins caches that all kept every position or all kept a selection (cache.positions); "
+            "these mix both"
+        )
+    return _concat_tensors(Address("embed"), kept, (1,), -1)
 
 
 def _batch(value: Value) -> int:

@@ -12,6 +12,8 @@ Every error is an :class:`InterpError` and also the builtin a Python user would 
     │   └── ContextTooLong                   longer than the model's context window
     ├── InvalidSteering (ValueError)         bad SteeringSpec / Write (width, NaN, shape, op)
     ├── InvalidActivations (ValueError)      activations of the wrong width or type to decode
+    ├── InvalidChat (ValueError)             bad chat messages, or a chat template that refused them
+    │   └── NoChatTemplate                   the tokenizer has no chat template (pass template=)
     ├── InvalidOption (TypeError)            an argument the backend does not know
     ├── UnsupportedArchitecture (ValueError) no adapter for this model family
     ├── ModelLoadError (OSError)             the weights, config or tokenizer could not be read
@@ -88,6 +90,16 @@ class InvalidSteering(InterpError, ValueError):
 
 class InvalidActivations(InterpError, ValueError):
     """Activations that cannot be decoded: wrong width, not a tensor, not finite."""
+
+
+class InvalidChat(InterpError, ValueError):
+    """Chat messages that cannot be rendered: not a list of ``{"role", "content"}`` dicts, or a
+    chat template that refused them (its own message is kept, e.g. Gemma's "Conversation roles
+    must alternate")."""
+
+
+class NoChatTemplate(InvalidChat):
+    """The model's tokenizer has no chat template: pass one (``chat_tokens(..., template=JINJA)``)."""
 
 
 class InvalidOption(InterpError, TypeError):

@@ -10,13 +10,14 @@ at the position whose forward pass produced the step's token (``StreamStep.posit
 from __future__ import annotations
 
 import numbers
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ._errors import InvalidOption
+from ._errors import InvalidActivations, InvalidOption
+from ._labelled import Labelled
 from ._steering import short_repr
 
 MAX_LENS_TOP_K = 100
@@ -167,6 +168,41 @@ class LensResult:
             "ids": self.ids.tolist(),
             "probs": self.probs.tolist(),
         }
+
+    def labelled(self, decode: Callable[[list[int]], Sequence[str]] | None = None) -> Labelled:
+        """The probabilities as a :class:`~interp_engine.Labelled` ``[layer, position, rank]``
+        (layers and positions absolute, rank 0 the top-1), for tables and plots:
+        ``.at(layer=3, position=7, rank=0)``. ``meta["ids"]`` holds the token ids in the same
+        shape (nested lists) and, with ``decode`` (ids to strings, e.g. ``model.to_str_tokens``,
+        called once), ``meta["tokens"]`` their strings."""
+        meta: dict[str, Any] = {"what": "logit lens (resid_post)", "ids": self.ids.tolist()}
+        if decode is not None:
+            flat = [int(i) for i in self.ids.flatten().tolist()]
+            pieces = list(decode(flat))
+            if len(pieces) != len(flat):
+                raise InvalidActivations(
+                    f"decode returned {len(pieces)} strings for {len(flat)} ids; it maps a list of ids to one "
+                    "string per id (as model.to_str_tokens does)"
+                )
+            n_layers, n_pos, k = self.ids.shape
+            meta["tokens"] = [
+                [pieces[(layer * n_pos + pos) * k : (layer * n_pos + pos + 1) * k] for pos in range(n_pos)]
+                for layer in range(n_layers)
+            ]
+        coords = {
+            "layer": list(self.layers),
+            "position": list(self.positions),
+            "rank": list(range(self.ids.shape[-1])),
+        }
+        return Labelled(self.probs.detach().float().cpu(), ("layer", "position", "rank"), coords, meta)
+
+    def plot(self, **options: Any) -> Any:
+        """A matplotlib figure (the ``plots`` extra) of the top-1 token per layer and position:
+        :func:`interp_engine.plot.lens`; ``options`` go to it (``decode=``, ``tokens=``, ``ax=``,
+        ``title=``)."""
+        from . import plot
+
+        return plot.lens(self, **options)
 
 
 def lens_top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,6 +8,10 @@ byte-level BPE tokenizer of about a thousand tokens) trained on CPU in minutes b
 ``packages/interp-core/scripts/train_tiny.py`` on the corpus beside that script: it completes
 "The capital of France is" with " Paris", has induction heads, and its answers can be steered.
 
+Its tokenizer has a minimal chat template (:data:`TINY_CHAT_TEMPLATE`, in ``tokenizer_config.json``),
+so ``model.chat_tokens(messages)`` and positions named by chat span run offline. The model is not
+chat-tuned: the template exists for the code paths, not for the answers.
+
 ``interp:tiny-sae`` is a TopK sparse autoencoder on one of its middle layers' ``resid_post``
 (SAELens's on-disk format, read with ``load_sae(resolve_sae("interp:tiny-sae"))``), trained by
 ``packages/interp-core/scripts/train_tiny_sae.py``; ``features.json`` beside its weights records
@@ -20,6 +24,21 @@ import os
 import pathlib
 
 from ._errors import ModelLoadError, UnsupportedSae
+
+TINY_CHAT_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- for message in messages -%}"
+    "{{- message['role'] | capitalize + ': ' + message['content'] | trim + '\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- 'Assistant:' -}}{%- endif -%}"
+)
+"""The shipped tiny model's chat template: ``<|endoftext|>`` once, then one line per message,
+``Role: content`` (the content trimmed), and ``Assistant:`` as the generation prompt::
+
+    <|endoftext|>System: Answer briefly.
+    User: The capital of France is
+    Assistant:
+"""
 
 PREFIX = "interp:"
 """Names that start with this prefix are models shipped with interp-core."""

@@ -6,6 +6,7 @@ cross process boundaries (vLLM workers) and arrive in an HTTP request as JSON.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import numbers
@@ -18,6 +19,7 @@ import torch
 from ._address import Address, AddressLike, as_address
 from ._errors import InvalidSteering
 from ._writes import DIRECTION_OPS, apply_op
+from .chat import is_span_name, parse_position_name, span_positions
 
 if TYPE_CHECKING:
     from ._sae import Sae
@@ -25,7 +27,9 @@ if TYPE_CHECKING:
 Op = Literal["add", "set", "ablate", "cap", "rescale", "norm_add", "swap"]
 OPS: tuple[Op, ...] = ("add", "set", "ablate", "cap", "rescale", "norm_add", "swap")
 PositionsName = Literal["all", "prompt", "generated"]
-Positions = PositionsName | tuple[int, ...]
+Positions = PositionsName | str | tuple[int, ...]
+"""``"all"``, ``"prompt"``, ``"generated"``, a chat span name (``"user[-1].last"``, see
+:mod:`interp_engine.chat`) or explicit indices."""
 POSITION_NAMES: tuple[PositionsName, ...] = ("all", "prompt", "generated")
 
 
@@ -174,10 +178,8 @@ def _check_shape(
 def _as_positions(value: Any) -> Positions:
     if isinstance(value, str):
         if value not in POSITION_NAMES:
-            raise InvalidSteering(
-                f"unknown positions {value!r}; use one of {', '.join(POSITION_NAMES)} or a list of indices"
-            )
-        return value  # narrowed: checked against POSITION_NAMES
+            parse_position_name(value)  # a chat span name, resolved against the request's ChatTokens
+        return value
     index = _as_index(value)
     if index is not None:
         return (index,)
@@ -189,7 +191,8 @@ def _as_positions(value: Any) -> Positions:
         listed = tuple(value)
     except TypeError:
         raise InvalidSteering(
-            f"positions must be 'all', 'prompt', 'generated' or a list of ints, got {short_repr(value)}"
+            f"positions must be 'all', 'prompt', 'generated', a chat span name ('user[-1].last') or a list of ints, "
+            f"got {short_repr(value)}"
         ) from None
     indices = tuple(_as_index(i) for i in listed)
     if not indices or not all(i is not None for i in indices):
@@ -220,8 +223,10 @@ class Write:
 
     ``vector`` is ``[width]`` (the same vector at every selected position) or
     ``[n_positions, width]`` (one row per selected position, in order); ``target`` follows the
-    same rules, independently. ``positions`` is ``"all"``, ``"prompt"``, ``"generated"`` or
-    explicit sequence indices (negative ones count back from the end of the prompt). Vectors are
+    same rules, independently. ``positions`` is ``"all"``, ``"prompt"``, ``"generated"``,
+    explicit sequence indices (negative ones count back from the end of the prompt) or a chat span
+    name (``"user[-1].last"``, ``"assistant"``, ``"reasoning[0]"``: :mod:`interp_engine.chat`),
+    resolved per request against its prompt's :class:`~interp_engine.ChatTokens`. Vectors are
     stored as float32 on the CPU.
 
     At a head address (``attn_z``, ``attn_v``) a write works per head: ``heads=[h, ...]`` picks
@@ -662,3 +667,24 @@ def row_specs(steering_spec: Any, n_rows: int) -> list[SteeringSpec | None]:
             "(None for an unsteered row) or a single SteeringSpec for every row"
         )
     return specs
+
+
+def named_positions(spec: SteeringSpec | None) -> bool:
+    """Whether any write of ``spec`` names its positions by chat span."""
+    return spec is not None and any(is_span_name(w.positions) for w in spec.writes)
+
+
+def resolve_named_positions(spec: SteeringSpec | None, tokens: Any, n_prompt: int) -> SteeringSpec | None:
+    """``spec`` with each write whose positions name chat spans replaced by the same write at the
+    absolute positions they select in ``tokens`` (a :class:`~interp_engine.ChatTokens`); ``spec``
+    itself when no write names a span. ``InvalidSteering`` when ``tokens`` has no spans or a name
+    selects nothing."""
+    if spec is None or not named_positions(spec):
+        return spec
+    writes: list[AnyWrite] = []
+    for write in spec.writes:
+        if is_span_name(write.positions):
+            found = tuple(span_positions(str(write.positions), tokens, n_prompt))
+            write = dataclasses.replace(write, positions=found)
+        writes.append(write)
+    return SteeringSpec(writes)

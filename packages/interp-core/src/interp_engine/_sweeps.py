@@ -25,7 +25,7 @@ def one_row(model: InterpModel, tokens: Tokens, what: str) -> list[int]:
     rows = token_rows(model, tokens)
     if len(rows) != 1:
         raise InvalidTokens(f"{what} is one prompt (a text or a list of ids), got {len(rows)} rows")
-    return rows[0]
+    return list(rows[0])
 
 
 def indices(given: Iterable[int] | int | None, count: int, what: str) -> list[int]:

@@ -18,9 +18,11 @@ from typing import Any, TypeVar
 import torch
 
 from ._address import Address
-from ._errors import ModelClosed, RunningLoopError
+from ._errors import ModelClosed, RunningLoopError, UnsupportedOperation
+from ._lens import LensRequest
 from ._protocol import Activations, Completion, InterpModel, Points, Results, StreamStep
 from ._steering import SteeringSpec
+from .chat import ChatTokens
 
 T = TypeVar("T")
 
@@ -113,6 +115,25 @@ class SyncModel:
     def to_str_tokens(self, tokens: Any) -> list[str]:
         return self.model.to_str_tokens(tokens)
 
+    def chat_tokens(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        template: str | None = None,
+        **template_kwargs: Any,
+    ) -> ChatTokens:
+        """The model's ``chat_tokens`` (sync already: it renders and tokenizes, no compute)."""
+        render = getattr(self.model, "chat_tokens", None)
+        if render is None:
+            raise UnsupportedOperation(
+                f"the {self.model.backend} backend's model has no chat_tokens; the eager and vllm backends render chats"
+            )
+        result: ChatTokens = render(
+            messages, add_generation_prompt=add_generation_prompt, template=template, **template_kwargs
+        )
+        return result
+
     # -- the async protocol, blocking ----------------------------------------------------
     def warmup(self) -> None:
         self.run(self.model.warmup)
@@ -132,11 +153,13 @@ class SyncModel:
         *,
         max_tokens: int,
         steering_spec: SteeringSpec | None = None,
+        lens: LensRequest | None = None,
         **sampling: Any,
     ) -> tuple[Completion, Results]:
+        extra: dict[str, Any] = {"lens": lens} if lens is not None else {}  # a backend without the lens still works
         return self.run(
             lambda: self.model.capture_generation(
-                token_ids, points, max_tokens=max_tokens, steering_spec=steering_spec, **sampling
+                token_ids, points, max_tokens=max_tokens, steering_spec=steering_spec, **extra, **sampling
             )
         )
 
@@ -159,12 +182,15 @@ class SyncModel:
         max_tokens: int,
         n_logprobs: int = 0,
         steering_spec: SteeringSpec | None = None,
+        lens: LensRequest | None = None,
         **sampling: Any,
     ) -> Iterator[StreamStep]:
-        """Generated steps as a plain iterator (each step is produced on the background loop)."""
+        """Generated steps as a plain iterator (each step is produced on the background loop);
+        ``lens=LensRequest(...)``: each step's ``lens``, the logit lens where it was produced."""
         refuse_inside_running_loop("this sync model call")
+        extra: dict[str, Any] = {"lens": lens} if lens is not None else {}  # a backend without the lens streams
         steps: AsyncIterator[StreamStep] = self.model.stream(
-            token_ids, max_tokens=max_tokens, n_logprobs=n_logprobs, steering_spec=steering_spec, **sampling
+            token_ids, max_tokens=max_tokens, n_logprobs=n_logprobs, steering_spec=steering_spec, **extra, **sampling
         )
         finished = False
         try:

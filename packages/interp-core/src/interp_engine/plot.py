@@ -23,6 +23,7 @@ import torch
 
 from ._errors import InvalidActivations
 from ._labelled import Labelled
+from ._lens import LensResult
 from ._readouts import FeatureReadout
 
 if TYPE_CHECKING:
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
     from matplotlib.image import AxesImage
 
-__all__ = ["attention", "dla", "features", "induction", "logit_lens", "patching", "token_label"]
+__all__ = ["attention", "dla", "features", "induction", "lens", "logit_lens", "patching", "token_label"]
 
 INSTALL = "pip install 'interp-core[plots]'"
 """How to get matplotlib, as the error says it."""
@@ -165,27 +166,94 @@ def logit_lens(
         shown = probs[..., target]
     else:
         shown = top.values
-    fig, ax = _new_axes(ax, (max(5.0, 0.75 * n_pos + 2.5), max(3.0, 0.42 * n_rows + 1.8)))
+    if title is None:
+        title = "logit lens: " + ("top-1 next token" if target is None else f"P(token {target})")
+    return _top1_heatmap(
+        shown,
+        top.indices,
+        decode,
+        rows=row_labels,
+        cols=[token_label(t) for t in tokens],
+        xlabel="input token (each column predicts the token after it)",
+        ylabel="residual stream",
+        ax=ax,
+        title=title,
+        colorbar_label="probability of the top-1 token" if target is None else f"probability of token {target}",
+    )
+
+
+def _top1_heatmap(
+    shown: torch.Tensor,
+    top_ids: torch.Tensor,
+    decode: Callable[[list[int]], Sequence[str]] | None,
+    *,
+    rows: Sequence[str],
+    cols: Sequence[str],
+    xlabel: str,
+    ylabel: str,
+    ax: Axes | None,
+    title: str,
+    colorbar_label: str,
+) -> Figure:
+    """The lens heatmaps' drawing: ``shown`` ``[rows, cols]`` probabilities coloured 0..1, and
+    with ``decode`` the token ``top_ids[row, col]`` written in each cell (up to 40 x 40)."""
+    n_rows, n_cols = shown.shape
+    fig, ax = _new_axes(ax, (max(5.0, 0.75 * n_cols + 2.5), max(3.0, 0.42 * n_rows + 1.8)))
     image = ax.imshow(shown.numpy(), aspect="auto", cmap="viridis", vmin=0.0, vmax=1.0)
-    if decode is not None and n_pos <= _MAX_ANNOTATED and n_rows <= _MAX_ANNOTATED:
-        size = 8.0 if n_pos <= 16 else 6.5
+    if decode is not None and n_cols <= _MAX_ANNOTATED and n_rows <= _MAX_ANNOTATED:
+        size = 8.0 if n_cols <= 16 else 6.5
         for row in range(n_rows):
-            for col in range(n_pos):
-                piece = token_label(decode([int(top.indices[row, col])])[0], 9)
+            for col in range(n_cols):
+                piece = token_label(decode([int(top_ids[row, col])])[0], 9)
                 dark = float(shown[row, col]) < 0.6
                 ax.text(
                     col, row, piece, ha="center", va="center", fontsize=size, color="white" if dark else "black"
                 ).set_parse_math(False)
-    _ticks(ax, "x", [token_label(t) for t in tokens], rotate=True)
-    _ticks(ax, "y", row_labels)
-    ax.set_xlabel("input token (each column predicts the token after it)", fontsize=10)
-    ax.set_ylabel("residual stream", fontsize=10)
-    if title is None:
-        title = "logit lens: " + ("top-1 next token" if target is None else f"P(token {target})")
+    _ticks(ax, "x", list(cols), rotate=True)
+    _ticks(ax, "y", list(rows))
+    ax.set_xlabel(xlabel, fontsize=10)
+    ax.set_ylabel(ylabel, fontsize=10)
     _title(ax, title)
-    label = "probability of the top-1 token" if target is None else f"probability of token {target}"
-    fig.colorbar(image, ax=ax, label=label)
+    fig.colorbar(image, ax=ax, label=colorbar_label)
     return fig
+
+
+def lens(
+    result: LensResult,
+    *,
+    decode: Callable[[list[int]], Sequence[str]] | None = None,
+    tokens: Sequence[str] | None = None,
+    ax: Axes | None = None,
+    title: str | None = None,
+) -> Figure:
+    """The logit lens read during a generation (a :class:`~interp_engine.LensResult`, e.g.
+    ``cache.lens`` of ``capture_generation(..., lens=LensRequest(...))``) as a heatmap: rows its
+    layers (``resid_post``), columns its positions; each cell coloured by the top-1 token's
+    probability and, with ``decode`` (ids to strings, e.g. ``model.to_str_tokens``), naming it.
+
+    ``tokens``: one string per token of the whole sequence (prompt + generated, e.g.
+    ``model.to_str_tokens(prompt_ids + completion.token_ids)``): the columns are then labelled
+    by the token read at each position (whose lens predicts the token after it), else by the
+    position."""
+    _check(isinstance(result, LensResult), f"plot.lens draws a LensResult, got {type(result).__name__}")
+    if tokens is not None:
+        longest = max(result.positions, default=-1)
+        _check(len(tokens) > longest, f"{len(tokens)} tokens for positions up to {longest}")
+        cols = [f"{p} {token_label(tokens[p])}" for p in result.positions]
+    else:
+        cols = [str(p) for p in result.positions]
+    return _top1_heatmap(
+        result.probs[..., 0].detach().float().cpu(),
+        result.ids[..., 0],
+        decode,
+        rows=[f"resid_post.{layer}" for layer in result.layers],
+        cols=cols,
+        xlabel="position (each column predicts the token after it)",
+        ylabel="residual stream",
+        ax=ax,
+        title="logit lens during generation: top-1 next token" if title is None else title,
+        colorbar_label="probability of the top-1 token",
+    )
 
 
 # -- attention -------------------------------------------------------------------------------------

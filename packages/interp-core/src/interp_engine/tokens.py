@@ -82,6 +82,10 @@ class TokenizerMixin:
         """The text of generated ids, special tokens skipped (as vLLM reports it)."""
         return str(self.tokenizer.decode(list(tokens), skip_special_tokens=True))
 
+    def _chat_tokenizer(self) -> Any:
+        """The tokenizer ``chat_tokens`` renders chats with (``ModelBase``'s hook)."""
+        return self.tokenizer
+
 
 class TextPieces:
     """Incremental detokenization for streams: each new token's piece of the text, holding back

@@ -195,6 +195,11 @@ def write_positions(write: AnyWrite, n_prompt: int, n_total: int) -> list[int]:
         return list(range(min(n_prompt, n_total)))
     if write.positions == "generated":
         return list(range(n_prompt, n_total))
+    if isinstance(write.positions, str):  # a chat span name: the model resolves it before a backend sees it
+        raise InvalidSteering(
+            f"positions {write.positions!r} name a chat span, resolved against the prompt's ChatTokens by the "
+            "model's request checks; pass model.chat_tokens(messages) as the prompt"
+        )
     out = []
     for index in write.positions:
         absolute = index + n_prompt if index < 0 else index

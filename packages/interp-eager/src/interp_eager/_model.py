@@ -42,6 +42,8 @@ from interp_engine import (
     StreamStep,
     UnsupportedAddress,
 )
+from interp_engine._base import CheckedLens
+from interp_engine._lens import LensRequest, LensResult, LensTopK, lens_top_k
 from interp_engine._readouts import read_features
 from interp_engine._steering import AnyWrite, RowSpecs
 from interp_engine._weights import WeightInfo, check_weight_request
@@ -493,11 +495,23 @@ class EagerModel(TokenizerMixin, ModelBase):
 
     def _plan_for(self, request: CheckedRequest, points: list[Address] | None = None) -> Callable[[int], Plan]:
         wanted = list(dict.fromkeys((request.addresses if points is None else points) + request.readout_addresses))
+        lens = request.lens
 
         def make(n_prompt: int) -> Plan:
             total = n_prompt + request.max_tokens
+            rows_at: dict[Address, frozenset[int]] = {}
+            if lens is not None:  # the lens's rows only: its prompt positions, then each token-producing one
+                keep = frozenset(lens.prompt_positions) | frozenset(range(n_prompt - 1, total - 1))
+                rows_at = dict.fromkeys(lens.addresses, keep)
             return Plan(
-                self.arch, wanted, request.writes, [n_prompt], n_prompt=[n_prompt], total=[total], saes=request.saes
+                self.arch,
+                wanted,
+                request.writes,
+                [n_prompt],
+                n_prompt=[n_prompt],
+                total=[total],
+                saes=request.saes,
+                rows_at=rows_at,
             )
 
         return make
@@ -523,23 +537,35 @@ class EagerModel(TokenizerMixin, ModelBase):
         *,
         max_tokens: int,
         steering_spec: SteeringSpec | None = None,
+        lens: LensRequest | None = None,
         **sampling: Any,
     ) -> tuple[Completion, Results]:
         """A completion and activations ``[n_prompt + n_generated, width]`` (head addresses
-        ``[n_prompt + n_generated, heads, d_head]``) over prompt and every generated token."""
+        ``[n_prompt + n_generated, heads, d_head]``) over prompt and every generated token; with
+        ``lens``, a :class:`LensResult` under that request at its prompt positions and every
+        position that produced a generated token."""
         request = self._check_generation(
-            token_ids, points, max_tokens=max_tokens, steering_spec=steering_spec, sampling=sampling
+            token_ids, points, max_tokens=max_tokens, steering_spec=steering_spec, sampling=sampling, lens=lens
         )
         plan_for = self._plan_for(request)
         tokens: list[int] = []
         plan: Plan | None = None
+        read: list[LensTopK] = []
+        n_prompt = len(request.token_ids)
         async for token, _, used in self._decode(request.token_ids, request.max_tokens, request.sampling, plan_for):
+            if request.lens is not None:
+                prompt_lens, step_lens = await self._read_lens(used, request.lens, n_prompt - 1 + len(tokens), n_prompt)
+                if prompt_lens is not None:
+                    read += [prompt_lens.at(p) for p in prompt_lens.positions if p != step_lens.position]
+                read.append(step_lens)
             tokens.append(token)
             plan = used
         values = plan.result() if plan is not None else {}
-        n = len(request.token_ids) + len(tokens)
+        n = n_prompt + len(tokens)
         readouts = {spec: r[0] for spec, r in _readouts(request, values, [n]).items()}
         acts = request.keyed({a: _to_cpu(values[a])[0] for a in request.addresses}, readouts)
+        if request.lens is not None and read:
+            acts[request.lens.request] = LensResult.stack(read)
         return self._completion(tokens, request.sampling), acts
 
     async def stream(
@@ -550,10 +576,12 @@ class EagerModel(TokenizerMixin, ModelBase):
         n_logprobs: int = 0,
         steering_spec: SteeringSpec | None = None,
         features: Iterable[Any] = (),
+        lens: LensRequest | None = None,
         **sampling: Any,
     ) -> AsyncIterator[StreamStep]:
-        """Generated tokens one by one with their top-``n_logprobs`` ``(token, logprob)`` pairs
-        and the ``features`` readouts at the position that produced each."""
+        """Generated tokens one by one with their top-``n_logprobs`` ``(token, logprob)`` pairs,
+        the ``features`` readouts and the ``lens`` (:class:`LensTopK`) at the position that
+        produced each (the first step also carries the lens at the prompt positions asked)."""
         request = self._check_generation(
             token_ids,
             self._stream_readouts(features),
@@ -561,6 +589,7 @@ class EagerModel(TokenizerMixin, ModelBase):
             steering_spec=steering_spec,
             sampling=sampling,
             n_logprobs=n_logprobs,
+            lens=lens,
         )
         plan_for = self._plan_for(request, [])
         pieces = TextPieces(self.completion_text)
@@ -576,13 +605,44 @@ class EagerModel(TokenizerMixin, ModelBase):
             if request.readouts:
                 rows = {a: _row_at(plan.values[a], position) for a in request.readout_addresses}
                 step_features = {spec: r[0] for spec, r in request.read_on_host(rows).items()}
+            prompt_lens = step_lens = None
+            if request.lens is not None:
+                prompt_lens, step_lens = await self._read_lens(plan, request.lens, position, n_prompt)
             yield StreamStep(
                 token,
                 pieces.add(token, last=last),
                 top_logprobs(logits, request.n_logprobs),
                 position=position,
                 features=step_features,
+                lens=step_lens,
+                prompt_lens=prompt_lens,
             )
+
+    async def _read_lens(
+        self, plan: Plan, lens: CheckedLens, position: int, n_prompt: int
+    ) -> tuple[LensResult | None, LensTopK]:
+        """The lens at ``position`` (the step's) and, on the first step, at the prompt positions
+        asked: the rows the plan kept, every layer's in one unembedding (then released)."""
+        prompt = lens.prompt_positions if position == n_prompt - 1 else ()
+        positions = sorted({position, *prompt})
+        ids, probs = await self._run(lambda: self._lens_sync(plan, lens, positions))
+        col = positions.index(position)
+        step = LensTopK(position, lens.layers, ids[:, col].clone(), probs[:, col].clone())
+        if not prompt:
+            return None, step
+        cols = [positions.index(p) for p in prompt]
+        return LensResult(lens.layers, tuple(prompt), ids[:, cols], probs[:, cols]), step
+
+    def _lens_sync(self, plan: Plan, lens: CheckedLens, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k ids and probabilities ``[n_layers, n_positions, k]`` of the kept rows (popped)."""
+        param = next(self.hf_model.parameters())
+        rows = torch.stack(
+            [torch.stack([plan.rows[address].pop(p)[0] for p in positions]) for address in lens.addresses]
+        )
+        with self._lock, torch.inference_mode():
+            logits = self.arch.unembed_residuals(rows.to(device=param.device, dtype=param.dtype))
+            ids, probs = lens_top_k(logits, lens.top_k)
+        return ids.cpu(), probs.cpu()
 
     # -- logit lens ---------------------------------------------------------------------
     async def _decode_residuals(self, residuals: torch.Tensor) -> torch.Tensor:

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -543,12 +543,16 @@ class Plan:
         saes: Mapping[str, Sae] | None = None,
         write_rows: Sequence[frozenset[int] | None] | None = None,
         probes: Sequence[Address] = (),
+        rows_at: Mapping[Address, Container[int]] | None = None,
     ) -> None:
         """``write_rows``: per write, the batch rows it applies to (``None``: every row), for a
         batch whose rows carry different steering specs. ``probes``: addresses where a zero
         tensor requiring grad is added to the value (after the writes), for a forward run with
         autograd on: the gradient of anything computed downstream with respect to a probe
-        (:attr:`probed`) is its gradient with respect to the value there."""
+        (:attr:`probed`) is its gradient with respect to the value there. ``rows_at``: addresses
+        read only at some absolute positions (the logit lens during generation): each forward
+        keeps just those rows, in :attr:`rows` (they join :attr:`values` only if also in
+        ``points``), and they do not count as wanted (no extra forward for them)."""
         self.arch = arch
         self.stop_early = stop_early
         self.steered = bool(writes)
@@ -592,6 +596,16 @@ class Plan:
         """Each probe's zero tensors (one per forward run), ``[batch, length, ...]`` as read."""
         self.wanted = set(points)
         self._pending: set[Address] = set()
+        self._rows_at = dict(rows_at or {})
+        self.rows: dict[Address, dict[int, torch.Tensor]] = defaultdict(dict)
+        """Per ``rows_at`` address: position -> its row ``[batch, ...]`` (as recorded; pop when used)."""
+        for point in self._rows_at:
+            if point in self.wanted:
+                continue  # recorded densely already
+            if point.kind == "resid_mid":
+                self._plan_mid(point.layer).mid_reads.append(point)
+            else:
+                self._sites[arch.site(point)].reads.append(point)
 
     def _plan_mid(self, layer: int | None) -> _SitePlan:
         if layer is None:  # pragma: no cover - resid_mid is per layer by construction
@@ -614,7 +628,14 @@ class Plan:
         return rows + delta
 
     def _record(self, address: Address, rows: torch.Tensor) -> None:
-        self.values[address].append(rows.detach().clone())
+        if address in self.wanted:
+            self.values[address].append(rows.detach().clone())
+        keep = self._rows_at.get(address)
+        if keep is not None:
+            offset = self.chunk.offset
+            for i in range(rows.shape[1]):
+                if offset + i in keep:
+                    self.rows[address][offset + i] = rows[:, i].detach().clone()
         self._pending.discard(address)
 
     def _finish_site(self) -> None:

@@ -1,10 +1,12 @@
 """The ``interp`` command: a tour, capture to files, the logit lens, attention, and serving.
 
     interp demo [MODEL]
-    interp capture MODEL TEXT | --input prompts.txt --points resid_post.5,... --out acts.safetensors
-    interp lens MODEL TEXT
+    interp capture MODEL TEXT | --input prompts.txt | --chat chat.json --points resid_post.5,... --out acts.safetensors
+    interp lens MODEL TEXT [--generate N --layers L,M --top-k K --plot PATH]
     interp attention MODEL TEXT --layer L
     interp features MODEL TEXT --sae NAME_OR_PATH [--top-k K] [--json] [--plot FILE]
+
+TEXT may be replaced by ``--chat FILE.json``: chat messages formatted by the model's chat template.
     interp serve MODEL --backend eager --host 127.0.0.1 --port 8000 [--sae NAME=PATH]
 
 Every command works on any backend (``--backend``) through the model protocol. A mistake in the
@@ -68,6 +70,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if not api_key:
             raise UserError(f"the API key file {args.api_key_file} is empty")
     extra: dict[str, Any] = {"insecure_no_auth": True} if args.insecure_no_auth else {}
+    if args.trust_request_chat_template:
+        extra["trust_request_chat_template"] = True
     try:
         run(
             args.model,
@@ -120,6 +124,12 @@ def add_serve(sub: Any) -> None:
         "--insecure-no-auth",
         action="store_true",
         help="serve a non-loopback --host without an API key (anyone who reaches the port can use the model)",
+    )
+    parser.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="run the Jinja chat templates requests send (chat_template); off by default, as a template is code "
+        "whose time and memory the server cannot bound",
     )
     add_sae_option(parser)
     add_model_options(parser)

@@ -27,6 +27,7 @@ from .._protocol import Results
 from .._readouts import Features
 from .._sync import SyncModel
 from ._common import (
+    CHAT_HELP,
     Progress,
     UserError,
     add_model_options,
@@ -34,15 +35,21 @@ from ._common import (
     check_readouts,
     opened,
     parse_points,
+    read_chat,
 )
 
 MANIFEST = "manifest.json"
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
-    if (args.text is None) == (args.input is None):
-        hint = "; TEXT goes before --points, which takes several values" if args.text is None else ""
-        raise UserError(f"give either TEXT or --input FILE (one prompt per line){hint}")
+    given = [args.text is not None, args.input is not None, args.chat is not None]
+    if sum(given) != 1:
+        hint = "; TEXT goes before --points, which takes several values" if not any(given) else ""
+        raise UserError(
+            f"give either TEXT or --input FILE (one prompt per line) or --chat FILE.json, one of them{hint}"
+        )
+    if args.chat is not None:
+        return []  # the chat's rendered text, once the model has formatted it
     if args.text is not None:
         prompts = [args.text]
     else:
@@ -133,6 +140,7 @@ def capture_chunk(sync: SyncModel, rows: list[list[int]], points: list[Address |
 
 def cmd_capture(args: argparse.Namespace) -> int:
     prompts = read_prompts(args)
+    chat_file = read_chat(args.chat) if args.chat is not None else None
     points = parse_points(args.points)
     if args.batch_size < 1:
         raise UserError(f"--batch-size must be at least 1, got {args.batch_size}")
@@ -144,7 +152,11 @@ def cmd_capture(args: argparse.Namespace) -> int:
         check_readouts(sync.model, points)
         n_layers = sync.model.info.n_layers
         resolved = list(dict.fromkeys(p.resolve(n_layers) if isinstance(p, Address) else p for p in points))
-        ids = [sync.to_tokens(p)[0].tolist() for p in prompts]
+        chats: list[Any] = []
+        if chat_file is not None:  # one prompt: the messages as the chat template formats them
+            chats = [chat_file.tokens(sync)]
+            prompts = [chats[0].text]
+        ids = [list(chat) for chat in chats] or [sync.to_tokens(p)[0].tolist() for p in prompts]
         done = prepare_parts(parts, _manifest(args, prompts, resolved), args.overwrite)
         todo = [i for i in range(len(prompts)) if i not in done]
         progress = Progress(len(prompts), len(done), "capture", quiet=args.quiet)
@@ -161,6 +173,8 @@ def cmd_capture(args: argparse.Namespace) -> int:
         "interp.token_ids": json.dumps(ids),
         "interp.model": str(args.model),
     }
+    if chats:
+        metadata["interp.chat"] = json.dumps([chat.to_json() for chat in chats])
     cache = join_parts(parts, len(prompts), out, metadata)
     shapes = ", ".join(f"{a} {list(t.shape)}" for a, t in cache.items())
     print(f"wrote {out}: {len(prompts)} prompts, {shapes}")
@@ -185,7 +199,8 @@ def add_capture(sub: Any) -> None:
     parser = sub.add_parser(
         "capture",
         help="capture activations of one text or a file of prompts into a Cache file",
-        description="Capture activations at --points for TEXT or every non-empty line of --input, "
+        description="Capture activations at --points for TEXT, every non-empty line of --input, or the chat "
+        "messages of --chat (formatted by the model's chat template; its spans kept in the metadata, interp.chat), "
         "into one safetensors file in the Cache format (Cache.load reads it): values "
         "[batch, pos, width] (attention [batch, heads, q, k]) right-padded with zeros, and "
         "cache.lengths holding each prompt's real token count. Feature readouts of SAEs attached "
@@ -201,6 +216,7 @@ def add_capture(sub: Any) -> None:
     parser.add_argument("model", metavar="MODEL", help="a local model directory, hub id or interp:tiny")
     parser.add_argument("text", metavar="TEXT", nargs="?", help="one prompt (or use --input)")
     parser.add_argument("--input", metavar="FILE", help="a text file with one prompt per line (blank lines skipped)")
+    parser.add_argument("--chat", metavar="FILE.json", help=CHAT_HELP)
     parser.add_argument(
         "--points",
         required=True,

@@ -10,7 +10,8 @@ import re
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, TextIO
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TextIO
 
 from .._address import Address
 from .._base import ModelBase
@@ -19,6 +20,9 @@ from .._protocol import InterpModel
 from .._readouts import Features, check_readout, check_sae_name
 from .._sae import Sae, load_sae
 from .._sync import SyncModel, sync_model
+
+if TYPE_CHECKING:
+    from ..chat import ChatTokens
 
 DEFAULT_MODEL = "interp:tiny"
 """The model ``interp demo`` runs when none is named (the tiny model that ships with the project)."""
@@ -158,6 +162,108 @@ def prompt_ids(sync: SyncModel, text: str) -> list[int]:
         raise UserError("the text is empty")
     ids: list[int] = sync.to_tokens(text)[0].tolist()
     return ids
+
+
+CHAT_HELP = (
+    "a JSON file of chat messages read instead of TEXT: a list of {'role', 'content'} objects, or "
+    "{'messages': [...], 'add_generation_prompt': true, 'chat_template': '...', 'chat_template_kwargs': {...}}; "
+    "the model's chat template formats them (model.chat_tokens)"
+)
+_CHAT_KEYS = ("messages", "add_generation_prompt", "chat_template", "chat_template_kwargs")
+
+
+@dataclass(frozen=True)
+class ChatFile:
+    """What ``--chat FILE.json`` holds: the messages and how to format them."""
+
+    path: str
+    messages: list[Any]
+    add_generation_prompt: bool = True
+    template: str | None = None
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def tokens(self, sync: SyncModel) -> ChatTokens:
+        """The messages formatted by the model's chat template (or the file's)."""
+        chat: ChatTokens = sync.chat_tokens(
+            self.messages,
+            add_generation_prompt=self.add_generation_prompt,
+            template=self.template,
+            **self.template_kwargs,
+        )
+        return chat
+
+
+def read_chat(path: str) -> ChatFile:
+    """``--chat FILE.json``: a list of messages, or an object with ``messages`` (and the
+    formatting options); read before the model loads, so a bad file is one line."""
+    try:
+        data = json.loads(pathlib.Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"--chat file not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"cannot read --chat {path}: {exc}") from None
+    except ValueError as exc:
+        raise UserError(f"--chat {path} is not JSON: {exc}") from None
+    options: dict[str, Any] = {}
+    if isinstance(data, dict):
+        unknown = sorted(set(data) - set(_CHAT_KEYS))
+        if unknown:
+            raise UserError(f"--chat {path}: unknown key(s) {', '.join(unknown)}; valid: {', '.join(_CHAT_KEYS)}")
+        options = data
+        data = data.get("messages")
+    if not isinstance(data, list) or not data or not all(isinstance(m, dict) for m in data):
+        raise UserError(
+            f"--chat {path} must hold a non-empty list of messages ({{'role': ..., 'content': ...}}), "
+            "or an object with one under 'messages'"
+        )
+    generation = options.get("add_generation_prompt", True)
+    template = options.get("chat_template")
+    kwargs = options.get("chat_template_kwargs") or {}
+    if not isinstance(generation, bool):
+        raise UserError(f"--chat {path}: add_generation_prompt must be true or false, got {generation!r}")
+    if template is not None and not isinstance(template, str):
+        raise UserError(f"--chat {path}: chat_template must be a string (a Jinja template)")
+    if not isinstance(kwargs, dict):
+        raise UserError(f"--chat {path}: chat_template_kwargs must be an object")
+    return ChatFile(path, data, generation, template, kwargs)
+
+
+def add_prompt_arguments(parser: argparse.ArgumentParser, text_help: str = "the text to read") -> None:
+    """``TEXT`` (optional) and ``--chat FILE.json``: a command's prompt, one or the other."""
+    parser.add_argument("text", metavar="TEXT", nargs="?", help=f"{text_help} (or --chat FILE.json)")
+    parser.add_argument("--chat", metavar="FILE.json", help=CHAT_HELP)
+
+
+def read_prompt_source(args: argparse.Namespace) -> ChatFile | None:
+    """The ``--chat`` file (``None`` for TEXT), checked before the model loads: exactly one of
+    TEXT and ``--chat``."""
+    chat = getattr(args, "chat", None)
+    if (args.text is None) == (chat is None):
+        raise UserError("give either TEXT or --chat FILE.json" if chat is None else "give TEXT or --chat, not both")
+    return read_chat(chat) if chat is not None else None
+
+
+def prompt_tokens(sync: SyncModel, args: argparse.Namespace, chat: ChatFile | None) -> list[int] | ChatTokens:
+    """The prompt's ids: TEXT tokenized, or the ``--chat`` messages formatted (a
+    :class:`ChatTokens`, a sequence of ids that knows its spans)."""
+    if chat is not None:
+        return chat.tokens(sync)
+    return prompt_ids(sync, args.text)
+
+
+def describe_chat(chat: ChatTokens, tokens: Sequence[str]) -> str:
+    """One line per message span (role, positions, its first tokens), and where generation starts."""
+    lines = []
+    for span in chat.messages:
+        shown = "".join(tokens[span.start : span.end])
+        text = repr(shown if len(shown) <= 40 else shown[:37] + "...")
+        where = f"tokens {span.start}..{span.end - 1}" if span.end > span.start else f"no tokens (at {span.start})"
+        lines.append(f"  {span.index} {span.role:<10} {where}  {text}")
+    for span in chat.reasoning:
+        lines.append(f"  reasoning in message {span.index} ({span.role}): tokens {span.start}..{span.end - 1}")
+    start = chat.generation_start
+    lines.append(f"  generation starts at {start}" if start is not None else "  no generation prompt")
+    return "\n".join(lines)
 
 
 def show_token(piece: str, width: int = 14) -> str:

@@ -25,10 +25,12 @@ from .._sync import SyncModel, sync_model
 from ._common import (
     UserError,
     add_model_options,
+    add_prompt_arguments,
     load_options,
     note,
     plots_available,
-    prompt_ids,
+    prompt_tokens,
+    read_prompt_source,
     show_token,
     table,
 )
@@ -184,6 +186,7 @@ def write_plot(
 def cmd_features(args: argparse.Namespace) -> int:
     if args.top_k < 1:
         raise UserError(f"--top-k must be at least 1, got {args.top_k}")
+    chat_file = read_prompt_source(args)
     sae = load_sae(args.sae)  # a bad folder or name is one line, before the model loads
     figure = plot_class(args.plot)
     names = feature_names(args.sae)
@@ -194,7 +197,7 @@ def cmd_features(args: argparse.Namespace) -> int:
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     sync = sync_model(load_model(args.model, backend=args.backend, **options))
     try:
-        ids = prompt_ids(sync, args.text)
+        ids = list(prompt_tokens(sync, args, chat_file))
         readout = sync.capture(ids, [spec])[spec]
         tokens = sync.to_str_tokens(ids)
         if args.json:
@@ -222,7 +225,7 @@ def add_features(sub: Any) -> None:
         epilog="example: interp features interp:tiny 'The capital of France is' --sae interp:tiny-sae --top-k 4",
     )
     parser.add_argument("model", metavar="MODEL", help="a local model directory, hub id or interp:tiny")
-    parser.add_argument("text", metavar="TEXT", help="the text to read")
+    add_prompt_arguments(parser)
     parser.add_argument(
         "--sae",
         required=True,

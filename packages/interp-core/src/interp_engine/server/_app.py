@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import logging
 import math
@@ -20,7 +21,7 @@ import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import anyio
@@ -40,13 +41,16 @@ from .._errors import (
     InvalidOption,
     InvalidSteering,
     InvalidTokens,
+    NoChatTemplate,
     UnknownSae,
     UnsupportedAddress,
 )
+from .._lens import LensRequest, LensResult, LensTopK
 from .._plugins import load_model
 from .._protocol import Completion, InterpModel, StaticTaps, StreamStep
 from .._readouts import FeatureReadout, Features, check_readout
 from .._steering import AnyWrite, FeatureWrite, SteeringSpec, Write
+from ..chat import ChatTokens, Span, span_positions
 from ..tokens import check_text
 from ..validation import check_spec, value_shape
 from ._asgi import ClientGone, EventStream, Slots, unless_gone
@@ -70,6 +74,7 @@ from ._schemas import (
     FeatureWriteBody,
     GenerateRequest,
     GenerateResponse,
+    LensBody,
     SteeringBody,
     TokenizeRequest,
     TokenizeResponse,
@@ -121,6 +126,9 @@ def _check_finite_steps(steps: Sequence[StreamStep], spec: SteeringSpec | None) 
     for step in steps:
         if not all(math.isfinite(lp) for _, lp in step.logprobs):
             raise _non_finite("the logprobs of a generated token", spec)
+        lenses = [lens.probs for lens in (step.lens, step.prompt_lens) if lens is not None]
+        if not all(bool(torch.isfinite(probs).all()) for probs in lenses):
+            raise _non_finite("the logit lens probabilities", spec)
 
 
 def _non_finite(what: str, spec: Any, *, decoding: bool = False) -> ApiError:
@@ -155,6 +163,97 @@ def _step_out(step: StreamStep) -> dict[str, Any]:
     return out
 
 
+def _span_out(span: Span) -> dict[str, Any]:
+    return {
+        "kind": span.kind,
+        "role": span.role,
+        "index": span.index,
+        "start": span.start,
+        "end": span.end,
+        "turn_start": span.turn_start,
+        "turn_end": span.turn_end,
+    }
+
+
+def _chat_out(chat: ChatTokens) -> dict[str, Any]:
+    """What the positions of a chat prompt mean (the answer's ``chat``)."""
+    return {
+        "messages": [_span_out(span) for span in chat.messages],
+        "reasoning": [_span_out(span) for span in chat.reasoning],
+        "generation_start": chat.generation_start,
+        "text": chat.text,
+    }
+
+
+def _lens_out(lens: LensTopK, to_str_tokens: Callable[[list[int]], list[str]]) -> dict[str, Any]:
+    """One step's lens as lists (``[n_layers][k]``), each id's text under ``tokens``."""
+    ids = lens.ids.tolist()
+    flat = [i for row in ids for i in row]
+    return {
+        "layers": list(lens.layers),
+        "ids": ids,
+        "probs": lens.probs.float().tolist(),
+        "tokens": _nest(to_str_tokens(flat) if flat else [], list(lens.ids.shape)),
+    }
+
+
+def _lens_result_out(lens: LensResult, to_str_tokens: Callable[[list[int]], list[str]]) -> dict[str, Any]:
+    """The lens at several prompt positions as lists (``[n_layers][n_positions][k]``)."""
+    flat = lens.ids.reshape(-1).tolist()
+    return {
+        "layers": list(lens.layers),
+        "positions": list(lens.positions),
+        "ids": lens.ids.tolist(),
+        "probs": lens.probs.float().tolist(),
+        "tokens": _nest(to_str_tokens(flat) if flat else [], list(lens.ids.shape)),
+    }
+
+
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "messages",
+        "conversation",
+        "add_generation_prompt",
+        "continue_final_message",
+        "template",
+        "chat_template",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+"""``chat_template_kwargs`` names the server refuses: they are options of the tokenizer call or
+of the request itself, not variables of the template."""
+_TEMPLATE_KWARG = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+
+
+_PROMPT_FIELDS = {"token_ids": "token_ids, text and messages", "text": "text and messages"}
+
+
+@dataclass(frozen=True)
+class _PromptIn:
+    """A request's prompt: ``tokens`` go to the model (the ids, or the :class:`ChatTokens` so
+    that span-named positions resolve against it), ``ids`` to the answer; ``field`` is the
+    request field it came from."""
+
+    tokens: Sequence[int]
+    ids: list[int]
+    field: str
+    chat: ChatTokens | None = None
+
+    def head(self) -> dict[str, Any]:
+        """``token_ids`` (and with messages ``chat``) of the answer."""
+        out: dict[str, Any] = {"token_ids": self.ids}
+        if self.chat is not None:
+            out["chat"] = _chat_out(self.chat)
+        return out
+
+
 def _tensor_of(value: torch.Tensor | FeatureReadout) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise ApiError(500, "BackendError", f"the backend returned a {type(value).__name__} for an address")
@@ -187,8 +286,9 @@ def _nest(flat: list[Any], shape: Sequence[int]) -> list[Any]:
 class _Served:
     """The app's state: the model once the lifespan has loaded it, the limits, the request slots."""
 
-    def __init__(self, limits: ServerLimits) -> None:
+    def __init__(self, limits: ServerLimits, trust_request_chat_template: bool = False) -> None:
         self.limits = limits
+        self.trust_request_chat_template = trust_request_chat_template
         self.model: InterpModel | None = None
         self.name = ""
         self.slots = Slots(limits.max_concurrent_requests, limits.queue_timeout_s)
@@ -246,17 +346,175 @@ class _Served:
         return self.model
 
     # -- request parts ------------------------------------------------------------------------
-    async def prompt(self, body: Any) -> tuple[list[int], str]:
-        """The prompt's ids and the field they came from (``token_ids`` or ``text``)."""
+    async def prompt(self, body: Any) -> _PromptIn:
+        """The prompt: its ids and the field they came from (``token_ids``, ``text`` or
+        ``messages``, formatted by the chat template)."""
         self.ready()
-        if (body.token_ids is None) == (body.text is None):
-            raise ApiError(422, "ValidationError", "give exactly one of token_ids and text", field="token_ids")
-        if body.token_ids is not None:
-            ids = list(body.token_ids)
+        given = [name for name in ("token_ids", "text", "messages") if getattr(body, name, None) is not None]
+        if len(given) != 1:
+            which = f"got {' and '.join(given)}" if given else "got none"
+            field = "token_ids" if hasattr(body, "token_ids") else "text"
+            raise ApiError(
+                422, "ValidationError", f"give exactly one of {_PROMPT_FIELDS[field]} ({which})", field=field
+            )
+        chat_only = sorted({"add_generation_prompt", "chat_template", "chat_template_kwargs"} & body.model_fields_set)
+        if chat_only and body.messages is None:
+            raise ApiError(
+                422, "ValidationError", f"{chat_only[0]} applies to a prompt given as messages", field=chat_only[0]
+            )
+        if body.messages is not None:
+            chat = await self.chat(body)
+            return _PromptIn(chat, list(chat.ids), "messages", chat)
+        token_ids = getattr(body, "token_ids", None)
+        if token_ids is not None:
+            ids = list(token_ids)
             if len(ids) > self.limits.max_prompt_tokens:
                 raise limit_exceeded("token_ids", f"the prompt has {len(ids)} tokens", self.limits.max_prompt_tokens)
-            return ids, "token_ids"
-        return await self.tokenize(body.text, "text"), "text"
+            return _PromptIn(ids, ids, "token_ids")
+        ids = await self.tokenize(body.text, "text")
+        return _PromptIn(ids, ids, "text")
+
+    async def chat(self, body: Any) -> ChatTokens:
+        """The chat tokens of ``body.messages`` (``model.chat_tokens``, run off the event loop),
+        the messages, characters and tokens bounded; every failure of the template is a 400."""
+        model = self.ready()
+        messages = body.messages
+        if not messages:
+            raise ApiError(400, "InvalidChat", "messages is empty; give at least one {role, content}", field="messages")
+        if len(messages) > self.limits.max_messages:
+            raise limit_exceeded("messages", f"{len(messages)} messages", self.limits.max_messages)
+        kwargs = dict(body.chat_template_kwargs or {})
+        for key in kwargs:
+            if not _TEMPLATE_KWARG.fullmatch(key) or key in _RESERVED_TEMPLATE_KWARGS:
+                raise ApiError(
+                    400,
+                    "InvalidOption",
+                    f"chat_template_kwargs: {key!r} is not a template variable the server passes (a name of "
+                    "letters, digits and _, none of the request's own options)",
+                    field=f"chat_template_kwargs.{key}",
+                    valid=sorted(_RESERVED_TEMPLATE_KWARGS),
+                )
+        if body.chat_template is not None and not self.trust_request_chat_template:
+            raise ApiError(
+                400,
+                "InvalidOption",
+                "this server does not run chat templates sent in requests (a template is code it cannot bound); "
+                "use the model's own, or start the server with --trust-request-chat-template "
+                "(create_app/run(trust_request_chat_template=True)) if its clients are trusted",
+                field="chat_template",
+            )
+        chars = sum(len(m.content) + len(m.reasoning_content or "") for m in messages)
+        chars += len(body.chat_template or "")
+        if kwargs:
+            chars += len(json.dumps(kwargs))
+        if chars > self.limits.max_text_chars:
+            raise limit_exceeded("messages", f"the messages have {chars} characters", self.limits.max_text_chars)
+        make = getattr(model, "chat_tokens", None)
+        if not callable(make):
+            raise ApiError(
+                400,
+                "UnsupportedOperation",
+                f"the {model.backend} model served has no chat_tokens; send token_ids or text",
+                field="messages",
+            )
+        listed = [m.to_dict() for m in messages]
+
+        def render() -> Any:
+            return make(listed, add_generation_prompt=body.add_generation_prompt, template=body.chat_template, **kwargs)
+
+        try:
+            chat = await self.off_loop(render)
+        except NoChatTemplate as exc:
+            raise from_interp(exc, "chat_template") from exc
+        except InterpError as exc:
+            raise from_interp(exc, "chat_template" if body.chat_template is not None else "messages") from exc
+        except Exception as exc:  # the template is the client's input (messages or chat_template): its failure too
+            logger.warning("a chat template failed", exc_info=exc)
+            raise ApiError(
+                400,
+                "InvalidChat",
+                f"the chat template failed on these messages ({type(exc).__name__}: {str(exc)[:300]})",
+                field="chat_template" if body.chat_template is not None else "messages",
+            ) from exc
+        if len(chat) > self.limits.max_prompt_tokens:
+            raise limit_exceeded("messages", f"the prompt has {len(chat)} tokens", self.limits.max_prompt_tokens)
+        result: ChatTokens = chat
+        return result
+
+    def lens(self, body: LensBody | None, prompt: _PromptIn, max_tokens: int) -> LensRequest | None:
+        """The lens a generation reads, bounded: layers, ``top_k``, and the token strings it names
+        (positions read x layers x top_k) within ``max_top_tokens``."""
+        if body is None:
+            return None
+        model = self.ready()
+        if not _takes_lens(model):
+            raise ApiError(
+                400,
+                "UnsupportedOperation",
+                f"the {model.backend} backend served does not read the logit lens while generating",
+                field="lens",
+            )
+        if len(body.layers) > self.limits.max_lens_layers:
+            raise limit_exceeded("lens.layers", f"{len(body.layers)} lens layers", self.limits.max_lens_layers)
+        if body.top_k > self.limits.max_lens_top_k:
+            raise limit_exceeded("lens.top_k", f"lens.top_k is {body.top_k}", self.limits.max_lens_top_k)
+        try:
+            request = LensRequest.from_json(body.to_dict())
+        except InterpError as exc:
+            raise from_interp(exc, "lens") from exc
+        n_layers = self.ready().info.n_layers
+        bad = [layer for layer in request.layers if not -n_layers <= layer < n_layers]
+        if bad:
+            raise ApiError(
+                400,
+                "LayerOutOfRange",
+                f"lens layer {bad[0]} is outside this {n_layers}-layer model (valid: {-n_layers}..{n_layers - 1})",
+                field="lens.layers",
+                valid=f"{-n_layers}..{n_layers - 1}",
+            )
+        n_read = max_tokens + self.lens_prompt_positions(request, prompt)
+        names = n_read * len(request.layers) * request.top_k
+        if names > self.limits.max_top_tokens:
+            message = (
+                f"the lens would name {names} tokens ({n_read} positions x {len(request.layers)} layers x "
+                f"top_k {request.top_k})"
+            )
+            raise limit_exceeded("lens", message, self.limits.max_top_tokens)
+        return request
+
+    def lens_prompt_positions(self, request: LensRequest, prompt: _PromptIn) -> int:
+        """How many prompt positions ``request`` reads (a span name resolved against the chat)."""
+        positions = request.positions
+        if positions is None:
+            return 0
+        if isinstance(positions, tuple):
+            return len(positions)
+        if positions == "prompt":
+            return len(prompt.ids)
+        try:
+            return len(span_positions(positions, prompt.tokens, len(prompt.ids)))
+        except InterpError as exc:
+            raise from_interp(exc, "lens.positions") from exc
+
+    async def lens_result(self, result: Any, spec: SteeringSpec | None) -> dict[str, Any]:
+        """A capture's :class:`LensResult` as JSON (finite, each id's text decoded off the loop)."""
+        if not isinstance(result, LensResult):
+            raise ApiError(500, "BackendError", f"the backend returned a {type(result).__name__} for the lens")
+        if not bool(torch.isfinite(result.probs).all()):
+            raise _non_finite("the logit lens probabilities", spec)
+        out: dict[str, Any] = await self.off_loop(_lens_result_out, result, self.ready().to_str_tokens)
+        return out
+
+    async def step_out(self, step: StreamStep, first: bool = False) -> dict[str, Any]:
+        """A step as JSON; its lens with each id's text (decoded off the event loop), and on the
+        first step the prompt's lens."""
+        out = _step_out(step)
+        model = self.ready()
+        if step.lens is not None:
+            out["lens"] = await self.off_loop(_lens_out, step.lens, model.to_str_tokens)
+        if first and step.prompt_lens is not None:
+            out["prompt_lens"] = await self.off_loop(_lens_result_out, step.prompt_lens, model.to_str_tokens)
+        return out
 
     def points(
         self, items: Sequence[str | Address | FeaturesBody], field: str = "points"
@@ -406,9 +664,13 @@ class _Served:
         spec: SteeringSpec | None,
         points_field: str = "points",
         readouts: Sequence[Features] = (),
+        *,
+        lens: LensRequest | None = None,
     ) -> Any:
         """``blame`` for a model call: which request field each of the core's errors points at."""
-        return _Blame(prompt_field, spec, points_field, readouts)
+        n_layers = self.ready().info.n_layers
+        lens_layers = frozenset(layer % n_layers for layer in lens.layers) if lens is not None else frozenset()
+        return _Blame(prompt_field, spec, points_field, readouts, lens_layers)
 
     def wants_safetensors(self, request: Request, format: str) -> bool:
         return format == "safetensors" or SAFETENSORS in request.headers.get("accept", "")
@@ -418,8 +680,14 @@ class _Blame:
     """Context manager mapping the core's errors raised by a model call to the request field."""
 
     def __init__(
-        self, prompt_field: str, spec: SteeringSpec | None, points_field: str, readouts: Sequence[Features]
+        self,
+        prompt_field: str,
+        spec: SteeringSpec | None,
+        points_field: str,
+        readouts: Sequence[Features],
+        lens_layers: frozenset[int] = frozenset(),
     ) -> None:
+        self.lens_layers = lens_layers
         self.prompt_field = prompt_field
         self.steered = bool(spec)
         self.written = {w.address for w in spec if isinstance(w, Write)} if spec else set()
@@ -445,9 +713,11 @@ class _Blame:
         if not isinstance(exc, InterpError):
             return
         field: str | None = None
-        if isinstance(exc, InvalidAddress):  # one the backend cannot serve: a write's, or a point
+        if isinstance(exc, InvalidAddress):  # one the backend cannot serve: a write's, a point, the lens's
             written = isinstance(exc, UnsupportedAddress) and exc.address in self.written
-            field = "steering" if written else self.points_field
+            address = exc.address
+            lensed = isinstance(address, Address) and address.kind == "resid_post" and address.layer in self.lens_layers
+            field = "steering" if written else "lens" if lensed else self.points_field
         elif isinstance(exc, InvalidTokens):
             field = self.prompt_field
         elif isinstance(exc, InvalidSteering):
@@ -458,6 +728,8 @@ class _Blame:
             field = self.points_field if exc.name in self.read else "steering"
         elif isinstance(exc, InvalidFeatures):
             field = self.points_field if self.read else "steering"
+        elif isinstance(exc, InvalidOption) and self.lens_layers and str(exc).startswith("lens"):
+            field = "lens"
         raise from_interp(exc, field) from exc
 
 
@@ -468,6 +740,7 @@ def create_app(
     limits: ServerLimits | None = None,
     api_key: str | None = None,
     trusted_hosts: Collection[str] | None = None,
+    trust_request_chat_template: bool = False,
     **load_options: Any,
 ) -> FastAPI:
     """The HTTP API over one model, as a FastAPI app.
@@ -484,10 +757,16 @@ def create_app(
     bound to loopback, so a browser page cannot reach it by DNS rebinding (``run`` does that);
     default ``None``: any. Run it with uvicorn through :func:`uvicorn_config` to get the
     connection bounds of ``limits`` too.
+
+    ``trust_request_chat_template``: run the Jinja chat templates requests send
+    (``chat_template``). Off by default: a template is code, and Jinja's sandbox bounds neither
+    its time nor its memory (a nested loop holds the tokenizer thread, ``'x' * 10**10`` takes
+    10 GB), so only a server whose clients are trusted should turn it on; without it such a
+    request is ``400 InvalidOption`` and messages use the model's own template.
     """
     if api_key is not None:
         check_api_key(api_key)
-    served = _Served(limits or ServerLimits())
+    served = _Served(limits or ServerLimits(), trust_request_chat_template)
     given: InterpModel | None = None
     path: str | None = None
     if isinstance(model_or_path, (str, os.PathLike)):
@@ -648,6 +927,29 @@ async def _tensor_body(
     return {**head, key: encoded, "features": listed}
 
 
+def _takes_lens(model: InterpModel) -> bool:
+    """Whether the model's ``stream`` and ``capture_generation`` take ``lens=`` (a third-party
+    backend written before the lens may not)."""
+    for method in (model.stream, model.capture_generation):
+        try:
+            parameters = inspect.signature(method).parameters.values()
+        except (TypeError, ValueError):
+            return False
+        if not any(p.name == "lens" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+            return False
+    return True
+
+
+def _has_chat_template(model: InterpModel) -> bool:
+    """Whether ``messages`` work without a ``chat_template``: the model's tokenizer has one."""
+    if not isinstance(model, ModelBase):
+        return False
+    try:
+        return bool(getattr(model._chat_tokenizer(), "chat_template", None))
+    except InterpError:
+        return False
+
+
 def _saes_out(model: InterpModel) -> list[dict[str, Any]]:
     """The SAEs and probes attached to ``model``, as ``GET /v1/model`` lists them. On vllm-static
     every one was attached before the engine was built (attaching later is refused), so each is
@@ -695,8 +997,10 @@ def _add_routes(app: FastAPI, served: _Served) -> None:
     @app.get("/v1/model", responses=_ERRORS)
     async def model_info() -> dict[str, Any]:
         """The model's shapes, the kinds it serves (its family's, on its backend) over its layers,
-        the server's limits, and the SAEs attached (``saes``: ``name``, ``architecture``,
-        ``address``, ``address_out``, ``d_in``, ``d_sae``; on vllm-static ``compiled``)."""
+        the server's limits, the SAEs attached (``saes``: ``name``, ``architecture``,
+        ``address``, ``address_out``, ``d_in``, ``d_sae``; on vllm-static ``compiled``), and
+        ``chat``: whether the model has a chat template (``template``) and whether requests may
+        send one (``request_templates``)."""
         model = served.ready()
         info = model.info
         listed = getattr(model, "points", None)  # ModelBase.points(): the kinds its family has
@@ -735,75 +1039,99 @@ def _add_routes(app: FastAPI, served: _Served) -> None:
             out["static_points"] = [str(a) for a in model.static_points]
             out["static_writes"] = [str(a) for a in model.static_writes]
         out["saes"] = _saes_out(model)
+        out["chat"] = {"template": _has_chat_template(model), "request_templates": served.trust_request_chat_template}
         return out
 
-    @app.post("/v1/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
+    @app.post("/v1/tokenize", response_model=TokenizeResponse, response_model_exclude_unset=True, responses=_ERRORS)
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        """Token ids of a text (``model.to_tokens``) and one string per token."""
+        """Token ids of a text (``model.to_tokens``), or of messages (``model.chat_tokens``, with
+        their spans under ``chat``), and one string per token."""
         model = served.ready()
-        ids = await served.tokenize(body.text, "text")
-        return {"token_ids": ids, "str_tokens": await served.off_loop(model.to_str_tokens, ids)}
+        prompt = await served.prompt(body)
+        return {**prompt.head(), "str_tokens": await served.off_loop(model.to_str_tokens, prompt.ids)}
 
-    @app.post("/v1/capture", response_model=CaptureResponse, responses=_TENSOR_RESPONSES)
+    @app.post(
+        "/v1/capture", response_model=CaptureResponse, response_model_exclude_unset=True, responses=_TENSOR_RESPONSES
+    )
     async def capture(body: CaptureRequest, request: Request) -> Any:
         """Activations ``[n_tokens, width]`` at ``points`` over the prompt (``model.capture``), and
         the feature readouts among ``points`` under ``features`` (``[n_tokens, k]`` each)."""
         model = served.ready()
-        ids, prompt_field = await served.prompt(body)
+        prompt = await served.prompt(body)
+        ids = prompt.ids
         points, readouts = served.points(body.points)
         served.check_size(points, len(ids), "points", readouts)
         spec = served.steering(body.steering)
         async with served.slots:
-            with served.fields(prompt_field, spec, readouts=readouts):
-                acts = await unless_gone(request, model.capture(ids, [*points, *readouts], steering_spec=spec))
+            with served.fields(prompt.field, spec, readouts=readouts):
+                work = model.capture(prompt.tokens, [*points, *readouts], steering_spec=spec)
+                acts = await unless_gone(request, work)
         tensors = {str(p): _tensor_of(acts[p]) for p in points}
         features = {str(r): _readout_of(acts[r]) for r in readouts}
-        head = {"token_ids": ids}
         served.count_tokens(prompt=len(ids))
         return await _tensor_body(
-            request, served, body.format, "activations", tensors, head, len(ids), features, steered=spec
+            request, served, body.format, "activations", tensors, prompt.head(), len(ids), features, steered=spec
         )
 
-    @app.post("/v1/attention", response_model=AttentionResponse, responses=_TENSOR_RESPONSES)
+    @app.post(
+        "/v1/attention",
+        response_model=AttentionResponse,
+        response_model_exclude_unset=True,
+        responses=_TENSOR_RESPONSES,
+    )
     async def attention(body: AttentionRequest, request: Request) -> Any:
         """Attention patterns ``[heads, q, k]`` of ``layers`` (``model.capture_attention``)."""
         model = served.ready()
-        ids, prompt_field = await served.prompt(body)
+        prompt = await served.prompt(body)
+        ids = prompt.ids
         points, _ = served.points([Address("attn_pattern", layer) for layer in body.layers], "layers")
         served.check_size(points, len(ids), "layers")
         async with served.slots:
             spec = served.steering(body.steering)
-            with served.fields(prompt_field, spec, "layers"):
+            with served.fields(prompt.field, spec, "layers"):
                 call = (
-                    model.capture_attention(ids, list(body.layers), steering_spec=spec)
+                    model.capture_attention(prompt.tokens, list(body.layers), steering_spec=spec)
                     if spec is not None
-                    else model.capture_attention(ids, list(body.layers))
+                    else model.capture_attention(prompt.tokens, list(body.layers))
                 )
                 acts = await unless_gone(request, call)
         tensors = {str(p): _tensor_of(acts[p]) for p in points}
         served.count_tokens(prompt=len(ids))
-        head = {"token_ids": ids}
-        return await _tensor_body(request, served, body.format, "patterns", tensors, head, len(ids), steered=spec)
+        return await _tensor_body(
+            request, served, body.format, "patterns", tensors, prompt.head(), len(ids), steered=spec
+        )
 
-    @app.post("/v1/capture_generation", response_model=CaptureGenerationResponse, responses=_TENSOR_RESPONSES)
+    @app.post(
+        "/v1/capture_generation",
+        response_model=CaptureGenerationResponse,
+        response_model_exclude_unset=True,
+        responses=_TENSOR_RESPONSES,
+    )
     async def capture_generation(body: CaptureGenerationRequest, request: Request) -> Any:
         """A completion and activations (and feature readouts) over prompt + generated tokens
         (``model.capture_generation``)."""
         model = served.ready()
-        ids, prompt_field = await served.prompt(body)
+        prompt = await served.prompt(body)
+        ids = prompt.ids
         served.check_generation(body.max_tokens)
         points, readouts = served.points(body.points)
         served.check_size(points, len(ids) + body.max_tokens, "points", readouts)
         spec = served.steering(body.steering)
+        lens = served.lens(body.lens, prompt, body.max_tokens)
+        options = body.sampling()
+        if lens is not None:
+            options["lens"] = lens
         async with served.slots:
-            with served.fields(prompt_field, spec, readouts=readouts):
+            with served.fields(prompt.field, spec, readouts=readouts, lens=lens):
                 work = model.capture_generation(
-                    ids, [*points, *readouts], max_tokens=body.max_tokens, steering_spec=spec, **body.sampling()
+                    prompt.tokens, [*points, *readouts], max_tokens=body.max_tokens, steering_spec=spec, **options
                 )
                 completion, acts = await unless_gone(request, work)
         tensors = {str(p): _tensor_of(acts[p]) for p in points}
         features = {str(r): _readout_of(acts[r]) for r in readouts}
-        head = {"token_ids": ids, "completion": _completion_out(completion)}
+        head = {**prompt.head(), "completion": _completion_out(completion)}
+        if lens is not None:
+            head["lens"] = await served.lens_result(acts.get(lens), spec)
         n_positions = len(ids) + len(completion.token_ids)
         served.count_tokens(prompt=len(ids), generated=len(completion.token_ids))
         return await _tensor_body(
@@ -820,40 +1148,51 @@ def _add_routes(app: FastAPI, served: _Served) -> None:
         """A completion; with ``stream: true``, server-sent events: one ``token`` event per
         generated token (``{"token_id", "text", "logprobs", "position"}``, and ``features``, each
         readout of ``features`` at ``position``), then ``done`` (the completion) or ``error``.
-        Closing the connection aborts the generation. Without ``stream``, ``n_logprobs`` or
-        ``features`` give the same steps under ``steps``."""
+        Closing the connection aborts the generation. Without ``stream``, ``n_logprobs``,
+        ``features`` or ``lens`` give the same steps under ``steps``. With ``messages``, ``chat``
+        names the prompt's spans (in the first event when streaming); with ``lens``, each step
+        carries ``lens`` and ``lens.positions`` gives ``prompt_lens``."""
         model = served.ready()
-        ids, prompt_field = await served.prompt(body)
+        prompt = await served.prompt(body)
+        ids = prompt.ids
         served.check_generation(body.max_tokens, body.n_logprobs)
         readouts = served.readouts(body.features, "features") if body.features else []
         served.check_size([], body.max_tokens, "features", readouts)
         spec = served.steering(body.steering)
+        lens = served.lens(body.lens, prompt, body.max_tokens)
         options = body.sampling()
         if spec is not None:
             options["steering_spec"] = spec
         if readouts:
             options["features"] = readouts
-        fields = served.fields(prompt_field, spec, "features", readouts)
+        if lens is not None:
+            options["lens"] = lens
+        fields = served.fields(prompt.field, spec, "features", readouts, lens=lens)
         if body.stream:
-            return await _stream(served, model, ids, body, options, fields)
+            return await _stream(served, model, prompt, body, options, fields)
         async with served.slots:
             with fields:
-                if body.n_logprobs == 0 and not readouts:
-                    work = model.generate(ids, max_tokens=body.max_tokens, **options)
+                if body.n_logprobs == 0 and not readouts and lens is None:
+                    work = model.generate(prompt.tokens, max_tokens=body.max_tokens, **options)
                     completion = await unless_gone(request, work)
                     served.count_tokens(prompt=len(ids), generated=len(completion.token_ids))
-                    return _completion_out(completion)
-                steps = model.stream(ids, max_tokens=body.max_tokens, n_logprobs=body.n_logprobs, **options)
+                    return {**_completion_out(completion), **_chat_head(prompt)}
+                steps = model.stream(prompt.tokens, max_tokens=body.max_tokens, n_logprobs=body.n_logprobs, **options)
                 collected = await unless_gone(request, _collect(steps))
         served.count_tokens(prompt=len(ids), generated=len(collected))
         _check_finite_steps(collected, spec)
         _check_finite_features(collected, spec)
-        return {
+        out: dict[str, Any] = {
             "token_ids": [s.token_id for s in collected],
             "text": "".join(s.text for s in collected),
             "finish_reason": _finish_reason(len(collected), body.max_tokens),
-            "steps": [_step_out(s) for s in collected],
+            "steps": [await served.step_out(s) for s in collected],
+            **_chat_head(prompt),
         }
+        first = collected[0] if collected else None
+        if first is not None and first.prompt_lens is not None:
+            out["prompt_lens"] = await served.off_loop(_lens_result_out, first.prompt_lens, model.to_str_tokens)
+        return out
 
     @app.post("/v1/decode_residuals", response_model=DecodeResponse, responses=_ERRORS)
     async def decode_residuals(body: DecodeRequest, request: Request) -> Any:
@@ -916,6 +1255,11 @@ def _check_finite_features(steps: Sequence[StreamStep], spec: Any) -> None:
             _check_finite({}, {str(k): v for k, v in step.features.items()}, spec)
 
 
+def _chat_head(prompt: _PromptIn) -> dict[str, Any]:
+    """``{"chat": ...}`` of a prompt given as messages, else nothing."""
+    return {"chat": _chat_out(prompt.chat)} if prompt.chat is not None else {}
+
+
 async def _collect(steps: AsyncIterator[StreamStep]) -> list[StreamStep]:
     """Every step of a stream, closing it however the collection ends."""
     try:
@@ -929,15 +1273,17 @@ async def _collect(steps: AsyncIterator[StreamStep]) -> list[StreamStep]:
 async def _stream(
     served: _Served,
     model: InterpModel,
-    ids: list[int],
+    prompt: _PromptIn,
     body: GenerateRequest,
     options: dict[str, Any],
     fields: Any,
 ) -> Response:
     """Start the model's stream and pull its first step before answering, so that bad input is
-    still a 4xx; then send the steps as server-sent events."""
+    still a 4xx; then send the steps as server-sent events (the first one with the prompt's
+    ``chat`` spans and ``prompt_lens`` when there are)."""
+    ids = prompt.ids
     await served.slots.acquire()
-    steps = model.stream(ids, max_tokens=body.max_tokens, n_logprobs=body.n_logprobs, **options)
+    steps = model.stream(prompt.tokens, max_tokens=body.max_tokens, n_logprobs=body.n_logprobs, **options)
     close = served.stream_closer(steps)
 
     spec = options.get("steering_spec")
@@ -961,7 +1307,10 @@ async def _stream(
             while step is not None:
                 kept.append(step)
                 served.count_tokens(generated=1)
-                yield _event("token", _step_out(step))
+                out = await served.step_out(step, first=len(kept) == 1)
+                if len(kept) == 1:
+                    out.update(_chat_head(prompt))
+                yield _event("token", out)
                 try:
                     with fields:
                         step = await anext(steps)
@@ -991,6 +1340,7 @@ def run(
     api_key: str | None = None,
     insecure_no_auth: bool = False,
     trusted_hosts: Collection[str] | None = None,
+    trust_request_chat_template: bool = False,
     **load_options: Any,
 ) -> None:
     """Serve the model with uvicorn until SIGINT or SIGTERM, then return: in-flight requests get
@@ -1001,7 +1351,8 @@ def run(
     request but ``GET /v1/health``, as ``Authorization: Bearer <key>``. Binds to loopback unless
     ``host`` says otherwise; a non-loopback ``host`` without a key is refused (``InvalidOption``)
     unless ``insecure_no_auth=True``. ``trusted_hosts`` (default: the loopback names on a
-    loopback bind, any otherwise) are the ``Host`` names answered."""
+    loopback bind, any otherwise) are the ``Host`` names answered. ``trust_request_chat_template``:
+    see :func:`create_app`."""
     import uvicorn
 
     if api_key is None:
@@ -1014,7 +1365,13 @@ def run(
     if trusted_hosts is None and is_loopback(host):
         trusted_hosts = LOOPBACK_HOSTS
     app = create_app(
-        model_or_path, backend=backend, limits=limits, api_key=api_key, trusted_hosts=trusted_hosts, **load_options
+        model_or_path,
+        backend=backend,
+        limits=limits,
+        api_key=api_key,
+        trusted_hosts=trusted_hosts,
+        trust_request_chat_template=trust_request_chat_template,
+        **load_options,
     )
     server = uvicorn.Server(uvicorn_config(app, host=host, port=port, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
     if threading.current_thread() is not threading.main_thread():

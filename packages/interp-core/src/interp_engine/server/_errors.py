@@ -2,7 +2,8 @@
 
 - request bodies that do not fit the schema (pydantic): ``422``, ``error: "ValidationError"``;
 - the core's typed input errors (``InvalidAddress``, ``InvalidTokens``, ``InvalidSteering``,
-  ``InvalidActivations``, ``InvalidOption``, ``UnsupportedOperation``, and for SAEs ``UnknownSae``
+  ``InvalidActivations``, ``InvalidOption``, ``UnsupportedOperation``, ``InvalidChat`` (and its
+  ``NoChatTemplate``: bad messages, a template that raises, a model without one), and for SAEs ``UnknownSae``
   -- no SAE attached under that name, ``valid`` the attached ones -- ``InvalidFeatures`` and
   ``UnsupportedSae``): ``400``,
   ``error`` is the type's name (an unknown SAE is a 400 like an unknown address, not a 404);
@@ -29,6 +30,7 @@ from .._errors import (
     InterpError,
     InvalidActivations,
     InvalidAddress,
+    InvalidChat,
     InvalidFeatures,
     InvalidOption,
     InvalidSteering,
@@ -46,6 +48,7 @@ _CLIENT_ERRORS = (
     InvalidSteering,
     InvalidActivations,
     InvalidOption,
+    InvalidChat,
     UnsupportedArchitecture,
     UnknownSae,
     InvalidFeatures,

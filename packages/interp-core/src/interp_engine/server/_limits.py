@@ -35,6 +35,13 @@ class ServerLimits:
     """Most top-n logprobs per generated token."""
     max_writes: int = 64
     """Most writes in one steering spec."""
+    max_messages: int = 256
+    """Most chat messages in one prompt (their contents, with a ``chat_template`` override, count
+    toward ``max_text_chars`` together)."""
+    max_lens_layers: int = 64
+    """Most layers one generation's ``lens`` reads."""
+    max_lens_top_k: int = 20
+    """Largest ``lens.top_k`` (tokens per layer and position)."""
     max_concurrent_requests: int = 256
     """Requests running on the model at once; later ones wait for a free slot (a stream holds
     its slot until it ends or its client goes away), at most ``queue_timeout_s``."""
@@ -43,7 +50,8 @@ class ServerLimits:
     max_text_chars: int = 128 * 1024
     """Longest ``text`` (prompt or ``/v1/tokenize``), in characters, checked before tokenizing."""
     max_top_tokens: int = 64 * 1024
-    """Most token strings one ``/v1/decode_residuals`` answer names (vectors x ``top_k``)."""
+    """Most token strings one ``/v1/decode_residuals`` answer names (vectors x ``top_k``), and one
+    generation's lens (positions read x layers x ``top_k``)."""
     max_connections: int = 512
     """Open connections at once; a connection beyond it gets ``503`` and is closed."""
     header_timeout_s: float = 10.0

@@ -1,4 +1,5 @@
-"""OpenAI-compatible ``POST /v1/completions``, with steering and captures in an extension field.
+"""OpenAI-compatible ``POST /v1/completions`` and ``POST /v1/chat/completions``, with steering,
+captures and the logit lens in an extension field.
 
 The body is OpenAI's (``prompt``, ``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``,
 ``logprobs``, ``stream``, ``stream_options``; vLLM's ``top_k`` and ``ignore_eos`` too) plus
@@ -12,10 +13,16 @@ The body is OpenAI's (``prompt``, ``max_tokens``, ``temperature``, ``top_p``, ``
 ``interp.steering`` is a steering spec (as everywhere in the API); ``interp.points`` captures
 activations (and feature readouts) over prompt + generated tokens, returned under ``interp`` in
 the answer (not with ``stream``, ``stop`` or ``logprobs``); ``interp.features`` gives each
-generated token's feature readouts (in each chunk when streaming). The answer is OpenAI's
+generated token's feature readouts (in each chunk when streaming), ``interp.lens`` each generated
+token's logit lens (``LensRequest.to_json``; in each chunk when streaming). The answer is OpenAI's
 ``text_completion`` object (``choices[0].text``, ``finish_reason``, ``logprobs``, ``usage``) plus
 ``interp`` (``prompt_token_ids``, ``token_ids``, and what was captured). A stream is OpenAI's
 server-sent events: ``data: <chunk>`` per token, then ``data: [DONE]``.
+
+``/v1/chat/completions`` takes ``messages`` (formatted by the model's chat template), answers
+OpenAI's ``chat.completion`` (``choices[0].message``; chunks with ``delta``), and its ``interp``
+also holds ``chat``, the prompt's spans; steering positions may name them (``"assistant"``,
+``"user[-1].last"``).
 """
 
 from __future__ import annotations
@@ -33,18 +40,19 @@ from pydantic import Field, StrictInt
 from .._protocol import InterpModel, StreamStep
 from ._app import (
     _ERRORS,
+    _chat_out,
     _check_finite_features,
     _check_finite_steps,
     _completion_out,
+    _PromptIn,
     _readout_of,
     _Served,
-    _step_out,
     _tensor_body,
     _tensor_of,
 )
 from ._asgi import EventStream, unless_gone
 from ._errors import ApiError, limit_exceeded
-from ._schemas import Point, SteeringBody, _Body
+from ._schemas import LensBody, MessageBody, Point, SteeringBody, _Body, _Chat
 
 MAX_STOPS = 4
 """Most stop strings (OpenAI's limit)."""
@@ -63,6 +71,11 @@ class InterpExtension(_Body):
     )
     features: list[Point] | None = Field(
         default=None, description="feature readouts of each generated token (interp.steps, or each stream chunk)"
+    )
+    lens: LensBody | None = Field(
+        default=None,
+        description="the logit lens read while generating: each token's top-k per layer (interp.steps, or each "
+        "stream chunk's interp.lens); with interp.points, interp.lens over the whole generation",
     )
 
 
@@ -92,6 +105,39 @@ class CompletionRequest(_Body):
     presence_penalty: Literal[0] = 0
     logit_bias: dict[str, float] | None = Field(default=None, max_length=0)
     suffix: None = None
+    user: str | None = None
+    interp: InterpExtension | None = None
+
+
+DEFAULT_CHAT_MAX_TOKENS = 16
+"""A chat completion's ``max_tokens`` when neither it nor ``max_completion_tokens`` is given."""
+
+
+class ChatCompletionRequest(_Chat):
+    """OpenAI's chat completion request (one choice): ``messages`` and the sampling options,
+    plus ``interp``, and vLLM's chat extensions (``add_generation_prompt``, ``chat_template``,
+    ``chat_template_kwargs``, ``top_k``, ``ignore_eos``)."""
+
+    model: str | None = Field(default=None, description="echoed back; the server serves one model")
+    messages: list[MessageBody] = Field(  # required here
+        min_length=1, description="the conversation, formatted by the model's chat template"
+    )
+    max_tokens: StrictInt | None = Field(default=None, ge=1, description=f"default {DEFAULT_CHAT_MAX_TOKENS}")
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1, description="OpenAI's newer name")
+    temperature: float = Field(default=1.0, ge=0, le=2, description="OpenAI's default 1; 0 is greedy")
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: StrictInt | None = Field(default=None, ge=0, description="vLLM's extension; 0 is off")
+    seed: StrictInt | None = None
+    ignore_eos: bool | None = None
+    stop: str | list[str] | None = None
+    logprobs: bool = Field(default=False, description="the chosen token's logprob per generated token")
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, description="with logprobs: the top-n too")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Literal[1] = 1
+    frequency_penalty: Literal[0] = 0
+    presence_penalty: Literal[0] = 0
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=0)
     user: str | None = None
     interp: InterpExtension | None = None
 
@@ -141,7 +187,7 @@ def _prompt(body: CompletionRequest) -> tuple[str | None, list[int] | None]:
     return None, list(prompt)
 
 
-def _stops(body: CompletionRequest) -> list[str]:
+def _stops(body: CompletionRequest | ChatCompletionRequest) -> list[str]:
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stops) > MAX_STOPS:
         raise limit_exceeded("stop", f"{len(stops)} stop strings", MAX_STOPS)
@@ -173,170 +219,295 @@ class _Logprobs:
         return out
 
 
+class _Shape:
+    """How an answer is written: OpenAI's ``text_completion`` (``choices[0].text``)."""
+
+    object = "text_completion"
+    chunk_object = "text_completion"
+    id_prefix = "cmpl"
+
+    def __init__(self, model: InterpModel) -> None:
+        self.logprobs = _Logprobs(model)
+
+    def choice(self, text: str, steps: Sequence[StreamStep] | None, finish: str) -> dict[str, Any]:
+        logprobs = self.logprobs.of(steps, [s.text for s in steps]) if steps is not None else None
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+    def chunk_choice(
+        self, piece: str, steps: Sequence[StreamStep] | None, finish: str | None, first: bool
+    ) -> dict[str, Any]:
+        logprobs = self.logprobs.of(steps, [s.text for s in steps]) if steps is not None else None
+        return {"index": 0, "text": piece, "logprobs": logprobs, "finish_reason": finish}
+
+
+class _ChatShape(_Shape):
+    """OpenAI's ``chat.completion``: ``choices[0].message`` (a stream's chunks: ``delta``)."""
+
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+    id_prefix = "chatcmpl"
+
+    def __init__(self, model: InterpModel) -> None:
+        super().__init__(model)
+        self.model = model
+
+    def content(self, steps: Sequence[StreamStep]) -> dict[str, Any]:
+        """Chat logprobs: per token its text, logprob and the top ones."""
+        out = []
+        for step in steps:
+            names = self.model.to_str_tokens([t for t, _ in step.logprobs]) if step.logprobs else []
+            chosen = next((lp for t, lp in step.logprobs if t == step.token_id), None)
+            top = [
+                {"token": name, "logprob": lp, "bytes": list(name.encode("utf-8", "surrogatepass"))}
+                for name, (_, lp) in zip(names, step.logprobs, strict=True)
+            ]
+            out.append(
+                {
+                    "token": step.text,
+                    "logprob": chosen,
+                    "bytes": list(step.text.encode("utf-8", "surrogatepass")),
+                    "top_logprobs": top,
+                }
+            )
+        return {"content": out}
+
+    def choice(self, text: str, steps: Sequence[StreamStep] | None, finish: str) -> dict[str, Any]:
+        logprobs = self.content(steps) if steps is not None else None
+        message = {"role": "assistant", "content": text}
+        return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
+
+    def chunk_choice(
+        self, piece: str, steps: Sequence[StreamStep] | None, finish: str | None, first: bool
+    ) -> dict[str, Any]:
+        delta: dict[str, Any] = {"role": "assistant", "content": piece} if first else {"content": piece}
+        logprobs = self.content(steps) if steps is not None else None
+        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+
+
 def add_completions(app: FastAPI, served: _Served) -> None:
     @app.post("/v1/completions", responses={**_ERRORS, 200: {"content": {"text/event-stream": {}}}})
     async def completions(body: CompletionRequest, request: Request) -> Any:
-        """OpenAI-compatible completions (the OpenAI client works against it); steering, captures
-        and feature readouts go in ``interp`` (the client's ``extra_body``)."""
+        """OpenAI-compatible completions (the OpenAI client works against it); steering, captures,
+        feature readouts and the logit lens go in ``interp`` (the client's ``extra_body``)."""
         model = served.ready()
         text, token_ids = _prompt(body)
         if text is not None:
-            ids, prompt_field = await served.tokenize(text, "prompt"), "prompt"
+            ids = await served.tokenize(text, "prompt")
         else:
-            ids, prompt_field = token_ids or [], "prompt"
+            ids = token_ids or []
             if len(ids) > served.limits.max_prompt_tokens:
                 raise limit_exceeded("prompt", f"the prompt has {len(ids)} tokens", served.limits.max_prompt_tokens)
-        extension = body.interp or InterpExtension()
         n_logprobs = body.logprobs or 0
-        served.check_generation(body.max_tokens, n_logprobs)
-        stops = _stops(body)
-        spec = served.steering(extension.steering)
-        options: dict[str, Any] = {"temperature": body.temperature}
-        for name in ("top_p", "top_k", "seed", "ignore_eos"):
-            if getattr(body, name) is not None:
-                options[name] = getattr(body, name)
-        head = {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": body.model or served.name,
-        }
-        if extension.points is not None:
-            if body.stream or stops or body.logprobs is not None:
-                raise ApiError(
-                    400,
-                    "InvalidOption",
-                    "interp.points captures over the whole completion: not with stream, stop or logprobs "
-                    "(use interp.features for per-token readouts)",
-                    field="interp.points",
-                )
-            points, readouts = served.points(extension.points, "interp.points")
-            served.check_size(points, len(ids) + body.max_tokens, "interp.points", readouts)
-            async with served.slots:
-                with served.fields(prompt_field, spec, "interp.points", readouts):
-                    work = model.capture_generation(
-                        ids, [*points, *readouts], max_tokens=body.max_tokens, steering_spec=spec, **options
-                    )
-                    completion, acts = await unless_gone(request, work)
-            served.count_tokens(prompt=len(ids), generated=len(completion.token_ids))
-            tensors = {str(p): _tensor_of(acts[p]) for p in points}
-            features = {str(r): _readout_of(acts[r]) for r in readouts}
-            captured = await _tensor_body(
-                request, served, "json", "activations", tensors, {}, len(ids), features, steered=spec
-            )
-            n_out = len(completion.token_ids)
-            return {
-                **head,
-                "choices": [
-                    {"index": 0, "text": completion.text, "logprobs": None, "finish_reason": completion.finish_reason}
-                ],
-                "usage": _usage(len(ids), n_out),
-                "interp": {"prompt_token_ids": ids, **_completion_out(completion), **captured},
-            }
-        readouts = served.readouts(extension.features, "interp.features") if extension.features else []
-        served.check_size([], body.max_tokens, "interp.features", readouts)
-        if spec is not None:
-            options["steering_spec"] = spec
-        if readouts:
-            options["features"] = readouts
-        fields = served.fields(prompt_field, spec, "interp.features", readouts)
-        want_logprobs = body.logprobs is not None
-        await served.slots.acquire()
-        steps = model.stream(ids, max_tokens=body.max_tokens, n_logprobs=max(n_logprobs, int(want_logprobs)), **options)
-        close = served.stream_closer(steps)
+        return await _complete(
+            served,
+            request,
+            _PromptIn(ids, ids, "prompt"),
+            body,
+            n_logprobs=n_logprobs,
+            want_logprobs=body.logprobs is not None,
+            max_tokens=body.max_tokens,
+            shape=_Shape(model),
+        )
 
-        async def next_step() -> StreamStep | None:
-            try:
-                with fields:
-                    step = await anext(steps)
-            except StopAsyncIteration:
-                return None
-            _check_finite_steps([step], spec)
-            _check_finite_features([step], spec)
-            return step
+    @app.post("/v1/chat/completions", responses={**_ERRORS, 200: {"content": {"text/event-stream": {}}}})
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        """OpenAI-compatible chat completions: ``messages`` formatted by the model's chat template
+        (``model.chat_tokens``; vLLM's ``add_generation_prompt``, ``chat_template`` and
+        ``chat_template_kwargs`` too), the answer's ``interp.chat`` naming each message's span;
+        steering (span-named positions resolve against these messages), captures, readouts and the
+        lens in ``interp``."""
+        model = served.ready()
+        if body.max_tokens is not None and body.max_completion_tokens is not None:
+            raise ApiError(
+                422, "ValidationError", "give max_tokens or max_completion_tokens, not both", field="max_tokens"
+            )
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(422, "ValidationError", "top_logprobs needs logprobs: true", field="top_logprobs")
+        max_tokens = body.max_completion_tokens or body.max_tokens or DEFAULT_CHAT_MAX_TOKENS
+        prompt = await served.prompt(body)
+        return await _complete(
+            served,
+            request,
+            prompt,
+            body,
+            n_logprobs=body.top_logprobs or 0,
+            want_logprobs=body.logprobs,
+            max_tokens=max_tokens,
+            shape=_ChatShape(model),
+        )
+
+
+async def _complete(
+    served: _Served,
+    request: Request,
+    prompt: _PromptIn,
+    body: CompletionRequest | ChatCompletionRequest,
+    *,
+    n_logprobs: int,
+    want_logprobs: bool,
+    max_tokens: int,
+    shape: _Shape,
+) -> Any:
+    """A completion of ``prompt`` (either API's): captured whole with ``interp.points``, else
+    streamed from the model (and sent as chunks, or collected)."""
+    model = served.ready()
+    ids, prompt_field = prompt.ids, prompt.field
+    extension = body.interp or InterpExtension()
+    served.check_generation(max_tokens, n_logprobs)
+    stops = _stops(body)
+    spec = served.steering(extension.steering)
+    lens = served.lens(extension.lens, prompt, max_tokens)
+    options: dict[str, Any] = {"temperature": body.temperature}
+    for name in ("top_p", "top_k", "seed", "ignore_eos"):
+        if getattr(body, name) is not None:
+            options[name] = getattr(body, name)
+    head = {
+        "id": f"{shape.id_prefix}-{uuid.uuid4().hex}",
+        "object": shape.object,
+        "created": int(time.time()),
+        "model": body.model or served.name,
+    }
+    chat = {"chat": _chat_out(prompt.chat)} if prompt.chat is not None else {}
+    if extension.points is not None:
+        if body.stream or stops or want_logprobs:
+            raise ApiError(
+                400,
+                "InvalidOption",
+                "interp.points captures over the whole completion: not with stream, stop or logprobs "
+                "(use interp.features for per-token readouts)",
+                field="interp.points",
+            )
+        points, readouts = served.points(extension.points, "interp.points")
+        served.check_size(points, len(ids) + max_tokens, "interp.points", readouts)
+        if lens is not None:
+            options["lens"] = lens
+        async with served.slots:
+            with served.fields(prompt_field, spec, "interp.points", readouts, lens=lens):
+                work = model.capture_generation(
+                    prompt.tokens, [*points, *readouts], max_tokens=max_tokens, steering_spec=spec, **options
+                )
+                completion, acts = await unless_gone(request, work)
+        served.count_tokens(prompt=len(ids), generated=len(completion.token_ids))
+        tensors = {str(p): _tensor_of(acts[p]) for p in points}
+        features = {str(r): _readout_of(acts[r]) for r in readouts}
+        captured = await _tensor_body(
+            request, served, "json", "activations", tensors, {}, len(ids), features, steered=spec
+        )
+        if lens is not None:
+            captured["lens"] = await served.lens_result(acts.get(lens), spec)
+        n_out = len(completion.token_ids)
+        return {
+            **head,
+            "object": shape.object,
+            "choices": [shape.choice(completion.text, None, completion.finish_reason)],
+            "usage": _usage(len(ids), n_out),
+            "interp": {"prompt_token_ids": ids, **chat, **_completion_out(completion), **captured},
+        }
+    readouts = served.readouts(extension.features, "interp.features") if extension.features else []
+    served.check_size([], max_tokens, "interp.features", readouts)
+    if spec is not None:
+        options["steering_spec"] = spec
+    if readouts:
+        options["features"] = readouts
+    if lens is not None:
+        options["lens"] = lens
+    fields = served.fields(prompt_field, spec, "interp.features", readouts, lens=lens)
+    await served.slots.acquire()
+    steps = model.stream(
+        prompt.tokens, max_tokens=max_tokens, n_logprobs=max(n_logprobs, int(want_logprobs)), **options
+    )
+    close = served.stream_closer(steps)
+
+    async def next_step() -> StreamStep | None:
+        try:
+            with fields:
+                step = await anext(steps)
+        except StopAsyncIteration:
+            return None
+        _check_finite_steps([step], spec)
+        _check_finite_features([step], spec)
+        return step
+
+    try:
+        first = await unless_gone(request, next_step())
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await close()
+        raise
+    served.count_tokens(prompt=len(ids))
+    stop_at = _Stops(stops)
+
+    async def run() -> AsyncIterator[tuple[list[StreamStep], str, str | None]]:
+        """(steps, text to send, finish reason or None) as the steps arrive."""
+        step, n = first, 0
+        while step is not None:
+            n += 1
+            served.count_tokens(generated=1)
+            piece, stopped = stop_at.add(step.text)
+            if stopped:
+                yield [step], piece, "stop"
+                return
+            last = n >= max_tokens
+            following = None if last else await next_step()
+            if following is None:
+                piece += stop_at.flush()
+                yield [step], piece, "length" if n >= max_tokens else "stop"
+                return
+            yield [step], piece, None
+            step = following
+        yield [], stop_at.flush(), "stop"
+
+    if not body.stream:
+
+        async def collect() -> tuple[list[StreamStep], str, str]:
+            collected: list[StreamStep] = []
+            pieces: list[str] = []
+            finish = "stop"
+            async for batch, piece, reason in run():
+                collected += batch
+                pieces.append(piece)
+                finish = reason or finish
+            return collected, "".join(pieces), finish
 
         try:
-            first = await unless_gone(request, next_step())
-        except BaseException:
+            collected, text_out, finish = await unless_gone(request, collect())
+        finally:
             with anyio.CancelScope(shield=True):
                 await close()
-            raise
-        served.count_tokens(prompt=len(ids))
-        logprobs = _Logprobs(model)
-        stop_at = _Stops(stops)
+        choice = shape.choice(text_out, collected if want_logprobs else None, finish)
+        extra: dict[str, Any] = {"prompt_token_ids": ids, **chat, "token_ids": [s.token_id for s in collected]}
+        if readouts or lens is not None:
+            extra["steps"] = [await served.step_out(s) for s in collected]
+        if collected and collected[0].prompt_lens is not None:
+            extra["prompt_lens"] = (await served.step_out(collected[0], first=True))["prompt_lens"]
+        return {**head, "choices": [choice], "usage": _usage(len(ids), len(collected)), "interp": extra}
 
-        async def run() -> AsyncIterator[tuple[list[StreamStep], str, str | None]]:
-            """(steps, text to send, finish reason or None) as the steps arrive."""
-            step, n = first, 0
-            while step is not None:
-                n += 1
-                served.count_tokens(generated=1)
-                piece, stopped = stop_at.add(step.text)
-                if stopped:
-                    yield [step], piece, "stop"
-                    return
-                last = n >= body.max_tokens
-                following = None if last else await next_step()
-                if following is None:
-                    piece += stop_at.flush()
-                    yield [step], piece, "length" if n >= body.max_tokens else "stop"
-                    return
-                yield [step], piece, None
-                step = following
-            yield [], stop_at.flush(), "stop"
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    head["object"] = shape.chunk_object
 
-        if not body.stream:
+    async def events() -> AsyncIterator[str]:
+        n = 0
+        try:
+            async for batch, piece, reason in run():
+                n += len(batch)
+                steps_sent = batch if want_logprobs else None
+                chunk: dict[str, Any] = {**head, "choices": [shape.chunk_choice(piece, steps_sent, reason, n <= 1)]}
+                if batch:
+                    step_out = await served.step_out(batch[0], first=n == 1)
+                    chunk["interp"] = {"token_id": step_out["token_id"], "position": step_out["position"]}
+                    for key in ("features", "lens", "prompt_lens"):
+                        if key in step_out:
+                            chunk["interp"][key] = step_out[key]
+                    if n == 1:
+                        chunk["interp"].update(chat)
+                yield _data(chunk)
+            if include_usage:
+                yield _data({**head, "choices": [], "usage": _usage(len(ids), n)})
+        except ApiError as exc:  # the status line is sent: report it in the stream
+            yield _data({"error": exc.body()})
+        yield "data: [DONE]\n\n"
 
-            async def collect() -> tuple[list[StreamStep], str, str]:
-                collected: list[StreamStep] = []
-                pieces: list[str] = []
-                finish = "stop"
-                async for batch, piece, reason in run():
-                    collected += batch
-                    pieces.append(piece)
-                    finish = reason or finish
-                return collected, "".join(pieces), finish
-
-            try:
-                collected, text_out, finish = await unless_gone(request, collect())
-            finally:
-                with anyio.CancelScope(shield=True):
-                    await close()
-            choice: dict[str, Any] = {"index": 0, "text": text_out, "logprobs": None, "finish_reason": finish}
-            if want_logprobs:
-                choice["logprobs"] = logprobs.of(collected, [s.text for s in collected])
-            extra: dict[str, Any] = {"prompt_token_ids": ids, "token_ids": [s.token_id for s in collected]}
-            if readouts:
-                extra["steps"] = [_step_out(s) for s in collected]
-            return {**head, "choices": [choice], "usage": _usage(len(ids), len(collected)), "interp": extra}
-
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-
-        async def events() -> AsyncIterator[str]:
-            n = 0
-            try:
-                async for batch, piece, reason in run():
-                    n += len(batch)
-                    choice = {
-                        "index": 0,
-                        "text": piece,
-                        "logprobs": logprobs.of(batch, [s.text for s in batch]) if want_logprobs else None,
-                        "finish_reason": reason,
-                    }
-                    chunk: dict[str, Any] = {**head, "choices": [choice]}
-                    if batch:
-                        step_out = _step_out(batch[0])
-                        chunk["interp"] = {"token_id": step_out["token_id"], "position": step_out["position"]}
-                        if "features" in step_out:
-                            chunk["interp"]["features"] = step_out["features"]
-                    yield _data(chunk)
-                if include_usage:
-                    yield _data({**head, "choices": [], "usage": _usage(len(ids), n)})
-            except ApiError as exc:  # the status line is sent: report it in the stream
-                yield _data({"error": exc.body()})
-            yield "data: [DONE]\n\n"
-
-        return EventStream(events(), close)
+    return EventStream(events(), close)
 
 
 def _usage(prompt: int, completion: int) -> dict[str, int]:
@@ -347,4 +518,4 @@ def _data(chunk: Any) -> str:
     return f"data: {json.dumps(chunk, ensure_ascii=True, allow_nan=False)}\n\n"
 
 
-__all__ = ["CompletionRequest", "add_completions"]
+__all__ = ["ChatCompletionRequest", "CompletionRequest", "add_completions"]

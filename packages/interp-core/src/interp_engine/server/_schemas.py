@@ -58,6 +58,14 @@ TensorValue = Annotated[
 """A tensor: an encoded one (an object), or nested lists of numbers (up to three levels)."""
 
 
+_POSITIONS = (
+    "'all', 'prompt', 'generated', explicit indices, or a chat span name resolved against the request's messages "
+    "('assistant', 'user[-1].last', 'reasoning[0]', 'system.turn')"
+)
+Positions = Annotated[str, Field(max_length=200)] | list[StrictInt]
+"""A write's positions: ``"all"``, ``"prompt"``, ``"generated"``, a chat span name, or indices."""
+
+
 class WriteBody(_Body):
     """One steering write (the core's ``Write.to_dict`` format; ``vector`` may also be an encoded
     tensor, e.g. activations returned by an earlier capture, for activation patching)."""
@@ -66,7 +74,7 @@ class WriteBody(_Body):
     vector: TensorValue
     op: Literal["add", "set", "ablate", "cap", "rescale", "norm_add", "swap"] = "add"
     scale: float = 1.0
-    positions: Literal["all", "prompt", "generated"] | list[StrictInt] = "all"
+    positions: Positions = Field(default="all", description=_POSITIONS)
     heads: list[StrictInt] | None = Field(
         default=None, description="at attn_z/attn_v: the heads written (default every head)", examples=[[0]]
     )
@@ -91,7 +99,7 @@ class FeatureWriteBody(_Body):
     feature: StrictInt = Field(ge=0, description="the feature id, 0..d_sae-1", examples=[17])
     op: Literal["clamp", "add", "ablate"] = "clamp"
     value: float = Field(default=0.0, description="clamp: the feature's value; add: the coefficient of d_i")
-    positions: Literal["all", "prompt", "generated"] | list[StrictInt] = "all"
+    positions: Positions = Field(default="all", description=_POSITIONS)
 
 
 def _write_kind(value: Any) -> str:
@@ -144,7 +152,42 @@ Point = Annotated[
 readout object (``{"sae": "res", "top_k": 8}``)."""
 
 
-class _Prompt(_Body):
+class MessageBody(_Body):
+    """One chat message, as the model's chat template reads it (``role`` and ``content``; the
+    optional fields some templates use: ``reasoning_content`` (Qwen 3), ``name``, ``tool_call_id``)."""
+
+    role: str = Field(min_length=1, max_length=64, examples=["user"])
+    content: str = Field(examples=["What is the capital of France?"])
+    reasoning_content: str | None = None
+    name: str | None = Field(default=None, max_length=256)
+    tool_call_id: str | None = Field(default=None, max_length=256)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The message as the chat template gets it (the fields the client set)."""
+        return self.model_dump(exclude_none=True)
+
+
+class _Chat(_Body):
+    messages: list[MessageBody] | None = Field(
+        default=None,
+        description="or chat messages, formatted by the model's chat template (model.chat_tokens); the answer's "
+        "'chat' names each message's span",
+        examples=[[{"role": "user", "content": "What is the capital of France?"}]],
+    )
+    add_generation_prompt: bool = Field(
+        default=True, description="with messages: end the prompt with the template's assistant header"
+    )
+    chat_template: str | None = Field(
+        default=None, description="with messages: a Jinja chat template used instead of the model's own"
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None,
+        description="with messages: variables passed to the template (enable_thinking, tools, ...)",
+        examples=[{"enable_thinking": False}],
+    )
+
+
+class _Prompt(_Chat):
     token_ids: list[StrictInt] | None = Field(default=None, description="the prompt's token ids")
     text: str | None = Field(default=None, description="or its text (tokenized with model.to_tokens)")
 
@@ -176,6 +219,20 @@ class CaptureRequest(_Prompt):
     format: Format = "json"
 
 
+class LensBody(_Body):
+    """The logit lens to read while generating (the core's ``LensRequest.to_json``): at ``layers``
+    (``resid_post`` of each, negative from the end), the ``top_k`` tokens and probabilities, at
+    every position that produces a generated token, and with ``positions`` at those prompt
+    positions too (``"prompt"``, indices, or a chat span name such as ``"user[-1].last"``)."""
+
+    layers: list[StrictInt] = Field(min_length=1, examples=[[0, -1]])
+    top_k: StrictInt = Field(default=5, ge=1)
+    positions: Positions | None = Field(default=None, description="prompt positions to read too")
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump()
+
+
 class GenerateRequest(_Prompt, _Sampling):
     max_tokens: StrictInt = Field(default=16, ge=1)
     n_logprobs: StrictInt = Field(default=0, ge=0, description="top-n (token_id, logprob) pairs per step")
@@ -187,12 +244,23 @@ class GenerateRequest(_Prompt, _Sampling):
         examples=[["features:res:top8"]],
     )
     steering: SteeringBody | None = None
+    lens: LensBody | None = Field(
+        default=None,
+        description="the logit lens read while generating: each step's top-k tokens per layer (in each stream "
+        "event, or in 'steps'), and with 'positions' the prompt's lens ('prompt_lens', the first event)",
+        examples=[{"layers": [0, -1], "top_k": 3}],
+    )
 
 
 class CaptureGenerationRequest(_Prompt, _Sampling):
     points: list[Point] = Field(min_length=1, description=_POINTS)
     max_tokens: StrictInt = Field(default=16, ge=1)
     steering: SteeringBody | None = None
+    lens: LensBody | None = Field(
+        default=None,
+        description="the logit lens read while generating, answered under 'lens' over every position that "
+        "produced a token (and the prompt positions asked)",
+    )
     format: Format = "json"
 
 
@@ -208,8 +276,8 @@ class DecodeRequest(_Body):
     return_logits: bool = Field(default=False, description="also return the full logits [..., vocab]")
 
 
-class TokenizeRequest(_Body):
-    text: str
+class TokenizeRequest(_Chat):
+    text: str | None = Field(default=None, description="a text (or messages, formatted by the chat template)")
 
 
 # -- responses ------------------------------------------------------------------------------
@@ -232,6 +300,51 @@ class ReadoutOut(BaseModel):
     error_norm: list[float] | float | None
 
 
+class SpanOut(BaseModel):
+    """A message's (or a reasoning section's) tokens in the prompt: ``start``..``end`` (end
+    exclusive) its content, ``turn_start``..``turn_end`` the whole turn with the template's tokens."""
+
+    kind: str = Field(description="'message' or 'reasoning'")
+    role: str
+    index: int = Field(description="the message's index in messages")
+    start: int
+    end: int
+    turn_start: int
+    turn_end: int
+
+
+class ChatOut(BaseModel):
+    """What the positions of a chat prompt mean: each message's span (in order), the reasoning
+    sections, where the generation starts (``null`` without a generation prompt) and the
+    rendered template."""
+
+    messages: list[SpanOut]
+    reasoning: list[SpanOut]
+    generation_start: int | None
+    text: str
+
+
+class LensOut(BaseModel):
+    """The logit lens at one position: per layer (absolute), the top-k ``ids``, ``probs`` (over
+    the whole vocabulary) and ``tokens`` (their text), ``[n_layers][k]``, best first."""
+
+    layers: list[int]
+    ids: list[list[int]]
+    probs: list[list[float]]
+    tokens: list[list[str]]
+
+
+class LensResultOut(BaseModel):
+    """The logit lens at several prompt positions: ``ids``, ``probs``, ``tokens``
+    ``[n_layers][n_positions][k]``."""
+
+    layers: list[int]
+    positions: list[int]
+    ids: list[Any]
+    probs: list[Any]
+    tokens: list[Any]
+
+
 class StepOut(BaseModel):
     token_id: int
     text: str
@@ -242,10 +355,13 @@ class StepOut(BaseModel):
     features: dict[str, dict[str, Any]] | None = Field(
         default=None, description="when features were asked: each readout (a ReadoutOut of one token) by its key"
     )
+    lens: LensOut | None = Field(default=None, description="when lens was asked: the lens at position")
 
 
 class GenerateResponse(CompletionOut):
     steps: list[StepOut] | None = Field(default=None, description="per-token logprobs when n_logprobs > 0")
+    chat: ChatOut | None = Field(default=None, description="with messages: the prompt's chat spans")
+    prompt_lens: LensResultOut | None = Field(default=None, description="with lens.positions: the prompt's lens")
 
 
 _FEATURES_OUT = "the feature readouts asked for in points, keyed by their canonical string form (features:res:top8)"
@@ -253,21 +369,25 @@ _FEATURES_OUT = "the feature readouts asked for in points, keyed by their canoni
 
 class CaptureResponse(BaseModel):
     token_ids: list[int]
+    chat: ChatOut | None = Field(default=None, description="with messages: the prompt's chat spans")
     activations: dict[str, EncodedTensor]
     features: dict[str, ReadoutOut] = Field(default_factory=dict, description=_FEATURES_OUT)
 
 
 class CaptureGenerationResponse(BaseModel):
     token_ids: list[int] = Field(description="the prompt's ids")
+    chat: ChatOut | None = Field(default=None, description="with messages: the prompt's chat spans")
     completion: CompletionOut
     activations: dict[str, EncodedTensor] = Field(description="over prompt + generated tokens")
     features: dict[str, ReadoutOut] = Field(
         default_factory=dict, description=_FEATURES_OUT + ", over prompt + generated tokens"
     )
+    lens: LensResultOut | None = Field(default=None, description="with lens: the lens over the generation")
 
 
 class AttentionResponse(BaseModel):
     token_ids: list[int]
+    chat: ChatOut | None = Field(default=None, description="with messages: the prompt's chat spans")
     patterns: dict[str, EncodedTensor] = Field(description="attn_pattern.L -> [heads, q, k]")
 
 
@@ -287,6 +407,7 @@ class DecodeResponse(BaseModel):
 class TokenizeResponse(BaseModel):
     token_ids: list[int]
     str_tokens: list[str]
+    chat: ChatOut | None = Field(default=None, description="with messages: the chat spans")
 
 
 class ErrorOut(BaseModel):
