@@ -24,7 +24,16 @@ variants alternating round by round:
   fused ``gate_up_proj`` output, split off in the hook);
 - ``capture_scores_1``: ``capture_generation`` of ``attn_scores.6`` (pre-softmax scores, recomputed
   from the queries and keys the kernel received: every step scores its tokens against the whole
-  context kept so far, so its cost grows with the context).
+  context kept so far, so its cost grows with the context);
+- ``lens_4``: ``stream`` with the logit lens at 4 layers (evenly spaced, the last included),
+  top-10, every step's lens drained from the workers as it is produced (a live lens); it also
+  asks for the prompt's last position as a prompt position, which gives it a cache salt (every
+  prompt token computed, as for the salted plain requests).
+
+With ``lens_4`` the bytes leaving the engine are measured too, on 8 of the prompts: the pickled
+size of what the workers return for the lens streams' drains, per generated token, against the
+pickled size of what they return for ``capture_generation`` of the same 4 layers' ``resid_post``
+(dense), per captured position.
 
 Throughput is generated tokens per second (median over rounds), reported relative to
 ``plain``. What the scores cost per token of context is measured apart, one request at a time
@@ -125,6 +134,47 @@ async def steer_run(model: Any, prompts: list[list[int]], spec: SteeringSpec) ->
     return sum(len(c.token_ids) for c in results)
 
 
+async def lens_run(model: Any, prompts: list[list[int]], lens: Any) -> int:
+    """Streams with the lens, every step consumed as it comes (the live lens)."""
+
+    async def one(ids: list[int]) -> int:
+        count = 0
+        async for step in model.stream(ids, max_tokens=GEN_TOKENS, lens=lens, ignore_eos=True):
+            count += step.lens is not None
+        return count
+
+    return sum(await asyncio.gather(*(one(p) for p in prompts)))
+
+
+async def lens_bytes(model: Any, prompts: list[list[int]], lens: Any) -> tuple[float, float]:
+    """Bytes leaving the engine (the pickled answers of the workers' RPCs) per generated token
+    of lens streams, and per captured position of ``capture_generation`` of the lens layers'
+    ``resid_post`` (dense)."""
+    import pickle
+
+    engine = model._engine
+    original = engine.collective_rpc
+    sent: dict[str, int] = {"interp_drain_many": 0, "interp_fetch_many": 0}
+
+    async def counting(method: str, *args: Any, **kwargs: Any) -> Any:
+        answer = await original(method, *args, **kwargs)
+        if method in sent:
+            sent[method] += len(pickle.dumps(answer))
+        return answer
+
+    engine.collective_rpc = counting
+    try:
+        generated = await lens_run(model, prompts, lens)
+        points = [Address("resid_post", layer) for layer in lens.layers]
+        results = await asyncio.gather(
+            *(model.capture_generation(p, points, max_tokens=GEN_TOKENS, ignore_eos=True) for p in prompts)
+        )
+    finally:
+        del engine.collective_rpc
+    positions = sum(len(p) + len(completion.token_ids) for p, (completion, _) in zip(prompts, results, strict=True))
+    return sent["interp_drain_many"] / generated, sent["interp_fetch_many"] / positions
+
+
 async def scores_cost(model: Any, layer: int, lengths: tuple[int, ...] = (64, 256, 448)) -> list[float]:
     """Extra seconds per generated token of capturing ``attn_scores.layer`` over plain, one request
     at a time, for prompts of each length (medians of 3 alternating runs)."""
@@ -160,6 +210,7 @@ TARGETS = {
     "capture_mlp_pre_1": "0.95",
     "capture_scores_1": "-",
     "capture_router_1": "0.95",
+    "lens_4": "0.90",
 }
 
 
@@ -175,6 +226,19 @@ def report(median: dict[str, float]) -> None:
             print(f"RESULT {name}_vs_plain {rate / median['plain']:.3f} (target {TARGETS[name]})")
 
 
+def report_lens(lens: Any, sizes: tuple[float, float] | None) -> None:
+    if sizes is None:
+        return
+    per_token, dense = sizes
+    print(
+        f"lens at layers {list(lens.layers)}, top-{lens.top_k}: {per_token:.0f} bytes per generated token leave "
+        f"the engine; capturing those {len(lens.layers)} layers densely: {dense:.0f} bytes per position "
+        f"({dense / per_token:.1f}x)"
+    )
+    print(f"RESULT lens_4_bytes_per_token {per_token:.0f} (target -)")
+    print(f"RESULT dense_4_bytes_per_token {dense:.0f} (target -)")
+
+
 async def main(args: argparse.Namespace) -> int:
     path = pathlib.Path(args.model) if args.model else build_model(args.family)
     model = load_model(path, backend="vllm", max_model_len=512)
@@ -185,6 +249,14 @@ async def main(args: argparse.Namespace) -> int:
     middle = info.n_layers // 2
     spec = SteeringSpec([Write(Address("resid_post", middle), torch.randn(info.d_model), op="add", scale=2.0)])
     head_off = SteeringSpec([Write(Address("attn_z", middle), torch.zeros(info.d_head), op="set", heads=[0])])
+    from interp_engine._lens import LensRequest
+
+    step = max(1, info.n_layers // 4)
+    # positions=[-1]: also the prompt's last position (which the first step reads anyway) as a prompt
+    # position, so that the lens requests carry a cache salt and compute every prompt token, as
+    # the salted plain requests do (a lens without prompt positions may reuse vLLM's prefix cache)
+    layers = sorted({info.n_layers - 1 - i * step for i in range(4)} & set(range(info.n_layers)))
+    lens = LensRequest(layers, top_k=10, positions=[-1])
     variants: dict[str, Callable[[], Awaitable[int]]] = {
         # salted: captures and steered requests compute every prompt token, and with prefix
         # caching on (vLLM's default) the rounds' repeated prompts would otherwise skip their
@@ -197,6 +269,7 @@ async def main(args: argparse.Namespace) -> int:
         "ablate_head_1": lambda: steer_run(model, prompts, head_off),
         "capture_mlp_pre_1": lambda: capture_run(model, prompts, [Address("mlp_pre", middle)]),
         "capture_scores_1": lambda: capture_run(model, prompts, [Address("attn_scores", middle)]),
+        "lens_4": lambda: lens_run(model, prompts, lens),
     }
     if info.n_experts:
         variants["capture_router_1"] = lambda: capture_run(model, prompts, [Address("router_logits", middle)])
@@ -229,9 +302,11 @@ async def main(args: argparse.Namespace) -> int:
         print(f"round {round_index + 1}: " + ", ".join(f"{n} {rates[n][-1]:.1f} tok/s" for n in variants), flush=True)
 
     median = {name: statistics.median(values) if values else float("nan") for name, values in rates.items()}
+    lens_sizes = await lens_bytes(model, prompts[:8], lens) if "lens_4" in variants else None
     if args.only:
         await model.shutdown()
         report(median)
+        report_lens(lens, lens_sizes)
         return 0
 
     point = [Address("resid_post", middle)]
@@ -245,6 +320,7 @@ async def main(args: argparse.Namespace) -> int:
     await model.shutdown()
 
     report(median)
+    report_lens(lens, lens_sizes)
     print(f"32 captures: concurrent {concurrent:.2f} s, sequential {sequential:.2f} s")
     print(f"32 plain vLLM prefills: concurrent {plain_concurrent:.2f} s, sequential {plain_sequential:.2f} s")
     if extra:

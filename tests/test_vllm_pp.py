@@ -29,7 +29,9 @@ from interp_engine import (
     Address,
     Features,
     FeatureWrite,
+    LensRequest,
     SteeringSpec,
+    UnsupportedOperation,
     Write,
     capture_attention,
     logit_attribution,
@@ -259,6 +261,41 @@ def test_pp2_generation_equals_pp1(pp: tuple[Any, Any]) -> None:
     for a, b in zip(s1, s2, strict=True):
         assert [t for t, _ in b.logprobs] == [t for t, _ in a.logprobs]
         assert max(abs(x - y) for (_, x), (_, y) in zip(a.logprobs, b.logprobs, strict=True)) <= 1e-4
+
+
+def test_pp2_lens_on_the_last_stage_equals_pp1(pp: tuple[Any, Any]) -> None:
+    """The logit lens at the last stage's layers is computed there (its final norm and
+    unembedding); a lens layer of an earlier stage is refused, naming tensor parallelism."""
+    from .test_vllm_lens import assert_same_lens
+
+    one, two = pp
+    for ids in (_ids(one), LONG[:70]):
+        lens = LensRequest([3, 2], top_k=5, positions=[1, -1])
+        s1 = list(one.stream(ids, max_tokens=4, lens=lens, ignore_eos=True))
+        s2 = list(two.stream(ids, max_tokens=4, lens=lens, ignore_eos=True))
+        assert [s.token_id for s in s2] == [s.token_id for s in s1]
+        for a, b in zip(s1, s2, strict=True):
+            assert a.lens is not None and b.lens is not None
+            assert_same_lens(b.lens.ids, b.lens.probs, a.lens.ids, a.lens.probs, f"PP=2 at {b.position}")
+        assert s2[0].prompt_lens is not None and s1[0].prompt_lens is not None
+        assert s2[0].prompt_lens.positions == s1[0].prompt_lens.positions == (1, len(ids) - 1)
+        _, acts = two.capture_generation(ids, [], max_tokens=4, lens=lens, ignore_eos=True)
+        assert_same_lens(acts[lens].ids, acts[lens].probs, *_lens_of_steps(s1, acts[lens].positions))
+    with pytest.raises(UnsupportedOperation, match="tensor_parallel_size"):
+        list(two.stream(_ids(one), max_tokens=2, lens=LensRequest([1, 3])))
+    assert two.generate(_ids(one), max_tokens=2).token_ids  # and it serves on
+
+
+def _lens_of_steps(steps: list[Any], positions: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[layers, positions, k]`` ids and probabilities out of a stream's steps (and its prompt lens)."""
+    found = {s.position: (s.lens.ids, s.lens.probs) for s in steps}
+    first = steps[0].prompt_lens
+    for p in first.positions if first is not None else ():
+        found.setdefault(p, (first.at(p).ids, first.at(p).probs))
+    return (
+        torch.stack([found[p][0] for p in positions], dim=1),
+        torch.stack([found[p][1] for p in positions], dim=1),
+    )
 
 
 def test_pp2_sae_readouts_and_clamps(pp: tuple[Any, Any]) -> None:

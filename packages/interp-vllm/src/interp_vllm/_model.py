@@ -45,15 +45,18 @@ from interp_engine import (
     SteeringSpec,
     StreamStep,
     UnsupportedArchitecture,
+    UnsupportedOperation,
     Write,
 )
+from interp_engine._base import CheckedLens
+from interp_engine._lens import LensRequest, LensResult, LensTopK
 from interp_engine._weights import WeightInfo, check_weight_request
 from interp_engine.tokens import TextPieces, TokenizerMixin
 
 from ._resolve import resolve_without_weights
 from ._sites import SITES, merge_ranks
 from ._weights import merge_info, merge_weight
-from ._wire import Fetched, RequestPayload, pack, unpack
+from ._wire import Fetched, LensChunk, RequestPayload, pack, unpack
 
 FRONT_END_OPTIONS = ("tokenizer_path",)
 
@@ -411,6 +414,23 @@ class VllmModel(TokenizerMixin, ModelBase):
 
     def _check_request(self, request: CheckedRequest) -> None:
         self._check_tp_saes(request)
+        self._check_lens_stages(request)
+
+    def _check_lens_stages(self, request: CheckedRequest) -> None:
+        """Under pipeline parallelism the lens is computed on the last stage, which holds the
+        final norm and the unembedding: a lens layer another stage holds is refused (its rows
+        would have to leave the engine densely to reach the last stage)."""
+        if request.lens is None or len(self._stages) <= 1:
+            return
+        last = self._stages[-1][0]
+        elsewhere = [layer for layer in request.lens.layers if layer not in last]
+        if elsewhere:
+            raise UnsupportedOperation(
+                f"the logit lens at layer(s) {elsewhere} is not served under pipeline parallelism "
+                f"(pipeline_parallel_size={self.pp_size}): the final norm and the unembedding live on the last "
+                f"stage, which holds layers {sorted(last)}; read the lens there, or serve the model with "
+                "tensor_parallel_size instead of pipeline_parallel_size (the lens runs under tensor parallelism)"
+            )
 
     def _check_tp_saes(self, request: CheckedRequest) -> None:
         """SAEs at values tensor parallelism splits across ranks are not served (readouts and
@@ -532,7 +552,9 @@ class VllmModel(TokenizerMixin, ModelBase):
 
     async def _fetch(
         self, engine: Any, rid: str, points: Iterable[Address], n: int, readouts: Iterable[Features] = ()
-    ) -> tuple[dict[Address, torch.Tensor], dict[Features, FeatureReadout]]:
+    ) -> tuple[dict[Address, torch.Tensor], dict[Features, FeatureReadout], LensChunk | None]:
+        """The request's values at ``points`` over its first ``n`` positions, its readouts, and
+        its logit lens as the workers computed it (``None``: it read none)."""
         try:
             blobs = await self._fetch_blobs(engine, rid)
         except Exception as exc:
@@ -572,7 +594,7 @@ class VllmModel(TokenizerMixin, ModelBase):
             if positions.shape[0] < n or not torch.equal(positions[:n], torch.arange(n)):
                 raise BackendError(f"the readout {spec} saw {positions.shape[0]} of the {n} positions of this request")
             found[spec] = readout[:n]
-        return values, found
+        return values, found, _lens_of(every)
 
     async def _release(self, engine: Any, rid: str) -> None:
         if not self._closed:
@@ -597,7 +619,7 @@ class VllmModel(TokenizerMixin, ModelBase):
             try:
                 async for _ in self._outputs(engine, ids, params, rid, rid):
                     pass
-                values, readouts = await self._fetch(engine, rid, resolved, len(ids), request.readouts)
+                values, readouts, _ = await self._fetch(engine, rid, resolved, len(ids), request.readouts)
                 fetched = True
             finally:
                 if not fetched:
@@ -613,16 +635,19 @@ class VllmModel(TokenizerMixin, ModelBase):
         *,
         max_tokens: int,
         steering_spec: SteeringSpec | None = None,
+        lens: LensRequest | None = None,
         **sampling: Any,
     ) -> tuple[Completion, Results]:
-        """A completion and activations ``[n_prompt + n_generated, width]``.
+        """A completion and activations ``[n_prompt + n_generated, width]`` (with ``lens``, a
+        :class:`LensResult` under the request, computed in the workers).
 
         vLLM never runs the forward of the last token it samples, so the request asks for one
         token more than it returns and is aborted as soon as that token exists."""
         request = self._check_generation(
-            token_ids, points, max_tokens=max_tokens, steering_spec=steering_spec, sampling=sampling
+            token_ids, points, max_tokens=max_tokens, steering_spec=steering_spec, sampling=sampling, lens=lens
         )
         engine = await self._ready()
+        self._check_lens_stages(request)
         await self._sync_saes(engine, request)
         keys = self._use_saes(request)
         try:
@@ -636,11 +661,13 @@ class VllmModel(TokenizerMixin, ModelBase):
         ids, writes, resolved, max_tokens = request.token_ids, request.writes, request.addresses, request.max_tokens
         rid = f"interp-{uuid.uuid4().hex}"
         n = len(ids)
-        captures = bool(resolved or request.readouts)
+        captures = bool(resolved or request.readouts or request.lens)
         limit = min(max_tokens + 1, self.info.n_ctx + 1 - n)
         from vllm.sampling_params import RequestOutputKind
 
-        payload = self._payload(rid, resolved, writes, n, n + max_tokens + 1, request.readouts)
+        payload = _with_lens(
+            self._payload(rid, resolved, writes, n, n + max_tokens + 1, request.readouts), request.lens
+        )
         params = self._sampling(
             limit,
             dataclasses.replace(request.sampling, ignore_eos=True),  # the stop is found here
@@ -657,8 +684,8 @@ class VllmModel(TokenizerMixin, ModelBase):
                 if len(tokens) > keep or output.finished:
                     break
             keep = min(keep, len(tokens))
-            values, readouts = (
-                await self._fetch(engine, rid, resolved, n + keep, request.readouts) if captures else ({}, {})
+            values, readouts, lens = (
+                await self._fetch(engine, rid, resolved, n + keep, request.readouts) if captures else ({}, {}, None)
             )
             fetched = True
         finally:
@@ -666,7 +693,10 @@ class VllmModel(TokenizerMixin, ModelBase):
                 await self._done(engine, rid)
             elif not fetched:
                 await self._release(engine, rid)
-        return self._completion(tokens[:keep], request.sampling), request.keyed(values, readouts)
+        results = request.keyed(values, readouts)
+        if request.lens is not None:
+            results[request.lens.request] = _lens_result(request.lens, lens, n, keep)
+        return self._completion(tokens[:keep], request.sampling), results
 
     async def generate(
         self,
@@ -691,11 +721,12 @@ class VllmModel(TokenizerMixin, ModelBase):
         n_logprobs: int = 0,
         steering_spec: SteeringSpec | None = None,
         features: Iterable[Any] = (),
+        lens: LensRequest | None = None,
         **sampling: Any,
     ) -> AsyncIterator[StreamStep]:
-        """Generated tokens one by one, with the top-``n_logprobs`` pairs from vLLM's sampler and
-        the ``features`` readouts at the position that produced each (encoded in the workers,
-        drained step by step: only the readouts leave them)."""
+        """Generated tokens one by one, with the top-``n_logprobs`` pairs from vLLM's sampler, the
+        ``features`` readouts and the ``lens`` at the position that produced each (computed in the
+        workers, drained step by step: only the readouts and the lens's top-k leave them)."""
         request = self._check_generation(
             token_ids,
             self._stream_readouts(features),
@@ -703,12 +734,14 @@ class VllmModel(TokenizerMixin, ModelBase):
             steering_spec=steering_spec,
             sampling=sampling,
             n_logprobs=n_logprobs,
+            lens=lens,
         )
         async for step in self._steps(request):
             yield step
 
     async def _steps(self, request: CheckedRequest) -> AsyncIterator[StreamStep]:
         engine = await self._ready()
+        self._check_lens_stages(request)
         await self._sync_saes(engine, request)
         keys = self._use_saes(request)
         steps = self._stream_steps(engine, request, keys)
@@ -725,28 +758,34 @@ class VllmModel(TokenizerMixin, ModelBase):
         self, engine: Any, request: CheckedRequest, keys: dict[str, str]
     ) -> AsyncGenerator[StreamStep, None]:
         ids, writes, max_tokens, n_logprobs = request.token_ids, request.writes, request.max_tokens, request.n_logprobs
-        readouts = request.readouts
+        readouts, lens = request.readouts, request.lens
+        drains = bool(readouts or lens)
         from vllm.sampling_params import RequestOutputKind
 
         rid = f"interp-{uuid.uuid4().hex}"
         extra: dict[str, Any] = {"output_kind": RequestOutputKind.DELTA}
         if n_logprobs:
             extra["logprobs"] = n_logprobs
-        if writes or readouts:
+        if writes or drains:
             payload = self._payload(rid, [], writes, len(ids), len(ids) + max_tokens, readouts, stream=True)
-            extra["extra_args"] = _keyed(payload, keys).extra_args()
+            extra["extra_args"] = _keyed(_with_lens(payload, lens), keys).extra_args()
         params = self._sampling(max_tokens, request.sampling, **extra)
         pieces = TextPieces(self.completion_text)
         # a steered or read request neither reuses cached KV (its taps must run on every prompt
-        # token) nor leaves its steered KV behind for others: a unique salt keeps it out of the cache
-        salt = rid if writes or readouts else None
+        # token) nor leaves its steered KV behind for others: a unique salt keeps it out of the
+        # cache (a lens reads the prompt's last position, always computed, and any asked before it)
+        salt = rid if writes or readouts or (lens is not None and lens.prompt_positions) else None
         position = len(ids) - 1  # the forward that produces the first token runs at the prompt's last
         pending: dict[int, dict[Features, FeatureReadout]] = {}
+        lens_pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        prompt_lens: LensResult | None = None
         try:
             async for output in self._outputs(engine, ids, params, rid, salt):
                 choice = output.outputs[0]
-                if readouts and choice.token_ids:
-                    await self._drain(engine, rid, pending)
+                if drains and choice.token_ids:
+                    await self._drain(engine, rid, pending, lens_pending)
+                if lens is not None and lens.prompt_positions and choice.token_ids and position == len(ids) - 1:
+                    prompt_lens = _prompt_lens(lens, lens_pending, len(ids))
                 for i, token in enumerate(choice.token_ids):
                     last = output.finished and i == len(choice.token_ids) - 1
                     top: list[tuple[int, float]] = []
@@ -756,18 +795,38 @@ class VllmModel(TokenizerMixin, ModelBase):
                     step_features = pending.pop(position, {}) if readouts else {}
                     if readouts and len(step_features) != len(readouts):
                         raise BackendError(f"the readouts of position {position} did not come back from the workers")
+                    step_lens = None
+                    if lens is not None:
+                        if position not in lens_pending:
+                            raise BackendError(f"the lens of position {position} did not come back from the workers")
+                        step_ids, step_probs = lens_pending.pop(position)
+                        step_lens = LensTopK(position, lens.layers, step_ids, step_probs)
                     yield StreamStep(
-                        int(token), pieces.add(int(token), last=last), top, position=position, features=step_features
+                        int(token),
+                        pieces.add(int(token), last=last),
+                        top,
+                        position=position,
+                        features=step_features,
+                        lens=step_lens,
+                        prompt_lens=prompt_lens,
                     )
+                    prompt_lens = None  # the first step only
                     position += 1
         finally:
-            if readouts:
+            if drains:
                 await self._release(engine, rid)
             elif writes:
                 await self._done(engine, rid)
 
-    async def _drain(self, engine: Any, rid: str, pending: dict[int, dict[Features, FeatureReadout]]) -> None:
-        """Add a streaming request's readouts so far to ``pending`` (by position)."""
+    async def _drain(
+        self,
+        engine: Any,
+        rid: str,
+        pending: dict[int, dict[Features, FeatureReadout]],
+        lens_pending: dict[int, tuple[torch.Tensor, torch.Tensor]],
+    ) -> None:
+        """Add a streaming request's readouts so far to ``pending`` and its lens to
+        ``lens_pending`` (``(ids [n_layers, k], probs [n_layers, k])``), by position."""
         future: asyncio.Future[list[dict[str, Any]]] = asyncio.get_running_loop().create_future()
         self._drain_queue.append((rid, future))
         if self._drain_task is None or self._drain_task.done():
@@ -786,6 +845,11 @@ class VllmModel(TokenizerMixin, ModelBase):
         for spec, (positions, readout) in _readouts_of(every).items():
             for row, p in enumerate(positions.tolist()):
                 pending.setdefault(int(p), {})[spec] = readout[row]
+        lens = _lens_of(every)
+        if lens is not None:
+            positions, ids, probs = lens
+            for row, p in enumerate(positions.tolist()):
+                lens_pending[int(p)] = (ids[row], probs[row])
 
     async def worker_stats(self) -> list[dict[str, int]]:
         """Per-worker counters: live requests (for leak checks) and vLLM's and Dynamo's
@@ -884,6 +948,60 @@ def _readouts_of(ranks: list[Fetched]) -> dict[Features, tuple[torch.Tensor, Fea
         for spec, value in rank.readouts.items():
             found.setdefault(spec, value)
     return found
+
+
+def _lens_of(ranks: list[Fetched]) -> LensChunk | None:
+    """The lens the workers computed (tensor-parallel rank 0 of the last pipeline stage)."""
+    for rank in ranks:
+        if rank.lens is not None:
+            return rank.lens
+    return None
+
+
+def _with_lens(payload: RequestPayload, lens: CheckedLens | None) -> RequestPayload:
+    """``payload`` asking the workers for ``lens``."""
+    if lens is None:
+        return payload
+    return dataclasses.replace(
+        payload, lens_layers=lens.layers, lens_top_k=lens.top_k, lens_positions=lens.prompt_positions
+    )
+
+
+def _prompt_lens(lens: CheckedLens, pending: dict[int, tuple[torch.Tensor, torch.Tensor]], n_prompt: int) -> LensResult:
+    """The lens at the prompt positions asked, out of ``pending`` (those before the prompt's last
+    are taken out; the last one also produced the first token and stays for its step)."""
+    last = n_prompt - 1
+    missing = [p for p in lens.prompt_positions if p not in pending]
+    if missing:
+        raise BackendError(f"the lens of prompt positions {missing[:8]} did not come back from the workers")
+    steps = []
+    for p in lens.prompt_positions:
+        ids, probs = pending[p] if p == last else pending.pop(p)
+        steps.append(LensTopK(p, lens.layers, ids, probs))
+    return LensResult.stack(steps)
+
+
+def _lens_result(lens: CheckedLens, chunk: LensChunk | None, n_prompt: int, n_generated: int) -> LensResult:
+    """The lens of a generation: at the prompt positions asked and at every position that
+    produced one of the ``n_generated`` tokens kept."""
+    wanted = sorted({*lens.prompt_positions, *range(n_prompt - 1, n_prompt - 1 + n_generated)})
+    if not wanted:  # nothing generated and no prompt positions asked
+        empty = torch.zeros(len(lens.layers), 0, lens.top_k)
+        return LensResult(lens.layers, (), empty.long(), empty)
+    if chunk is None:
+        raise BackendError("the lens did not come back from the workers")
+    positions, ids, probs = chunk
+    at = {int(p): row for row, p in enumerate(positions.tolist())}
+    missing = [p for p in wanted if p not in at]
+    if missing:
+        raise BackendError(f"the lens of positions {missing[:8]} did not come back from the workers")
+    rows = torch.tensor([at[p] for p in wanted], dtype=torch.long)
+    return LensResult(
+        lens.layers,
+        tuple(wanted),
+        ids[rows].transpose(0, 1).contiguous(),
+        probs[rows].transpose(0, 1).contiguous(),
+    )
 
 
 def _keyed(payload: RequestPayload, keys: dict[str, str]) -> RequestPayload:

@@ -54,7 +54,7 @@ from ._sites import POINT_KINDS as STATIC_POINT_KINDS
 from ._sites import SITES, STATIC_WRITE_KINDS
 from ._static import SaeLayout, plan_writes
 from ._static_worker import CONFIG_KEY
-from ._wire import RequestPayload
+from ._wire import LensChunk, RequestPayload
 
 DEFAULT_SLOTS = 256
 DEFAULT_SAE_TOP_K = 64
@@ -325,6 +325,16 @@ class StaticVllmModel(VllmModel):
                     address=requested,
                     valid=tuple(str(a) for a in self.static_points),
                 )
+        if request.lens is not None:  # the lens reads the declared resid_post taps
+            undeclared = [a for a in request.lens.addresses if a not in declared]
+            if undeclared:
+                raise UndeclaredAddress(
+                    f"the logit lens at layer {undeclared[0].layer} reads {undeclared[0]}, which is not a capture "
+                    f"point of this vllm-static engine; declared: {self._names(self.static_points)} (declare the "
+                    "lens layers' resid_post with static_points= or configure_static before the engine is built)",
+                    address=undeclared[0],
+                    valid=tuple(str(a) for a in self.static_points),
+                )
         for write in request.writes:
             if isinstance(write, Write) and write.address not in self._writes:
                 raise UndeclaredAddress(
@@ -394,7 +404,7 @@ class StaticVllmModel(VllmModel):
 
     async def _fetch(
         self, engine: Any, rid: str, points: Iterable[Address], n: int, readouts: Iterable[Features] = ()
-    ) -> tuple[dict[Address, torch.Tensor], dict[Features, FeatureReadout]]:
+    ) -> tuple[dict[Address, torch.Tensor], dict[Features, FeatureReadout], LensChunk | None]:
         try:
             return await super()._fetch(engine, rid, points, n, readouts)
         finally:

@@ -481,7 +481,24 @@ class StaticTapManager(TapManager):
                 self._read(slices, output)
             except Exception as exc:  # reported at the fetch; the engine goes on
                 self._fail(slices, exc)
+            self._lens_rows(slices)
+            self._lens(slices)
         return output
+
+    def _lens_rows(self, slices: list[_Slice]) -> None:
+        """The lens layers' rows out of their ``resid_post`` taps (the front end serves the lens
+        only at declared ``resid_post`` points): a layer without a tap is decoded as zeros and
+        the request fails (see :meth:`TapManager._lens`)."""
+        for sl in slices:
+            if sl.lens_keep is None:
+                continue
+            for address, index in sl.taps.lens_at.items():
+                tap = self.taps.get(address)
+                if tap is None:
+                    self.failed.setdefault(sl.taps.rid, f"{address} is not a capture point of this vllm-static engine")
+                    continue
+                rows = tap.buffer[sl.start : sl.end]
+                sl.lens_rows[index] = rows[sl.lens_keep.to(rows.device)]
 
     def _fill_indices(self, slices: list[_Slice]) -> None:
         steering: dict[Address, list[tuple[_Slice, torch.Tensor, torch.Tensor]]] = {}

@@ -21,6 +21,8 @@ import torch
 from interp_engine import Address, BackendError, FeatureReadout, Features, FeatureWrite, SteeringSpec, Write
 
 PAYLOAD_KEY = "interp_engine"
+LensChunk = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""The logit lens at some positions: ``(positions [n], ids [n, n_layers, k], probs [n, n_layers, k])``."""
 """The ``SamplingParams.extra_args`` entry that carries a request's payload."""
 
 
@@ -63,6 +65,11 @@ class RequestPayload:
     """Per SAE name the readouts and feature writes use, the key the workers hold it under (one
     key per attachment: a request queued while its name is re-attached keeps the SAE it was
     checked with). A name without a key is held under the name itself."""
+    lens_layers: tuple[int, ...] = ()
+    """The logit lens: ``resid_post`` layers (absolute, in the order asked; empty: no lens)."""
+    lens_top_k: int = 0
+    lens_positions: tuple[int, ...] = ()
+    """Prompt positions (absolute) the lens reads besides every position from ``n_prompt - 1`` on."""
 
     def encode(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -79,10 +86,17 @@ class RequestPayload:
             data["stream"] = True
         if self.sae_keys:
             data["sae_keys"] = dict(self.sae_keys)
+        if self.lens_layers:
+            data["lens"] = {
+                "layers": list(self.lens_layers),
+                "top_k": self.lens_top_k,
+                "positions": list(self.lens_positions),
+            }
         return data
 
     @classmethod
     def decode(cls, data: Mapping[str, Any]) -> RequestPayload:
+        lens = data.get("lens") or {}
         return cls(
             rid=str(data["id"]),
             points=tuple(Address.parse(p) for p in data.get("points", ())),
@@ -93,6 +107,9 @@ class RequestPayload:
             readouts=tuple(Features.parse(r) for r in data.get("readouts", ())),
             stream=bool(data.get("stream", False)),
             sae_keys={str(n): str(k) for n, k in (data.get("sae_keys") or {}).items()},
+            lens_layers=tuple(int(layer) for layer in lens.get("layers", ())),
+            lens_top_k=int(lens.get("top_k", 0)),
+            lens_positions=tuple(int(p) for p in lens.get("positions", ())),
         )
 
     def extra_args(self) -> dict[str, Any]:
@@ -112,6 +129,51 @@ class RequestPayload:
         return None if data is None else str(data["id"])
 
 
+def compact_ids(ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Token ids as they cross the process boundary: int16 for a vocabulary up to 32767 tokens,
+    else int32 (the front end widens them to int64)."""
+    return ids.to(torch.int16 if vocab <= torch.iinfo(torch.int16).max else torch.int32)
+
+
+def merge_lens(chunks: list[LensChunk]) -> LensChunk | None:
+    """Lens chunks in position order (a recomputed position keeps its last value)."""
+    if not chunks:
+        return None
+    positions = torch.cat([p for p, _, _ in chunks])
+    ids = torch.cat([i for _, i, _ in chunks])
+    probs = torch.cat([p for _, _, p in chunks])
+    order = torch.argsort(positions, stable=True)
+    positions = positions[order]
+    last = torch.ones_like(positions, dtype=torch.bool)
+    last[:-1] = positions[1:] != positions[:-1]
+    keep = order[last]
+    return positions[last], ids[keep], probs[keep]
+
+
+def _lens_bytes(lens: LensChunk) -> dict[str, Any]:
+    """A lens chunk as plain data: positions as ints, ids (int16 or int32) and float32
+    probabilities as little-endian bytes."""
+    positions, ids, probs = lens
+    return {
+        "positions": positions.tolist(),
+        "shape": list(ids.shape[1:]),
+        "wide": ids.dtype != torch.int16,
+        "ids": ids.contiguous().numpy().astype("<i4" if ids.dtype != torch.int16 else "<i2").tobytes(),
+        "probs": probs.contiguous().numpy().astype("<f4").tobytes(),
+    }
+
+
+def _lens_tensors(data: Mapping[str, Any]) -> LensChunk:
+    """What :func:`_lens_bytes` wrote (ids widened to int64)."""
+    import numpy as np
+
+    positions = torch.tensor(data["positions"], dtype=torch.long)
+    shape = (len(positions), *(int(n) for n in data["shape"]))
+    ids = np.frombuffer(data["ids"], dtype="<i4" if data["wide"] else "<i2").reshape(shape)
+    probs = np.frombuffer(data["probs"], dtype="<f4").reshape(shape)
+    return positions, torch.from_numpy(ids.astype(np.int64)), torch.from_numpy(probs.astype(np.float32))
+
+
 def compact(readout: FeatureReadout, dtype: str, d_sae: int) -> FeatureReadout:
     """A readout as it crosses the process boundary: ids in the narrowest integer type that
     holds ``d_sae`` (int16 up to 32767 features), values in ``dtype`` (``Features.dtype``)."""
@@ -127,11 +189,15 @@ class Fetched:
     """One rank's values for one request: per address, the absolute positions it saw and the
     values there (sorted by position, one value per position), per feature readout the same
     (tensor-parallel rank 0 of the pipeline stage holding the SAE's address computes readouts),
-    or why it could not serve it."""
+    or why it could not serve it. ``lens``: the logit lens's positions ``[n]``, top-k ids
+    ``[n, n_layers, k]`` (the narrowest integer type holding the vocabulary) and probabilities
+    ``[n, n_layers, k]`` (float32), by position (computed by tensor-parallel rank 0 of the last
+    pipeline stage)."""
 
     values: Mapping[Address, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     error: str | None = None
     readouts: Mapping[Features, tuple[torch.Tensor, FeatureReadout]] = field(default_factory=dict)
+    lens: LensChunk | None = None
 
     def encode(self) -> dict[str, Any]:
         tensors: dict[str, torch.Tensor] = {}
@@ -141,7 +207,10 @@ class Fetched:
         for spec, (positions, readout) in self.readouts.items():
             tensors[f"rpositions/{spec}"] = positions.to(torch.int32).contiguous()
             tensors.update(readout.tensors(f"readout/{spec}"))
-        return {"error": self.error, "values": pack(tensors)}
+        data: dict[str, Any] = {"error": self.error, "values": pack(tensors)}
+        if self.lens is not None:  # sent every step of a stream: raw bytes, no per-tensor header
+            data["lens"] = _lens_bytes(self.lens)
+        return data
 
     @classmethod
     def decode(cls, data: Mapping[str, Any]) -> Fetched:
@@ -157,7 +226,8 @@ class Fetched:
                 name = key.partition("/")[2]
                 readout = FeatureReadout.from_tensors(tensors, f"readout/{name}")
                 readouts[Features.parse(name)] = (tensors[key].long(), readout)
-        return cls(values, data.get("error"), readouts)
+        lens = _lens_tensors(data["lens"]) if data.get("lens") is not None else None
+        return cls(values, data.get("error"), readouts, lens)
 
     def raise_error(self) -> None:
         if self.error is not None:

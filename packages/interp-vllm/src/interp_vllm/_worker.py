@@ -8,6 +8,12 @@ their addresses for that forward, placed by the site table (:mod:`._sites`): rea
 out per request, writes change only that request's rows. Values wait in the worker until the
 front end fetches them (``interp_fetch_many``), once the request is done.
 
+A request's logit lens (``RequestPayload.lens_layers``) keeps, at each lens layer's
+``resid_post`` hook, only the rows of the positions it reads; after the forward the step's kept
+rows of every request and layer go through one final norm and served unembedding
+(:meth:`TapManager._lens`), and only the top-k ids and probabilities are kept, drained like
+streamed readouts (``interp_drain_many``) or fetched with the request's values.
+
 vLLM's decoder layers defer the residual add: a layer returns ``(hidden, residual)`` and the
 true residual stream is their sum. Reads take the sum; a write replaces the pair by
 ``(new_stream, 0)``, which the next fused add-norm turns back into exactly ``new_stream``.
@@ -38,13 +44,14 @@ from interp_engine import (
     UnsupportedArchitecture,
     Write,
 )
+from interp_engine._lens import lens_top_k
 from interp_engine.validation import write_positions
 
 from ._families import VllmFamily
 from ._resolve import resolve
 from ._sites import SITES, HookKey, VllmSite, columns, hook_key, local_write
 from ._static import SaeLayout, SaeMath, pick
-from ._wire import PAYLOAD_KEY, Fetched, RequestPayload, compact
+from ._wire import PAYLOAD_KEY, Fetched, LensChunk, RequestPayload, compact, compact_ids, merge_lens
 
 logger = logging.getLogger(__name__)
 
@@ -206,9 +213,16 @@ class RequestTaps:
         for write in payload.writes:
             if isinstance(write, FeatureWrite):
                 self.saes[write.sae] = _held(saes, write.sae, payload.sae_keys)
+        # the logit lens: per lens layer's resid_post, the rows of the positions it reads (every
+        # position from the prompt's last on, and the prompt positions asked) are decoded after
+        # the forward; only their top-k ids and probabilities are kept
+        self.lens_at = {Address("resid_post", layer): i for i, layer in enumerate(payload.lens_layers)}
+        self.lens_k = payload.lens_top_k
+        self.lens_prompt = torch.tensor(sorted(payload.lens_positions), dtype=torch.long)
+        self.lens_values: list[LensChunk] = []
         # the front end fetches (or releases) what a request captured or read; the others are
         # forgotten when vLLM finishes them
-        self.awaits_fetch = bool(payload.points or payload.readouts)
+        self.awaits_fetch = bool(payload.points or payload.readouts or payload.lens_layers)
         self.readout_values: dict[Features, list[tuple[torch.Tensor, FeatureReadout]]] = defaultdict(list)
         self.first_readout = payload.n_prompt - 1 if payload.stream else 0
         self.writes: dict[Address, list[_WriteTable]] = defaultdict(list)
@@ -227,7 +241,18 @@ class RequestTaps:
         self.steps = 0
 
     def addresses(self) -> set[Address]:
-        return set(self.points) | set(self.writes) | set(self.readouts_at)
+        return set(self.points) | set(self.writes) | set(self.readouts_at) | set(self.lens_at)
+
+    def serves(self, address: Address) -> bool:
+        """Whether the request reads or writes ``address`` besides its lens."""
+        return address in self.points or address in self.writes or address in self.readouts_at
+
+    def lens_keep(self, positions: torch.Tensor) -> torch.Tensor:
+        """Which of ``positions`` the lens reads."""
+        keep = positions >= self.n_prompt - 1
+        if len(self.lens_prompt):
+            keep |= torch.isin(positions, self.lens_prompt)
+        return keep
 
 
 def _held(saes: dict[str, Sae] | None, name: str, keys: Mapping[str, str] | None = None) -> Sae:
@@ -250,6 +275,8 @@ class _Slice:
     end: int
     positions: torch.Tensor  # [end - start] absolute positions, on the CPU
     stash: dict[int, torch.Tensor] = field(default_factory=dict)
+    lens_keep: torch.Tensor | None = None  # [end - start] bool: rows the lens reads this step
+    lens_rows: dict[int, torch.Tensor] = field(default_factory=dict)  # lens layer index -> its kept rows
 
 
 @dataclass
@@ -332,7 +359,15 @@ class TapManager:
         # where the worker's time goes (nanoseconds), reported by stats(): the whole of each
         # forward call with taps, the forward alone (SAE readouts and feature clamps in it:
         # sae_ns), and answering fetches
-        self.timing = {"steps": 0, "step_ns": 0, "forward_ns": 0, "sae_ns": 0, "fetch_ns": 0, "fetches": 0}
+        self.timing = {
+            "steps": 0,
+            "step_ns": 0,
+            "forward_ns": 0,
+            "sae_ns": 0,
+            "lens_ns": 0,
+            "fetch_ns": 0,
+            "fetches": 0,
+        }
         # requests whose taps raised in this worker: the error, reported at their fetch (the
         # hook gave the forward its values back unchanged, so the engine and the rest of the
         # batch go on)
@@ -409,7 +444,11 @@ class TapManager:
             start, end = starts[index], starts[index + 1]
             if end > start:
                 taps.steps += 1
-                slices.append(_Slice(taps, start, end, flat_positions[start:end]))
+                sl = _Slice(taps, start, end, flat_positions[start:end])
+                if taps.lens_at and self.last_stage:  # the final norm and unembedding live there
+                    keep = taps.lens_keep(sl.positions)
+                    sl.lens_keep = keep if bool(keep.any()) else None
+                slices.append(sl)
         return slices
 
     def _admit_safely(self, rid: str, params: Any) -> RequestTaps | None:
@@ -424,7 +463,7 @@ class TapManager:
             logger.warning("interp-engine: request %s refused in the worker: %s", rid, exc)
             data = (getattr(params, "extra_args", None) or {}).get(PAYLOAD_KEY) or {}
             taps = RequestTaps(RequestPayload(rid))
-            taps.awaits_fetch = bool(data.get("points") or data.get("readouts"))
+            taps.awaits_fetch = bool(data.get("points") or data.get("readouts") or data.get("lens"))
             return taps
 
     def _params(self, req_id: str) -> Any:
@@ -463,6 +502,8 @@ class TapManager:
             for address in sl.taps.addresses():
                 if not self.owns(address):  # another pipeline stage serves it
                     continue
+                if sl.lens_keep is None and address in sl.taps.lens_at and not sl.taps.serves(address):
+                    continue  # a lens layer with no row to read in this step (an early prefill chunk)
                 hooks[hook_key(address, self.family)].add(address, sl)
                 if address.kind == "resid_mid":  # needs this layer's resid_pre
                     stash = hooks[("layer_in", None, address.layer or 0)]
@@ -480,7 +521,83 @@ class TapManager:
                 output = self._model_out(output, out_hook)
             except Exception as exc:
                 self._fail([sl for members in out_hook.members.values() for sl in members], exc)
+        self._lens(slices)
         return output
+
+    # -- the logit lens ----------------------------------------------------------------------
+    def _lens(self, slices: list[_Slice]) -> None:
+        """The step's logit lens for every request that reads it: the rows its lens layers'
+        hooks kept, all requests and layers together through ONE final norm and served
+        unembedding (under tensor parallelism a collective: every rank of this stage joins with
+        the same rows, a row whose hook failed as zeros), then :func:`lens_top_k` per top-k on
+        rank 0, which keeps only the ids and probabilities."""
+        readers = [sl for sl in slices if sl.lens_keep is not None]
+        if not readers:
+            return
+        began = time.perf_counter_ns()
+        param = next(self.model.parameters())
+        width = int(self.runner.model_config.hf_config.hidden_size)
+        blocks: list[torch.Tensor] = []
+        spans: list[tuple[_Slice, int, int]] = []  # per reader: its first row in the batch, its rows per layer
+        start = 0
+        for sl in readers:
+            keep = sl.lens_keep
+            if keep is None:  # pragma: no cover - filtered above
+                continue
+            count = int(keep.sum())
+            for index in range(len(sl.taps.lens_at)):
+                rows = sl.lens_rows.get(index)
+                if rows is None or rows.shape[0] != count:  # its hook failed: zeros keep the ranks' shapes equal
+                    rows = torch.zeros(count, width, dtype=param.dtype, device=param.device)
+                blocks.append(rows)
+            spans.append((sl, start, count))
+            start += count * len(sl.taps.lens_at)
+        try:
+            logits = self._lens_logits(torch.cat(blocks))
+            if logits is not None:  # rank 0 (and every rank where vLLM all-gathers) records
+                self._record_lens(spans, logits)
+        except Exception as exc:
+            self._fail(readers, exc)
+        finally:
+            for sl in readers:
+                sl.lens_rows.clear()
+            self.timing["lens_ns"] += time.perf_counter_ns() - began
+
+    def _lens_logits(self, residuals: torch.Tensor) -> torch.Tensor | None:
+        """The served final norm and logits of ``residuals`` (``None`` on a rank that vLLM's
+        gather leaves without them)."""
+        norm = _get(self.model, self.family.final_norm)
+        with torch.inference_mode():
+            logits: torch.Tensor | None = self.model.compute_logits(norm(residuals))  # type: ignore[operator]
+        return logits
+
+    def _record_lens(self, spans: list[tuple[_Slice, int, int]], logits: torch.Tensor) -> None:
+        if self.rank != 0:
+            return
+        vocab = int(logits.shape[-1])
+        by_k: dict[int, list[tuple[_Slice, int, int]]] = defaultdict(list)
+        for span in spans:
+            by_k[span[0].taps.lens_k].append(span)
+        for k, group in by_k.items():  # one softmax and top-k per distinct k
+            index = torch.cat(
+                [torch.arange(start, start + count * len(sl.taps.lens_at)) for sl, start, count in group]
+            ).to(logits.device)
+            try:
+                ids, probs = lens_top_k(logits[index], k)
+            except Exception as exc:  # these requests fail alone (rank 0's own work: no collective)
+                self._fail([sl for sl, _, _ in group], exc)
+                continue
+            ids, probs = compact_ids(ids, vocab).to("cpu"), probs.to("cpu", torch.float32)
+            offset = 0
+            for sl, _, count in group:
+                n_layers = len(sl.taps.lens_at)
+                part = slice(offset, offset + count * n_layers)
+                offset += count * n_layers
+                keep = sl.lens_keep if sl.lens_keep is not None else torch.ones_like(sl.positions, dtype=torch.bool)
+                # [layers * count, k] -> [count, layers, k]
+                mine_ids = ids[part].view(n_layers, count, k).transpose(0, 1).contiguous()
+                mine_probs = probs[part].view(n_layers, count, k).transpose(0, 1).contiguous()
+                sl.taps.lens_values.append((sl.positions[keep], mine_ids, mine_probs))
 
     def _model_out(self, output: Any, hook: _Hook) -> Any:
         """The forward's output with the step's writes at ``final_norm`` applied (to a copy: vLLM
@@ -565,6 +682,9 @@ class TapManager:
                 sl.taps.values[address].append((sl.positions, _copy(rows)))
             if address in sl.taps.readouts_at and self.rank == 0:  # the residual is whole on every rank
                 readers.append(sl)
+            if sl.lens_keep is not None and address in sl.taps.lens_at:  # a mask picks a copy of the rows
+                rows = value[sl.start : sl.end]
+                sl.lens_rows[sl.taps.lens_at[address]] = rows[sl.lens_keep.to(rows.device)]
         if readers:
             began = time.perf_counter_ns()
             self._read_features_many(readers, value, address)
@@ -938,7 +1058,7 @@ class TapManager:
             last = torch.ones_like(positions, dtype=torch.bool)
             last[:-1] = positions[1:] != positions[:-1]
             out[address] = (positions[last], values[last])
-        return Fetched(out, readouts=_merged_readouts(taps))
+        return Fetched(out, readouts=_merged_readouts(taps), lens=merge_lens(taps.lens_values))
 
     def drain(self, rid: str) -> Fetched:
         """A streaming request's readouts so far (then dropped here); the request lives on."""
@@ -950,7 +1070,9 @@ class TapManager:
             return Fetched()
         merged = _merged_readouts(taps)
         taps.readout_values.clear()
-        return Fetched(readouts=merged)
+        lens = merge_lens(taps.lens_values)
+        taps.lens_values.clear()
+        return Fetched(readouts=merged, lens=lens)
 
     def release(self, rid: str) -> None:
         self.failed.pop(rid, None)
