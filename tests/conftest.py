@@ -12,6 +12,8 @@ import concurrent.futures
 import functools
 import os
 import pathlib
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -85,6 +87,31 @@ def tiny_model_path(family: str) -> pathlib.Path:
     from interp_testkit import build_tiny_model
 
     return build_tiny_model(family, MODELS / family)
+
+
+def assert_no_leaks(facade: Any) -> None:
+    """Every request of a vLLM model (behind a sync facade) is finished in the engine and its
+    state gone from every worker, within 10 s."""
+    engine = facade.model._engine
+    deadline = time.monotonic() + 10
+    stats: list[dict[str, int]] = []
+    while time.monotonic() < deadline:
+        stats = facade.worker_stats()
+        if engine.get_num_unfinished_requests() == 0 and all(s["live_requests"] == 0 for s in stats):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"requests left behind: {engine.get_num_unfinished_requests()} unfinished, {stats}")
+
+
+@pytest.fixture(scope="module")
+def direct() -> Iterator[Any]:
+    """``interp:tiny`` on eager behind a sync facade, one per module (to compare a served or
+    command-line answer with the model's own); a module may define its own ``direct``."""
+    from interp_engine import load_model, sync_model
+
+    model = sync_model(load_model("interp:tiny", backend="eager"))
+    yield model
+    model.shutdown()
 
 
 @functools.cache

@@ -92,6 +92,8 @@ def test_ids_and_every_span_match_the_template(name: str, add_generation_prompt:
     messages = CONVERSATIONS[name]
     chat = build_chat_tokens(tokenizer(name), messages, add_generation_prompt=add_generation_prompt)
     assert chat.ids == _reference(name, messages, add_generation_prompt=add_generation_prompt)
+    assert chat == _reference(name, messages, add_generation_prompt=add_generation_prompt)  # a list compares by ids
+    assert chat.token_ids is chat.ids and chat != [*chat.ids, 0]
     assert chat.generation_start == (len(chat.ids) if add_generation_prompt else None)
     assert [s.role for s in chat.messages] == [m["role"] for m in messages]
     assert [s.index for s in chat.messages] == list(range(len(messages)))

@@ -7,36 +7,21 @@ from __future__ import annotations
 import json
 import pathlib
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 from safetensors import safe_open
 
-from interp_engine import Address, Cache, LensRequest, load_model, sync_model
+from interp_engine import Address, Cache, LensRequest
 from interp_engine.cli import main
 from interp_engine.cli._common import show_token
+from interp_testkit.chat_templates import ROLE_TAG_TEMPLATE, SAMPLE_CONVERSATION
 
-TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
-MESSAGES = [
-    {"role": "system", "content": "Be brief."},
-    {"role": "user", "content": "The capital of France is"},
-    {"role": "assistant", "content": "Paris"},
-    {"role": "user", "content": "And the capital of Germany?"},
-]
+TEMPLATE = ROLE_TAG_TEMPLATE  # given as the template override
+MESSAGES = SAMPLE_CONVERSATION
 PNG = b"\x89PNG\r\n\x1a\n"
 TEXT = "The capital of France is"
-
-
-@pytest.fixture(scope="module")
-def direct() -> Iterator[Any]:
-    model = sync_model(load_model("interp:tiny", backend="eager"))
-    yield model
-    model.shutdown()
 
 
 @pytest.fixture

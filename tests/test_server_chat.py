@@ -26,25 +26,16 @@ from interp_engine import (
     SteeringSpec,
     Write,
     lens_top_k,
-    load_model,
     sync_model,
 )
 from interp_engine.server import ServerLimits, create_app
+from interp_testkit.chat_templates import ROLE_TAG_TEMPLATE, SAMPLE_CONVERSATION
 
 from ._live_server import LiveServer, is_error_body
 from .conftest import eager_model
 
-TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
-"""A small chat template given as ``chat_template`` (the override path)."""
-MESSAGES = [
-    {"role": "system", "content": "Be brief."},
-    {"role": "user", "content": "The capital of France is"},
-    {"role": "assistant", "content": "Paris"},
-    {"role": "user", "content": "And the capital of Germany?"},
-]
+TEMPLATE = ROLE_TAG_TEMPLATE  # given as the template override
+MESSAGES = SAMPLE_CONVERSATION
 LIMITS = ServerLimits(max_new_tokens=32, max_messages=8, max_text_chars=4096, max_lens_layers=3, max_lens_top_k=5)
 D_MODEL = 128
 
@@ -60,13 +51,6 @@ def server() -> Iterator[LiveServer]:
 def client(server: LiveServer) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=server.url, timeout=60) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def direct() -> Iterator[Any]:
-    model = sync_model(load_model("interp:tiny", backend="eager"))
-    yield model
-    model.shutdown()
 
 
 def chat_of(direct: Any, messages: list[dict[str, Any]] = MESSAGES, **options: Any) -> Any:

@@ -14,7 +14,7 @@ import openai
 import pytest
 import torch
 
-from interp_engine import Address, SteeringSpec, Write, load_model, sync_model
+from interp_engine import Address, SteeringSpec, Write
 from interp_engine.server import create_app
 
 from ._live_server import LiveServer
@@ -33,13 +33,6 @@ def server() -> Iterator[LiveServer]:
 def client(server: LiveServer) -> Iterator[openai.OpenAI]:
     with openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=60) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def direct() -> Iterator[Any]:
-    model = sync_model(load_model("interp:tiny", backend="eager"))
-    yield model
-    model.shutdown()
 
 
 def ids_of(direct: Any) -> list[int]:

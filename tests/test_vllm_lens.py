@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,7 +40,7 @@ from interp_engine import (
 )
 from interp_engine._base import CheckedLens
 
-from .conftest import PROMPT, VLLM_ENGINE_ARGS, rel_diff, vllm_model_path
+from .conftest import PROMPT, VLLM_ENGINE_ARGS, assert_no_leaks, rel_diff, vllm_model_path
 
 FAMILY = "llama"  # 3 layers, a 512-token vocabulary; its shared engine prefills in chunks of 64 tokens
 N_LAYERS = 3
@@ -86,18 +85,6 @@ def decoded_lens(facade: Any, acts: Any, layers: tuple[int, ...], k: int) -> tup
 def check_against(result: LensResult, ref: tuple[torch.Tensor, torch.Tensor], what: str) -> None:
     cols = list(result.positions)
     assert_same_lens(result.ids, result.probs, ref[0][:, cols], ref[1][:, cols], what)
-
-
-def no_leaks(facade: Any) -> None:
-    engine = facade.model._engine
-    deadline = time.monotonic() + 10
-    stats: list[dict[str, int]] = []
-    while time.monotonic() < deadline:
-        stats = facade.worker_stats()
-        if engine.get_num_unfinished_requests() == 0 and all(s["live_requests"] == 0 for s in stats):
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"requests left behind: {engine.get_num_unfinished_requests()} unfinished, {stats}")
 
 
 # -- 1. the stream's lens equals the decoded resid_post of the same tokens, and eager ----------
@@ -172,7 +159,7 @@ def test_lens_alone_and_under_steering(llama: Any) -> None:
     plain = list(llama.stream(ids, max_tokens=4, lens=lens, ignore_eos=True))
     assert plain[-1].lens is not None and steered[-1].lens is not None
     assert not torch.equal(plain[-1].lens.probs, steered[-1].lens.probs), "the steering did not reach the lens"
-    no_leaks(llama)
+    assert_no_leaks(llama)
 
 
 # -- 2. isolation: 16 concurrent mixed requests ------------------------------------------------
@@ -246,7 +233,7 @@ def test_16_concurrent_mixed_requests_equal_their_solo_runs(with_sae: Any) -> No
                 # float rounding follows the batch's composition (the scheduler's, not the lens's):
                 # exactness next to a lens request is test_plain_requests_are_bit_identical_...
                 assert t1 == t2 == t3 and abs(lp1 - lp2) <= 1e-4 and abs(lp1 - lp3) <= 1e-4, what
-    no_leaks(facade)
+    assert_no_leaks(facade)
 
 
 def test_plain_requests_are_bit_identical_next_to_lens_requests(llama: Any) -> None:
@@ -304,7 +291,7 @@ def test_bad_lens_requests_are_typed_errors(llama: Any) -> None:
     assert isinstance(bad, BackendError) and "failed in vLLM's worker" in str(bad), bad
     assert not isinstance(fine, BaseException), fine
     assert llama.generate(ids, max_tokens=2).token_ids  # the engine serves on
-    no_leaks(llama)
+    assert_no_leaks(llama)
 
 
 def test_a_stream_stopped_early_leaves_nothing_behind(llama: Any) -> None:
@@ -322,7 +309,7 @@ def test_a_stream_stopped_early_leaves_nothing_behind(llama: Any) -> None:
         return seen
 
     assert llama.run(stop_early) == 2
-    no_leaks(llama)
+    assert_no_leaks(llama)
 
 
 def test_pipeline_parallelism_serves_the_lens_on_the_last_stage_only() -> None:

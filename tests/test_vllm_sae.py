@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,7 +40,7 @@ from interp_engine import (
 from interp_engine._address import as_address
 from interp_engine._readouts import read_features
 
-from .conftest import PROMPT, rel_diff, vllm_model_path
+from .conftest import PROMPT, assert_no_leaks, rel_diff, vllm_model_path
 
 TOL = 1e-4  # across backends, tensor parallelism and batching (float32 summation order)
 SAME = 1e-5  # a readout against the host's read of the very activations the request captured
@@ -502,18 +501,6 @@ def test_concurrent_readouts_and_clamps_equal_their_solo_runs(attached: Any) -> 
 
 
 # -- 6. bad input, and no leaked state ------------------------------------------------------
-def assert_no_leaks(facade: Any) -> None:
-    engine = facade.model._engine
-    deadline = time.monotonic() + 10
-    stats: list[dict[str, int]] = []
-    while time.monotonic() < deadline:
-        stats = facade.worker_stats()
-        if engine.get_num_unfinished_requests() == 0 and all(s["live_requests"] == 0 for s in stats):
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"requests left behind: {engine.get_num_unfinished_requests()} unfinished, {stats}")
-
-
 def test_bad_requests_are_refused_and_the_engine_serves_on(attached: Any) -> None:
     facade = attached("gpt2")
     ids = facade.to_tokens(PROMPT)[0].tolist()

@@ -181,6 +181,8 @@ class ChatTokens(Sequence[int]):
         return iter(self.ids)
 
     def __eq__(self, other: object) -> bool:
+        if isinstance(other, (list, tuple)):  # the ids alone: equal to apply_chat_template's list
+            return self.ids == list(other)
         if not isinstance(other, ChatTokens):
             return NotImplemented
         return (self.ids, self.messages, self.reasoning, self.generation_start, self.text) == (
@@ -197,6 +199,11 @@ class ChatTokens(Sequence[int]):
         roles = ", ".join(f"{s.role}[{s.start}:{s.end}]" for s in self.messages)
         extra = f", reasoning={len(self.reasoning)}" if self.reasoning else ""
         return f"ChatTokens(<{len(self.ids)} ids>, messages=[{roles}]{extra}, generation_start={self.generation_start})"
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The ids (``ids``; named like ``Completion.token_ids``)."""
+        return self.ids
 
     # -- spans --------------------------------------------------------------------------------
     @property

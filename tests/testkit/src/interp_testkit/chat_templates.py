@@ -208,3 +208,18 @@ def chat_tokenizer(name: str, *, vocab_size: int = 512) -> PreTrainedTokenizerFa
     if len(tokenizer) > vocab_size:
         raise ValueError(f"the {name} tokenizer has {len(tokenizer)} tokens, more than {vocab_size}")
     return tokenizer
+
+
+ROLE_TAG_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+"""A small template that tags each message with its role: the one a test gives as ``template=``
+(or ``chat_template`` over HTTP) to exercise the override path."""
+SAMPLE_CONVERSATION: list[dict[str, str]] = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "The capital of France is"},
+    {"role": "assistant", "content": "Paris"},
+    {"role": "user", "content": "And the capital of Germany?"},
+]
+"""A four-message conversation with every common role but tool."""

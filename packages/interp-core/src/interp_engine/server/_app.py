@@ -50,7 +50,7 @@ from .._plugins import load_model
 from .._protocol import Completion, InterpModel, StaticTaps, StreamStep
 from .._readouts import FeatureReadout, Features, check_readout
 from .._steering import AnyWrite, FeatureWrite, SteeringSpec, Write
-from ..chat import ChatTokens, Span, span_positions
+from ..chat import ChatTokens, span_positions
 from ..tokens import check_text
 from ..validation import check_spec, value_shape
 from ._asgi import ClientGone, EventStream, Slots, unless_gone
@@ -163,23 +163,11 @@ def _step_out(step: StreamStep) -> dict[str, Any]:
     return out
 
 
-def _span_out(span: Span) -> dict[str, Any]:
-    return {
-        "kind": span.kind,
-        "role": span.role,
-        "index": span.index,
-        "start": span.start,
-        "end": span.end,
-        "turn_start": span.turn_start,
-        "turn_end": span.turn_end,
-    }
-
-
 def _chat_out(chat: ChatTokens) -> dict[str, Any]:
     """What the positions of a chat prompt mean (the answer's ``chat``)."""
     return {
-        "messages": [_span_out(span) for span in chat.messages],
-        "reasoning": [_span_out(span) for span in chat.reasoning],
+        "messages": [span.to_json() for span in chat.messages],
+        "reasoning": [span.to_json() for span in chat.reasoning],
         "generation_start": chat.generation_start,
         "text": chat.text,
     }
@@ -281,6 +269,19 @@ def _nest(flat: list[Any], shape: Sequence[int]) -> list[Any]:
         return flat
     step = math.prod(shape[1:])
     return [_nest(flat[i * step : (i + 1) * step], shape[1:]) for i in range(shape[0])]
+
+
+def generation_options(
+    options: dict[str, Any], spec: SteeringSpec | None, readouts: list[Features], lens: LensRequest | None
+) -> dict[str, Any]:
+    """A generation's keyword arguments: the sampling ``options`` plus what was asked for."""
+    if spec is not None:
+        options["steering_spec"] = spec
+    if readouts:
+        options["features"] = readouts
+    if lens is not None:
+        options["lens"] = lens
+    return options
 
 
 class _Served:
@@ -1160,13 +1161,7 @@ def _add_routes(app: FastAPI, served: _Served) -> None:
         served.check_size([], body.max_tokens, "features", readouts)
         spec = served.steering(body.steering)
         lens = served.lens(body.lens, prompt, body.max_tokens)
-        options = body.sampling()
-        if spec is not None:
-            options["steering_spec"] = spec
-        if readouts:
-            options["features"] = readouts
-        if lens is not None:
-            options["lens"] = lens
+        options = generation_options(body.sampling(), spec, readouts, lens)
         fields = served.fields(prompt.field, spec, "features", readouts, lens=lens)
         if body.stream:
             return await _stream(served, model, prompt, body, options, fields)

@@ -49,6 +49,7 @@ from ._app import (
     _Served,
     _tensor_body,
     _tensor_of,
+    generation_options,
 )
 from ._asgi import EventStream, unless_gone
 from ._errors import ApiError, limit_exceeded
@@ -83,18 +84,24 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class CompletionRequest(_Body):
-    """OpenAI's completion request (one prompt, one choice), plus ``interp``."""
+class _OpenAISampling(_Body):
+    """The sampling options OpenAI's completion and chat completion requests share (with vLLM's
+    ``top_k`` and ``ignore_eos``)."""
 
-    model: str | None = Field(default=None, description="echoed back; the server serves one model")
-    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
-    max_tokens: StrictInt = Field(default=16, ge=1)
     temperature: float = Field(default=1.0, ge=0, le=2, description="OpenAI's default 1; 0 is greedy")
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: StrictInt | None = Field(default=None, ge=0, description="vLLM's extension; 0 is off")
     seed: StrictInt | None = None
     ignore_eos: bool | None = None
     stop: str | list[str] | None = None
+
+
+class CompletionRequest(_OpenAISampling):
+    """OpenAI's completion request (one prompt, one choice), plus ``interp``."""
+
+    model: str | None = Field(default=None, description="echoed back; the server serves one model")
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    max_tokens: StrictInt = Field(default=16, ge=1)
     logprobs: StrictInt | None = Field(default=None, ge=0, description="top-n logprobs per generated token")
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -113,7 +120,7 @@ DEFAULT_CHAT_MAX_TOKENS = 16
 """A chat completion's ``max_tokens`` when neither it nor ``max_completion_tokens`` is given."""
 
 
-class ChatCompletionRequest(_Chat):
+class ChatCompletionRequest(_Chat, _OpenAISampling):
     """OpenAI's chat completion request (one choice): ``messages`` and the sampling options,
     plus ``interp``, and vLLM's chat extensions (``add_generation_prompt``, ``chat_template``,
     ``chat_template_kwargs``, ``top_k``, ``ignore_eos``)."""
@@ -124,12 +131,6 @@ class ChatCompletionRequest(_Chat):
     )
     max_tokens: StrictInt | None = Field(default=None, ge=1, description=f"default {DEFAULT_CHAT_MAX_TOKENS}")
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1, description="OpenAI's newer name")
-    temperature: float = Field(default=1.0, ge=0, le=2, description="OpenAI's default 1; 0 is greedy")
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: StrictInt | None = Field(default=None, ge=0, description="vLLM's extension; 0 is off")
-    seed: StrictInt | None = None
-    ignore_eos: bool | None = None
-    stop: str | list[str] | None = None
     logprobs: bool = Field(default=False, description="the chosen token's logprob per generated token")
     top_logprobs: StrictInt | None = Field(default=None, ge=0, description="with logprobs: the top-n too")
     stream: bool = False
@@ -405,12 +406,7 @@ async def _complete(
         }
     readouts = served.readouts(extension.features, "interp.features") if extension.features else []
     served.check_size([], max_tokens, "interp.features", readouts)
-    if spec is not None:
-        options["steering_spec"] = spec
-    if readouts:
-        options["features"] = readouts
-    if lens is not None:
-        options["lens"] = lens
+    options = generation_options(options, spec, readouts, lens)
     fields = served.fields(prompt_field, spec, "interp.features", readouts, lens=lens)
     await served.slots.acquire()
     steps = model.stream(
