@@ -254,3 +254,21 @@ def test_the_sweep_on_vllm_equals_the_sweep_on_eager(vllm_engines: Any) -> None:
         assert got.dims == want.dims and got.coords == want.coords
         assert rel_diff(got.values, want.values) <= TOL, kind
     twin.shutdown()
+
+
+def test_sweep_positions_named_by_chat_span_equal_the_same_explicit_positions() -> None:
+    model = load_model("interp:tiny", backend="eager")
+    chat = model.chat_tokens(
+        [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "The capital of France is"}]
+    )
+    corrupt = list(chat)
+    user = chat.positions("user[-1]")
+    corrupt[user[-2]] = model.to_tokens(" Italy")[0, -1].item()  # " France" -> " Italy", one token each
+    named = patching.sweep(model, chat, corrupt, "resid_pre", layers=[0, 2], positions="user[-1]", progress=False)
+    explicit = patching.sweep(model, chat, corrupt, "resid_pre", layers=[0, 2], positions=user, progress=False)
+    assert named.labels("position") == explicit.labels("position") and len(user) == named.shape[1]
+    assert torch.equal(named.values, explicit.values)
+    attributed = patching.attribution_patch(model, chat, corrupt, "resid_pre", positions="user[-1].last")
+    assert attributed.shape[1] == 1 and attributed.labels("position") == explicit.labels("position")[-1:]
+    with pytest.raises(InvalidOption, match="chat span"):
+        patching.sweep(model, corrupt, corrupt, "resid_pre", positions="user[-1]", progress=False)

@@ -37,7 +37,7 @@ def attribution_patch(
     answer: int | str | None = None,
     wrong: int | str | None = None,
     layers: Iterable[int] | None = None,
-    positions: Iterable[int] | None = None,
+    positions: Iterable[int] | str | None = None,
     heads: bool | Sequence[int] = False,
     by_position: bool | None = None,
     direction: Direction = "denoise",
@@ -48,7 +48,7 @@ def attribution_patch(
     head address), as a :class:`~interp_engine.Labelled` tensor (eager backend only).
 
     - cells: each layer (``layers``, default all; a kind without layers has none) x each position
-      (``positions``, default all) and, with ``heads`` (``True`` or a list) at a head address,
+      (``positions``, default all, or a chat span name) and, with ``heads`` (``True`` or a list) at a head address,
       each head; ``by_position=False`` (the default with ``heads``) sums the positions: the
       estimate of patching them all at once. Dims ``("layer", "position")``, ``("layer",
       "head")``, ``("layer", "position", "head")`` ... as the sweep's.

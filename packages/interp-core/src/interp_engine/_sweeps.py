@@ -163,7 +163,7 @@ def plan_cells(
     kind: str,
     *,
     layers: Iterable[int] | None,
-    positions: Iterable[int] | None,
+    positions: Iterable[int] | str | None,
     heads: bool | Sequence[int],
     by_position: bool | None,
     direction: str,
@@ -182,6 +182,11 @@ def plan_cells(
             f"position-wise patching needs prompts of the same length: clean has {n} tokens, corrupt "
             f"{len(corrupt_ids)} (reword one, or pad with tokens the model ignores)"
         )
+    if isinstance(positions, str):  # a chat span name, read in the clean prompt (else the corrupt one)
+        from .chat import ChatTokens, select_positions
+
+        chat = next((t for t in (clean, corrupt) if isinstance(t, ChatTokens)), clean_ids)
+        positions = select_positions(positions, chat, n, n)
     if not info.per_layer and layers is not None:
         raise InvalidOption(f"{kind} has no layers; leave layers out")
     layer_list: list[int | None] = list(indices(layers, model.info.n_layers, "layer")) if info.per_layer else [None]

@@ -85,7 +85,7 @@ def sweep(
     answer: int | str | None = None,
     wrong: int | str | None = None,
     layers: Iterable[int] | None = None,
-    positions: Iterable[int] | None = None,
+    positions: Iterable[int] | str | None = None,
     heads: bool | Sequence[int] = False,
     by_position: bool | None = None,
     direction: Direction = "denoise",
@@ -97,7 +97,8 @@ def sweep(
     per cell as a :class:`~interp_engine.Labelled` tensor.
 
     - cells: each layer (``layers``, default all; kinds without a layer, such as ``embed``, have
-      none) times each position (``positions``, default all) and, with ``heads`` (``True``:
+      none) times each position (``positions``, default all; indices, or a chat span name such as
+      ``"user[-1]"`` when a prompt is ``model.chat_tokens(...)``) and, with ``heads`` (``True``:
       every head, or a list) at a head address (``attn_z``, ``attn_v``), each head. With
       ``by_position=False`` a cell patches all the chosen positions at once (the default when
       ``heads`` is given: TransformerLens's ``*_all_pos``); dims are then ``("layer", "head")``.
