@@ -104,7 +104,7 @@ def attacks(url: str, port: int, tally: Tally, n_fuzz: int) -> None:
                 tally.note("known 500s", r.status_code, f"{name} {r.text}")
         rng = random.Random(1)
         paths = ["/v1/capture", "/v1/capture_generation", "/v1/attention", "/v1/generate"]
-        paths += ["/v1/decode_residuals", "/v1/tokenize", "/v1/completions"]
+        paths += ["/v1/decode_residuals", "/v1/tokenize", "/v1/completions", "/v1/chat/completions"]
         for i in range(n_fuzz):
             path = paths[i % len(paths)]
             body = _body(path, rng)

@@ -74,7 +74,7 @@ def _write(rng: random.Random) -> dict[str, Any]:
         write["target"] = [rng.uniform(-1, 1) for _ in range(D_MODEL)]
     if op == "norm_add":
         write["max_fraction"] = 0.5
-    write["positions"] = rng.choice(["all", "prompt", "generated", [0, 1], [-1]])
+    write["positions"] = rng.choice(["all", "prompt", "generated", [0, 1], [-1], "user[-1].last", "user"])
     return write
 
 
@@ -82,12 +82,32 @@ def _steering(rng: random.Random) -> dict[str, Any]:
     return {"writes": [_write(rng) for _ in range(rng.randint(1, 3))]}
 
 
+def _messages(rng: random.Random) -> list[dict[str, Any]]:
+    messages = [{"role": "user", "content": PROMPT}]
+    if rng.random() < 0.4:
+        messages.insert(0, {"role": "system", "content": "Be brief."})
+    if rng.random() < 0.3:
+        messages += [{"role": "assistant", "content": "Paris"}, {"role": "user", "content": "And Italy?"}]
+    return messages
+
+
 def _prompt(rng: random.Random) -> dict[str, Any]:
-    return (
-        {"text": PROMPT}
-        if rng.random() < 0.6
-        else {"token_ids": [rng.randrange(1015) for _ in range(rng.randint(1, 8))]}
-    )
+    roll = rng.random()
+    if roll < 0.45:
+        return {"text": PROMPT}
+    if roll < 0.75:
+        return {"token_ids": [rng.randrange(1015) for _ in range(rng.randint(1, 8))]}
+    body: dict[str, Any] = {"messages": _messages(rng)}
+    if rng.random() < 0.3:
+        body["add_generation_prompt"] = False
+    return body
+
+
+def _lens(rng: random.Random) -> dict[str, Any]:
+    lens: dict[str, Any] = {"layers": rng.sample([0, 1, 2, 3, -1], rng.randint(1, 2)), "top_k": rng.randint(1, 4)}
+    if rng.random() < 0.3:
+        lens["positions"] = rng.choice(["prompt", [-1], "user[-1].last"])
+    return lens
 
 
 def _points(rng: random.Random) -> list[Any]:
@@ -123,6 +143,19 @@ def _body(path: str, rng: random.Random) -> dict[str, Any]:
             body["stream"] = True
         if rng.random() < 0.4:
             body["interp"] = {"steering": _steering(rng)}
+        if rng.random() < 0.2:
+            body.setdefault("interp", {})["lens"] = _lens(rng)
+        return body
+    if path == "/v1/chat/completions":
+        body = {"model": "m", "messages": _messages(rng), "max_tokens": rng.randint(1, 6), "temperature": 0}
+        if rng.random() < 0.3:
+            body["stream"] = True
+        if rng.random() < 0.3:
+            body["logprobs"], body["top_logprobs"] = True, rng.randint(0, 3)
+        if rng.random() < 0.4:
+            body["interp"] = {"steering": _steering(rng)}
+        if rng.random() < 0.3:
+            body.setdefault("interp", {})["lens"] = _lens(rng)
         return body
     body = _prompt(rng)
     if path in ("/v1/capture", "/v1/capture_generation"):
@@ -133,6 +166,8 @@ def _body(path: str, rng: random.Random) -> dict[str, Any]:
         body["max_tokens"] = rng.randint(1, 6)
         if rng.random() < 0.4:
             body["temperature"], body["seed"] = rng.choice([0.5, 1.0]), rng.randrange(1000)
+    if path in ("/v1/generate", "/v1/capture_generation") and rng.random() < 0.3:
+        body["lens"] = _lens(rng)
     if path == "/v1/generate":
         body["n_logprobs"] = rng.randint(0, 3)
         body["stream"] = rng.random() < 0.4
@@ -183,6 +218,15 @@ def _hostile(rng: random.Random, like: Any = None) -> Any:
         "all",
         "prompt",
         "generated",
+        "user[-1].last",
+        "reasoning[9]",
+        "user[x]",
+        "last",
+        {"layers": [0], "top_k": 10**6},
+        {"layers": [], "top_k": 1},
+        [{"role": "user"}],
+        [{"role": "user", "content": None}],
+        [{"role": 3, "content": "x"}],
         "\ud800",
         "\udfff abc",
         "\u0000",
@@ -315,6 +359,7 @@ def test_fuzz_every_endpoint_body(server: LiveServer) -> None:
         "/v1/decode_residuals",
         "/v1/tokenize",
         "/v1/completions",
+        "/v1/chat/completions",
     ]
     statuses: dict[int, int] = {}
     start = time.monotonic()
