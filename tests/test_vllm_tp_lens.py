@@ -15,8 +15,8 @@ import torch
 
 from interp_engine import Address, LensRequest, LensResult, SteeringSpec, Write
 
-from .conftest import PROMPT
-from .test_vllm_lens import LONG, assert_same_lens, check_against, decoded_lens, no_leaks
+from .conftest import PROMPT, assert_no_leaks
+from .test_vllm_lens import LONG, assert_same_lens, check_against, decoded_lens
 from .test_vllm_tp import tp
 
 __all__ = ["tp"]  # the fixture, imported for this module
@@ -76,4 +76,4 @@ def test_tp2_concurrent_lens_and_steered_requests_equal_their_solo_runs(tp: tupl
             assert (step.lens is None) == ("lens" not in kind)
             if step.lens is not None and solo.lens is not None:
                 assert_same_lens(step.lens.ids, step.lens.probs, solo.lens.ids, solo.lens.probs)
-    no_leaks(two)
+    assert_no_leaks(two)
