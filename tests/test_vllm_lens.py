@@ -40,7 +40,7 @@ from interp_engine import (
 )
 from interp_engine._base import CheckedLens
 
-from .conftest import PROMPT, VLLM_ENGINE_ARGS, assert_no_leaks, rel_diff, vllm_model_path
+from .conftest import PROMPT, assert_no_leaks, rel_diff, vllm_model_path
 
 FAMILY = "llama"  # 3 layers, a 512-token vocabulary; its shared engine prefills in chunks of 64 tokens
 N_LAYERS = 3
@@ -331,60 +331,19 @@ def test_pipeline_parallelism_serves_the_lens_on_the_last_stage_only() -> None:
 
 
 # -- 4. vllm-static: the lens at declared resid_post layers ------------------------------------
-@pytest.fixture(scope="module")
-def static() -> Iterator[Any]:
-    facade = sync_model(
-        load_model(
-            vllm_model_path(FAMILY),
-            backend="vllm-static",
-            static_points=["resid_post.0", "resid_post.2", "logits"],
-            static_writes=["resid_post.1"],
-            **VLLM_ENGINE_ARGS[FAMILY],
-        )
+# (its equality with the decoded resid_post and the vllm backend runs on test_vllm_static's
+# engine: tests/test_vllm_static.py::test_static_lens_equals_decoded_resid_post_and_the_vllm_backend)
+def test_static_lens_at_an_undeclared_layer_is_refused_before_any_engine() -> None:
+    model = load_model(
+        vllm_model_path(FAMILY), backend="vllm-static", static_points=["resid_post.0", "resid_post.2", "logits"]
     )
     try:
-        facade.warmup()
-        yield facade
+        facade = sync_model(model)
+        ids = facade.to_tokens(PROMPT)[0].tolist()
+        with pytest.raises(UndeclaredAddress, match=r"resid_post\.1"):
+            list(facade.stream(ids, max_tokens=2, lens=LensRequest([0, 1])))
+        with pytest.raises(UndeclaredAddress, match="declare the lens layers"):
+            facade.capture_generation(ids, [], max_tokens=2, lens=LensRequest([-2]))
+        assert model._engine is None  # refused in the front end: nothing was built
     finally:
-        facade.shutdown()
-
-
-def test_static_lens_equals_decoded_resid_post_and_the_vllm_backend(static: Any, llama: Any) -> None:
-    model = static.model
-    (before,) = static.run(model.worker_stats)
-    spec = SteeringSpec([Write("resid_post.1", torch.ones(128), op="add", positions=[-1])])
-    for ids in (static.to_tokens(PROMPT)[0].tolist(), LONG):
-        n = len(ids)
-        lens = LensRequest([2, 0], top_k=5, positions=[0, -2])
-        for steering in (None, spec):
-            steps = list(static.stream(ids, max_tokens=5, lens=lens, steering_spec=steering, ignore_eos=True))
-            completion, acts = static.capture_generation(
-                ids, ["resid_post.0", "resid_post.2"], max_tokens=5, lens=lens, steering_spec=steering, ignore_eos=True
-            )
-            assert [s.token_id for s in steps] == completion.token_ids
-            ref = decoded_lens(static, acts, (2, 0), 5)
-            for step in steps:
-                assert step.lens is not None
-                assert_same_lens(step.lens.ids, step.lens.probs, ref[0][:, step.position], ref[1][:, step.position])
-            assert steps[0].prompt_lens is not None and steps[0].prompt_lens.positions == (0, n - 2)
-            check_against(steps[0].prompt_lens, ref, "static prompt lens")
-            check_against(acts[lens], ref, "static capture_generation lens")
-            # the dynamic backend's lens of the same request
-            dynamic = list(llama.stream(ids, max_tokens=5, lens=lens, steering_spec=steering, ignore_eos=True))
-            assert [s.token_id for s in dynamic] == completion.token_ids
-            for step, twin in zip(steps, dynamic, strict=True):
-                assert step.lens is not None and twin.lens is not None
-                assert_same_lens(step.lens.ids, step.lens.probs, twin.lens.ids, twin.lens.probs)
-    (after,) = static.run(model.worker_stats)
-    counters = [k for k in before if k.startswith(("vllm_", "dynamo_unique"))]
-    assert {k: after[k] for k in counters} == {k: before[k] for k in counters}, "a lens request recompiled"
-    assert after["live_requests"] == 0
-
-
-def test_static_lens_at_an_undeclared_layer_is_refused(static: Any) -> None:
-    ids = static.to_tokens(PROMPT)[0].tolist()
-    with pytest.raises(UndeclaredAddress, match=r"resid_post\.1"):
-        list(static.stream(ids, max_tokens=2, lens=LensRequest([0, 1])))
-    with pytest.raises(UndeclaredAddress, match="declare the lens layers"):
-        static.capture_generation(ids, [], max_tokens=2, lens=LensRequest([-2]))
-    assert static.generate(ids, max_tokens=2).token_ids  # and the engine serves on
+        model.close()

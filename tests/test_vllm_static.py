@@ -23,6 +23,7 @@ from interp_engine import (
     InvalidOption,
     InvalidSteering,
     LayerOutOfRange,
+    LensRequest,
     StaticConfigError,
     SteeringSpec,
     UndeclaredAddress,
@@ -37,6 +38,8 @@ from interp_engine import (
 )
 
 from .conftest import PROMPT, VLLM_ENGINE_ARGS, hf_for, rel_diff, vllm_model_path
+from .test_vllm_lens import LONG as LONG_IDS
+from .test_vllm_lens import assert_same_lens, check_against, decoded_lens
 from .test_vllm_weights import hf_parameters
 
 TOL = 1e-4
@@ -421,3 +424,42 @@ async def test_the_seed_configure_static_example_runs_as_written() -> None:
         assert not torch.allclose(steered[Address("logits")], acts[Address("logits")])
     finally:
         await model.shutdown()
+
+
+# -- the logit lens during generation (issue 16), on the llama engine above ---------------------
+def test_static_lens_equals_decoded_resid_post_and_the_vllm_backend(
+    static_engines: dict[str, Any], vllm_engines: Any
+) -> None:
+    """The logit lens during generation on vllm-static, at declared resid_post layers (the compiled
+    graph's taps): equal to the decoded resid_post of the same request and to the vllm backend's
+    lens, steered or not, over a chunked prefill, without recompiling."""
+    static, llama = static_engines["llama"], vllm_engines("llama")
+    model = static.model
+    (before,) = static.run(model.worker_stats)
+    spec = SteeringSpec([Write("resid_post.1", torch.ones(128), op="add", positions=[-1])])
+    for ids in (static.to_tokens(PROMPT)[0].tolist(), LONG_IDS):
+        n = len(ids)
+        lens = LensRequest([2, 0], top_k=5, positions=[0, -2])
+        for steering in (None, spec):
+            steps = list(static.stream(ids, max_tokens=5, lens=lens, steering_spec=steering, ignore_eos=True))
+            completion, acts = static.capture_generation(
+                ids, ["resid_post.0", "resid_post.2"], max_tokens=5, lens=lens, steering_spec=steering, ignore_eos=True
+            )
+            assert [s.token_id for s in steps] == completion.token_ids
+            ref = decoded_lens(static, acts, (2, 0), 5)
+            for step in steps:
+                assert step.lens is not None
+                assert_same_lens(step.lens.ids, step.lens.probs, ref[0][:, step.position], ref[1][:, step.position])
+            assert steps[0].prompt_lens is not None and steps[0].prompt_lens.positions == (0, n - 2)
+            check_against(steps[0].prompt_lens, ref, "static prompt lens")
+            check_against(acts[lens], ref, "static capture_generation lens")
+            # the dynamic backend's lens of the same request
+            dynamic = list(llama.stream(ids, max_tokens=5, lens=lens, steering_spec=steering, ignore_eos=True))
+            assert [s.token_id for s in dynamic] == completion.token_ids
+            for step, twin in zip(steps, dynamic, strict=True):
+                assert step.lens is not None and twin.lens is not None
+                assert_same_lens(step.lens.ids, step.lens.probs, twin.lens.ids, twin.lens.probs)
+    (after,) = static.run(model.worker_stats)
+    counters = [k for k in before if k.startswith(("vllm_", "dynamo_unique"))]
+    assert {k: after[k] for k in counters} == {k: before[k] for k in counters}, "a lens request recompiled"
+    assert after["live_requests"] == 0
