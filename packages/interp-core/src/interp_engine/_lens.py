@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from ._errors import InvalidActivations, InvalidOption
+from ._errors import InvalidActivations, InvalidOption, InvalidSteering
 from ._labelled import Labelled
-from ._steering import short_repr
+from ._steering import _as_positions, short_repr
 
 MAX_LENS_TOP_K = 100
 """The most tokens a lens keeps per layer and position."""
@@ -88,10 +88,7 @@ def _lens_positions(value: Any) -> str | tuple[int, ...] | None:
     steering write's positions are)."""
     if value is None:
         return None
-    from ._errors import InvalidSteering
-    from ._steering import _as_positions  # the one parser of positions
-
-    if value in ("all", "generated"):
+    if isinstance(value, str) and value in ("all", "generated"):
         raise InvalidOption(
             f"lens positions name prompt positions to read once the prompt is processed ('prompt', indices or a "
             f"chat span); every generated token is read already, so {value!r} is not needed"
