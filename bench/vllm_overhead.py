@@ -249,7 +249,7 @@ async def main(args: argparse.Namespace) -> int:
     middle = info.n_layers // 2
     spec = SteeringSpec([Write(Address("resid_post", middle), torch.randn(info.d_model), op="add", scale=2.0)])
     head_off = SteeringSpec([Write(Address("attn_z", middle), torch.zeros(info.d_head), op="set", heads=[0])])
-    from interp_engine._lens import LensRequest
+    from interp_engine.results._lens import LensRequest
 
     step = max(1, info.n_layers // 4)
     # positions=[-1]: also the prompt's last position (which the first step reads anyway) as a prompt

@@ -27,7 +27,7 @@ from interp_engine import (
     run_with_cache,
     sync_model,
 )
-from interp_engine._readouts import read_features
+from interp_engine.sae._readouts import read_features
 
 PROMPT = "The capital of France is"
 

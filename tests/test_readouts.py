@@ -18,7 +18,7 @@ from interp_engine import (
     SteeringSpec,
     Write,
 )
-from interp_engine._readouts import DEFAULT_TOP_K, select_features, stack_readouts
+from interp_engine.sae._readouts import DEFAULT_TOP_K, select_features, stack_readouts
 
 
 @pytest.mark.parametrize(

@@ -19,9 +19,9 @@ import torch
 from sae_lens import SAE
 from sae_lens.saes.sae import SAEMetadata
 
-from interp_engine._address import Address
+from interp_engine.addresses._address import Address
 from interp_engine._errors import InvalidFeatures, UnsupportedSae
-from interp_engine._sae import ARCHITECTURES, Probe, Sae, load_sae
+from interp_engine.sae._sae import ARCHITECTURES, Probe, Sae, load_sae
 
 D_IN, D_SAE, D_OUT = 32, 128, 24
 TOL = {"atol": 1e-5, "rtol": 1e-5}

@@ -1,4 +1,4 @@
-"""SteeringSpec / Write (SPEC §6) and the shared input checks of ``interp_engine.validation``."""
+"""SteeringSpec / Write (SPEC §6) and the shared input checks of ``interp_engine.protocol._checks``."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from interp_engine import (
     UnsupportedAddress,
     Write,
 )
-from interp_engine.validation import (
+from interp_engine.protocol._checks import (
     check_spec,
     check_token_ids,
     check_write_shapes,
@@ -261,7 +261,7 @@ def test_from_json_accepts_bytes() -> None:
     assert SteeringSpec.from_json(spec.to_json().encode()) == spec
 
 
-# -- interp_engine.validation ------------------------------------------------------------
+# -- interp_engine.protocol._checks ------------------------------------------------------------
 
 
 def test_check_token_ids_accepts_lists_and_tensors() -> None:

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from interp_engine import KindNotInFamily, run_with_cache
-from interp_engine._tl_names import TL_MODEL_LEVEL, TL_PER_LAYER
+from interp_engine.addresses._tl_names import TL_MODEL_LEVEL, TL_PER_LAYER
 
 from .conftest import ALL_FAMILIES, PROMPT, SWEEP_FAMILIES, eager_model, rel_diff, tiny_model_path
 

@@ -3,7 +3,7 @@
 The lens is computed in vLLM's worker: each lens layer's ``resid_post`` rows of the positions it
 reads are kept by the layer's hook, decoded after the forward in one batch through the served
 final norm and unembedding, and only the top-k ids and probabilities leave the worker. The
-oracle is :func:`~interp_engine._lens.lens_top_k` of ``decode_residuals`` on the ``resid_post``
+oracle is :func:`~interp_engine.results._lens.lens_top_k` of ``decode_residuals`` on the ``resid_post``
 the very same request captured (``capture_generation``), and the eager backend's lens on the
 same checkpoint. TP=2: tests/test_vllm_tp_lens.py (it reuses test_vllm_tp's engines).
 """
@@ -38,7 +38,7 @@ from interp_engine import (
     load_model,
     sync_model,
 )
-from interp_engine._base import CheckedLens
+from interp_engine.protocol._base import CheckedLens
 
 from .conftest import PROMPT, assert_no_leaks, rel_diff, vllm_model_path
 

@@ -37,7 +37,7 @@ from interp_engine import (
     logit_attribution,
     weights,
 )
-from interp_engine._readouts import read_features
+from interp_engine.sae._readouts import read_features
 
 from .conftest import MODELS, PROMPT, VLLM_SHAPE, hf_for, rel_diff, started_engine
 from .test_vllm_sae import assert_close_readout, assert_same_readout, make_sae

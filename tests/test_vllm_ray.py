@@ -33,7 +33,7 @@ import pytest
 import torch
 
 from interp_engine import Address, Features, SteeringSpec, Write
-from interp_engine._readouts import read_features
+from interp_engine.sae._readouts import read_features
 
 from . import _procs
 from .conftest import PROMPT, hf_for, rel_diff, started_engine, vllm_model_path

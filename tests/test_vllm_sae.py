@@ -1,7 +1,7 @@
 """SAE readouts and feature steering on the dynamic vllm backend.
 
 Readouts are computed in vLLM's worker (rank 0) from the rows each step produces and only the
-readout leaves it; the oracle is :func:`~interp_engine._readouts.read_features` on the host,
+readout leaves it; the oracle is :func:`~interp_engine.sae._readouts.read_features` on the host,
 applied to the activations the very same request captured, and the eager backend on the same
 checkpoint. Feature writes are checked against the same edit written by hand as a plain
 :class:`Write`. The SAEs are random (standard, JumpReLU, TopK, a hook_z one at ``attn_z``),
@@ -37,8 +37,8 @@ from interp_engine import (
     run_with_cache,
     sync_model,
 )
-from interp_engine._address import as_address
-from interp_engine._readouts import read_features
+from interp_engine.addresses._address import as_address
+from interp_engine.sae._readouts import read_features
 
 from .conftest import PROMPT, assert_no_leaks, rel_diff, vllm_model_path
 

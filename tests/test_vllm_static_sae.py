@@ -6,7 +6,7 @@ before the build (three through ``load_model(..., saes=...)``, one with ``attach
 ``mlp_out.1`` (small enough to keep every feature: ``ids=`` and dense readouts), a JumpReLU SAE
 with layer-norm input normalisation at ``resid_pre.2`` (only its top 16 kept) and a sigmoid
 probe on ``attn_z.0`` (hook_z). The oracle for readouts is
-:func:`~interp_engine._readouts.read_features` on the activations the same request captured;
+:func:`~interp_engine.sae._readouts.read_features` on the activations the same request captured;
 clamps are checked against the dynamic ``vllm`` backend (the session's shared llama engine, with
 the same SAEs attached under this module's names) and against the same edit written by hand.
 """
@@ -38,8 +38,8 @@ from interp_engine import (
     load_model,
     sync_model,
 )
-from interp_engine._address import as_address
-from interp_engine._readouts import read_features
+from interp_engine.addresses._address import as_address
+from interp_engine.sae._readouts import read_features
 
 from .conftest import PROMPT, VLLM_ENGINE_ARGS, rel_diff, vllm_model_path
 

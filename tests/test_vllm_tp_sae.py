@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from interp_engine import Address, Features, FeatureWrite, InvalidFeatures, SteeringSpec
-from interp_engine._readouts import read_features
+from interp_engine.sae._readouts import read_features
 
 from .conftest import PROMPT, rel_diff
 from .test_vllm_sae import (

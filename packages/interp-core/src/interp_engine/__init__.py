@@ -4,21 +4,18 @@ from interp_engine import Address, load_model, run_with_cache
 
 model = load_model("path/or/hub-id", backend="eager")   # or "interp:tiny", the shipped model
 cache = run_with_cache(model, model.to_tokens("Hello"), ["resid_post.5"])
+
+Importing this package imports neither torch nor safetensors: the addresses, the kind vocabulary,
+the error tree and backend discovery are imported at once, and every name that holds tensors
+(results, steering values, SAEs, the model protocol, the free functions) is imported on first
+use (PEP 562 ``__getattr__``), so tooling that only reads addresses stays light.
 """
 
-from ._address import ALIASES, KINDS, Address, KindInfo, LayerTypeError, PointInfo
-from ._api import (
-    capture_attention,
-    capture_generation,
-    chat_tokens,
-    decode_residuals,
-    generate_stream,
-    run_with_cache,
-)
-from ._attribution import attribution_patch
-from ._base import CheckedRequest, ModelBase, SamplingOptions
-from ._cache import Cache
-from ._dla import accumulated_resid, decompose_resid, logit_attribution
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ._errors import (
     BackendError,
     BackendNotFound,
@@ -48,32 +45,168 @@ from ._errors import (
     UnsupportedOperation,
     UnsupportedSae,
 )
-from ._gradients import GradientResult, run_with_gradients
-from ._labelled import Labelled
-from ._lens import LensRequest, LensResult, LensTopK, lens_top_k
-from ._plugins import installed_backends, load_model
-from ._protocol import (
-    BatchCapture,
-    Completion,
-    GradientCapture,
-    GradientMetric,
-    InterpModel,
-    ModelInfo,
-    Results,
-    StaticTaps,
-    StreamStep,
-    WorkerStats,
+from ._plugins import (
+    installed_backends,
+    load_model,
 )
-from ._readouts import FeatureReadout, Features
-from ._sae import Probe, Sae, load_sae
-from ._shipped import shipped_models, shipped_saes, tiny_model_path
-from ._steering import FeatureWrite, SteeringSpec, Write
-from ._sync import SyncModel, sync_model
-from ._weights import WEIGHT_NAMES, FinalNorm, WeightAccess, WeightInfo, Weights, weights
-from .chat import ChatTokens, Span
+from ._shipped import (
+    shipped_models,
+    shipped_saes,
+    tiny_model_path,
+)
+from .addresses._address import (
+    ALIASES,
+    KINDS,
+    Address,
+    KindInfo,
+    LayerTypeError,
+    PointInfo,
+)
 from .hookspecs import hookimpl
 
+if TYPE_CHECKING:
+    from ._api import (
+        capture_attention,
+        capture_generation,
+        chat_tokens,
+        decode_residuals,
+        generate_stream,
+        run_with_cache,
+    )
+    from ._sync import (
+        SyncModel,
+        sync_model,
+    )
+    from .analysis._attribution import attribution_patch
+    from .analysis._dla import (
+        accumulated_resid,
+        decompose_resid,
+        logit_attribution,
+    )
+    from .analysis._gradients import (
+        GradientResult,
+        run_with_gradients,
+    )
+    from .analysis._weights import (
+        WEIGHT_NAMES,
+        FinalNorm,
+        WeightAccess,
+        WeightInfo,
+        Weights,
+        weights,
+    )
+    from .chat._chat import (
+        ChatTokens,
+        Span,
+    )
+    from .protocol._base import (
+        CheckedRequest,
+        ModelBase,
+        SamplingOptions,
+    )
+    from .protocol._protocol import (
+        BatchCapture,
+        Completion,
+        GradientCapture,
+        GradientMetric,
+        InterpModel,
+        ModelInfo,
+        Results,
+        StaticTaps,
+        StreamStep,
+        WorkerStats,
+    )
+    from .results._cache import Cache
+    from .results._labelled import Labelled
+    from .results._lens import (
+        LensRequest,
+        LensResult,
+        LensTopK,
+        lens_top_k,
+    )
+    from .sae._readouts import (
+        FeatureReadout,
+        Features,
+    )
+    from .sae._sae import (
+        Probe,
+        Sae,
+        load_sae,
+    )
+    from .steering._spec import (
+        FeatureWrite,
+        SteeringSpec,
+        Write,
+    )
+
 __version__ = "0.1.0"
+
+_LAZY: dict[str, str] = {
+    "capture_attention": "._api",
+    "capture_generation": "._api",
+    "chat_tokens": "._api",
+    "decode_residuals": "._api",
+    "generate_stream": "._api",
+    "run_with_cache": "._api",
+    "SyncModel": "._sync",
+    "sync_model": "._sync",
+    "attribution_patch": ".analysis._attribution",
+    "accumulated_resid": ".analysis._dla",
+    "decompose_resid": ".analysis._dla",
+    "logit_attribution": ".analysis._dla",
+    "GradientResult": ".analysis._gradients",
+    "run_with_gradients": ".analysis._gradients",
+    "FinalNorm": ".analysis._weights",
+    "WEIGHT_NAMES": ".analysis._weights",
+    "WeightAccess": ".analysis._weights",
+    "WeightInfo": ".analysis._weights",
+    "Weights": ".analysis._weights",
+    "weights": ".analysis._weights",
+    "ChatTokens": ".chat._chat",
+    "Span": ".chat._chat",
+    "CheckedRequest": ".protocol._base",
+    "ModelBase": ".protocol._base",
+    "SamplingOptions": ".protocol._base",
+    "BatchCapture": ".protocol._protocol",
+    "Completion": ".protocol._protocol",
+    "GradientCapture": ".protocol._protocol",
+    "GradientMetric": ".protocol._protocol",
+    "InterpModel": ".protocol._protocol",
+    "ModelInfo": ".protocol._protocol",
+    "Results": ".protocol._protocol",
+    "StaticTaps": ".protocol._protocol",
+    "StreamStep": ".protocol._protocol",
+    "WorkerStats": ".protocol._protocol",
+    "Cache": ".results._cache",
+    "Labelled": ".results._labelled",
+    "LensRequest": ".results._lens",
+    "LensResult": ".results._lens",
+    "LensTopK": ".results._lens",
+    "lens_top_k": ".results._lens",
+    "FeatureReadout": ".sae._readouts",
+    "Features": ".sae._readouts",
+    "Probe": ".sae._sae",
+    "Sae": ".sae._sae",
+    "load_sae": ".sae._sae",
+    "FeatureWrite": ".steering._spec",
+    "SteeringSpec": ".steering._spec",
+    "Write": ".steering._spec",
+}
+"""Each name imported on first use, and the module (relative to this package) that defines it."""
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "ALIASES",

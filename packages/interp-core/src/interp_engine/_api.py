@@ -8,15 +8,15 @@ from typing import Any
 
 import torch
 
-from ._address import Address, as_address
-from ._cache import Cache, keep_positions
 from ._errors import InvalidAddress, InvalidTokens
-from ._lens import LensRequest, LensResult
-from ._protocol import BatchCapture, Completion, InterpModel, Points, Results, StreamStep
-from ._readouts import FeatureReadout, Features, as_features, stack_readouts
-from ._steering import RowSpecs, SteeringSpec, row_specs
 from ._sync import SyncModel, sync_model
-from .chat import ChatTokens, select_positions
+from .addresses._address import Address, as_address
+from .chat._chat import ChatTokens, select_positions
+from .protocol._protocol import BatchCapture, Completion, InterpModel, Points, Results, StreamStep
+from .results._cache import Cache, keep_positions
+from .results._lens import LensRequest, LensResult
+from .sae._readouts import FeatureReadout, Features, as_features, stack_readouts
+from .steering._spec import RowSpecs, SteeringSpec, row_specs
 
 Tokens = str | Sequence[str] | torch.Tensor | Sequence[int] | Sequence[Sequence[int]]
 

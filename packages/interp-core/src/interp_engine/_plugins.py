@@ -7,14 +7,16 @@ import re
 import threading
 from collections.abc import Mapping
 from importlib.metadata import entry_points
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
 from . import hookspecs
 from ._errors import BackendNotFound, InvalidOption, ModelLoadError
-from ._protocol import InterpModel
 from ._shipped import resolve_model
+
+if TYPE_CHECKING:
+    from .protocol._protocol import InterpModel
 
 ENV_BACKEND = "INTERP_ENGINE_BACKEND"
 """Backend used by ``load_model`` when ``backend=`` is not given (default ``eager``)."""

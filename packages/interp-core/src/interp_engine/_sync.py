@@ -17,12 +17,12 @@ from typing import Any, TypeVar
 
 import torch
 
-from ._address import Address
 from ._errors import ModelClosed, RunningLoopError, UnsupportedOperation
-from ._lens import LensRequest
-from ._protocol import Activations, Completion, InterpModel, Points, Results, StreamStep
-from ._steering import SteeringSpec
-from .chat import ChatTokens
+from .addresses._address import Address
+from .chat._chat import ChatTokens
+from .protocol._protocol import Activations, Completion, InterpModel, Points, Results, StreamStep
+from .results._lens import LensRequest
+from .steering._spec import SteeringSpec
 
 T = TypeVar("T")
 

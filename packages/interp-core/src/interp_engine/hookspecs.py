@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
-    from ._protocol import InterpModel
+    from .protocol._protocol import InterpModel
 
 PROJECT = "interp_engine"
 ENTRY_POINT_GROUP = "interp_engine.backends"

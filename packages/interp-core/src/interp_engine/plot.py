@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ._errors import InvalidActivations
-from ._labelled import Labelled
-from ._lens import LensResult
-from ._readouts import FeatureReadout
+from .results._labelled import Labelled
+from .results._lens import LensResult
+from .sae._readouts import FeatureReadout
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

@@ -42,12 +42,21 @@ from interp_engine import (
     StreamStep,
     UnsupportedAddress,
 )
-from interp_engine._base import CheckedLens
-from interp_engine._lens import LensRequest, LensResult, LensTopK, lens_top_k
-from interp_engine._readouts import read_features
-from interp_engine._steering import AnyWrite, RowSpecs
-from interp_engine._weights import WeightInfo, check_weight_request
-from interp_engine.tokens import TextPieces, TokenizerMixin, pad_rows
+from interp_engine.backend import (
+    AnyWrite,
+    CheckedLens,
+    LensRequest,
+    LensResult,
+    LensTopK,
+    RowSpecs,
+    TextPieces,
+    TokenizerMixin,
+    WeightInfo,
+    check_weight_request,
+    lens_top_k,
+    pad_rows,
+    read_features,
+)
 
 from ._families import Family, family_for
 from ._generate import choose, generator_for, top_logprobs

@@ -51,7 +51,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from interp_engine import KINDS, Address, FeatureWrite, KindNotInFamily, Sae, UnsupportedAddress, Write
-from interp_engine.validation import write_positions
+from interp_engine.backend import write_positions
 
 from ._families import Family, QkNormLayout, QkvLayout
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from interp_engine import ModelInfo, UnsupportedArchitecture
-from interp_engine._weights import WEIGHT_NAMES, WeightInfo, probe_norm
+from interp_engine.backend import WEIGHT_NAMES, WeightInfo, probe_norm
 
 from ._plan import Architecture, _maybe
 
@@ -39,7 +39,7 @@ def _copy(value: torch.Tensor) -> torch.Tensor:
 
 
 def weight_info(hf_model: nn.Module, arch: Architecture, info: ModelInfo) -> WeightInfo:
-    """What this model serves (:class:`~interp_engine._weights.WeightInfo`)."""
+    """What this model serves (:class:`~interp_engine.analysis._weights.WeightInfo`)."""
     param = next(hf_model.parameters())
     embed = hf_model.get_input_embeddings()  # type: ignore[operator]
     names = {"W_E", "W_U", "W_O"}

@@ -48,10 +48,16 @@ from interp_engine import (
     UnsupportedOperation,
     Write,
 )
-from interp_engine._base import CheckedLens
-from interp_engine._lens import LensRequest, LensResult, LensTopK
-from interp_engine._weights import WeightInfo, check_weight_request
-from interp_engine.tokens import TextPieces, TokenizerMixin
+from interp_engine.backend import (
+    CheckedLens,
+    LensRequest,
+    LensResult,
+    LensTopK,
+    TextPieces,
+    TokenizerMixin,
+    WeightInfo,
+    check_weight_request,
+)
 
 from ._resolve import resolve_without_weights
 from ._sites import SITES, merge_ranks
@@ -456,7 +462,7 @@ class VllmModel(TokenizerMixin, ModelBase):
         *,
         stream: bool = False,
     ) -> RequestPayload:
-        from interp_engine._writes import WHOLE_ROW_OPS
+        from interp_engine.backend import WHOLE_ROW_OPS
 
         split = [
             w

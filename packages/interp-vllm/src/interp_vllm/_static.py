@@ -7,7 +7,7 @@ so everything that changes per request must live in tensors the host fills befor
   allocated before compilation; after the step the host reads each request's real rows.
 - :class:`StaticWrites` applies per-token writes from slot tables: token ``t`` uses slot
   ``s = index[t]`` and goes through a fixed pipeline that covers every op
-  (:class:`~interp_engine._writes.Pipeline`):
+  (:class:`~interp_engine.steering._writes.Pipeline`):
 
   1. ``y = keep[s] * x + (x . u[s]) m[s] + shift[s]`` (add, set, ablate, rescale, swap);
   2. ``y = y + (clamp(y . c[s], lo[s], hi[s]) - y . c[s]) c[s]`` (cap; ``c = 0`` and
@@ -17,7 +17,7 @@ so everything that changes per request must live in tensors the host fills befor
   Slot 0 is the identity and a token at slot 0 gets ``x`` itself back (a ``where``), bit for bit.
 
 Several writes at one address and token compose into one slot (:func:`compose`, the core's
-:meth:`Pipeline.then <interp_engine._writes.Pipeline.then>`); a sequence with no such slot (two
+:meth:`Pipeline.then <interp_engine.steering._writes.Pipeline.then>`); a sequence with no such slot (two
 projections along different directions, a projection after a cap, two norm_adds, ...) is refused
 with ``InvalidSteering``. At a head address a "token" is one head of one token: the table's rows
 are ``d_head`` wide and its index has one entry per (token, head). Changing a slot only fills
@@ -40,9 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from interp_engine import Address, FeatureReadout, Features, InvalidFeatures, InvalidSteering, Sae, Write
-from interp_engine._readouts import select_features
-from interp_engine._writes import Pipeline
-from interp_engine.validation import write_positions
+from interp_engine.backend import Pipeline, select_features, write_positions
 
 
 class StaticTap(nn.Module):
@@ -378,7 +376,7 @@ def _onednn_matmul(weight: torch.Tensor) -> tuple[Any, Any] | None:
 
 class SaeMath(nn.Module):
     """An SAE's encoder, reconstruction error and feature clamp as batched tensor work, equal to
-    :class:`~interp_engine.Sae`'s (:func:`~interp_engine._readouts.read_features`,
+    :class:`~interp_engine.Sae`'s (:func:`~interp_engine.sae._readouts.read_features`,
     :meth:`FeatureWrite.apply <interp_engine.FeatureWrite.apply>`) to float32 rounding, with its
     weights as float32 buffers on one device. Pure tensor work: traceable into a compiled graph.
 
@@ -532,7 +530,7 @@ def pick(
 ) -> FeatureReadout:
     """The readout ``spec`` from what an encode kept (``values``/``ids``: the sorted top
     features, ``dense``: every feature or ``None``), as
-    :func:`~interp_engine._readouts.select_features` gives it."""
+    :func:`~interp_engine.sae._readouts.select_features` gives it."""
     wanted = spec.width(d_sae)
     if spec.top_k is not None and (wanted <= layout.width or layout.complete):
         v, i = values[:, :wanted], ids[:, :wanted]
@@ -638,7 +636,7 @@ class StaticSae(SaeMath):
 
     def readout(self, rows: torch.Tensor, specs: Sequence[Features]) -> dict[Features, FeatureReadout]:
         """Each of ``specs`` over ``rows`` (indices into the last step's tokens), float32 on the
-        CPU, as :func:`~interp_engine._readouts.read_features` gives them: one read of the
+        CPU, as :func:`~interp_engine.sae._readouts.read_features` gives them: one read of the
         buffers for all of them."""
         rows = rows.to(self.values.device)
         values = self.values[rows].to("cpu")

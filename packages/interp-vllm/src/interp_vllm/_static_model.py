@@ -47,7 +47,7 @@ from interp_engine import (
     UnsupportedAddress,
     Write,
 )
-from interp_engine.validation import heads_of, requested_points, write_positions
+from interp_engine.backend import heads_of, requested_points, write_positions
 
 from ._model import ENGINE_DEFAULTS, VllmModel
 from ._sites import POINT_KINDS as STATIC_POINT_KINDS

@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from interp_engine import Address, FeatureWrite, Write, load_sae
-from interp_engine.validation import write_positions
+from interp_engine.backend import write_positions
 
 from ._sites import ROUTER_KIND, SITES, HookKey, VllmSite, columns, hook_key, owned_heads
 from ._static import SaeLayout, StaticSae, StaticTap, StaticWrites, plan_writes

@@ -9,7 +9,7 @@ Each worker answers for what its pipeline stage holds and sends its tensor-paral
   input columns of its heads (``weight [d_model, heads_here * d_head]``), joined by rank order;
   ``b_O`` is not split (rank 0's is the one added);
 - the final norm (last stage) is replicated; its kind, ``eps`` and weight offset are probed from
-  the module (:func:`interp_engine._weights.probe_norm`), as on eager.
+  the module (:func:`interp_engine.analysis._weights.probe_norm`), as on eager.
 
 Everything crosses the process boundary as safetensors bytes (``_wire.pack``), float32.
 """
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from interp_engine import BackendError, ModelInfo, UnsupportedArchitecture
-from interp_engine._weights import WEIGHT_NAMES, WeightInfo, norm_parameters, probe_norm
+from interp_engine.backend import WEIGHT_NAMES, WeightInfo, norm_parameters, probe_norm
 
 _VOCAB_WEIGHTS = ("W_E", "W_U", "b_U")
 

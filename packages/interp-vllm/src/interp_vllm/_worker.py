@@ -44,8 +44,7 @@ from interp_engine import (
     UnsupportedArchitecture,
     Write,
 )
-from interp_engine._lens import lens_top_k
-from interp_engine.validation import write_positions
+from interp_engine.backend import lens_top_k, write_positions
 
 from ._families import VllmFamily
 from ._resolve import resolve

@@ -18,7 +18,7 @@ from interp_engine import (
     StreamStep,
     Write,
 )
-from interp_engine.validation import write_positions
+from interp_engine.backend import write_positions
 
 SUPPORTED = ("embed", "resid_pre", "resid_post", "final_norm", "logits")
 WRITABLE = ("embed", "resid_pre", "resid_post", "final_norm")

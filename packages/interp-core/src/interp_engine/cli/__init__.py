@@ -47,7 +47,7 @@ class _Parser(argparse.ArgumentParser):
 
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
-        from interp_engine.server import ServerLimits, run
+        from ..server import ServerLimits, run
     except ModuleNotFoundError as exc:
         raise UserError(f"{SERVE_HINT} (missing module {exc.name})") from None
     limits = None

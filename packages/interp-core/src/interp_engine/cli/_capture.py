@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 
-from .._address import Address
-from .._cache import Cache
-from .._protocol import Results
-from .._readouts import Features
 from .._sync import SyncModel
+from ..addresses._address import Address
+from ..protocol._protocol import Results
+from ..results._cache import Cache
+from ..sae._readouts import Features
 from ._common import (
     CHAT_HELP,
     Progress,

@@ -13,16 +13,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TextIO
 
-from .._address import Address
-from .._base import ModelBase
 from .._plugins import load_model
-from .._protocol import InterpModel
-from .._readouts import Features, check_readout, check_sae_name
-from .._sae import Sae, load_sae
 from .._sync import SyncModel, sync_model
+from ..addresses._address import Address
+from ..protocol._base import ModelBase
+from ..protocol._protocol import InterpModel
+from ..sae._readouts import Features, check_readout, check_sae_name
+from ..sae._sae import Sae, load_sae
 
 if TYPE_CHECKING:
-    from ..chat import ChatTokens
+    from ..chat._chat import ChatTokens
 
 DEFAULT_MODEL = "interp:tiny"
 """The model ``interp demo`` runs when none is named (the tiny model that ships with the project)."""

@@ -12,13 +12,13 @@ from typing import Any
 import torch
 
 from .. import plot
-from .._address import Address
-from .._base import ModelBase
 from .._errors import InterpError, UnsupportedAddress
-from .._readouts import FeatureReadout, Features
-from .._sae import Sae, load_sae
-from .._steering import FeatureWrite, SteeringSpec, Write
 from .._sync import SyncModel
+from ..addresses._address import Address
+from ..protocol._base import ModelBase
+from ..sae._readouts import FeatureReadout, Features
+from ..sae._sae import Sae, load_sae
+from ..steering._spec import FeatureWrite, SteeringSpec, Write
 from ._common import (
     DEFAULT_MODEL,
     UserError,

@@ -18,10 +18,10 @@ from typing import Any
 
 from .. import plot
 from .._plugins import load_model
-from .._readouts import FeatureReadout, Features
-from .._sae import Sae, load_sae
 from .._shipped import PREFIX, resolve_sae
 from .._sync import SyncModel, sync_model
+from ..sae._readouts import FeatureReadout, Features
+from ..sae._sae import Sae, load_sae
 from ._common import (
     UserError,
     add_model_options,

@@ -11,9 +11,9 @@ from typing import Any, cast
 import torch
 
 from .. import plot
-from .._address import Address
-from .._lens import MAX_LENS_TOP_K, LensRequest, LensResult, LensTopK
 from .._sync import SyncModel
+from ..addresses._address import Address
+from ..results._lens import MAX_LENS_TOP_K, LensRequest, LensResult, LensTopK
 from ._common import (
     UserError,
     add_model_options,

@@ -31,8 +31,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .._address import KINDS, Address
-from .._base import ModelBase
 from .._errors import (
     InterpError,
     InvalidActivations,
@@ -45,14 +43,16 @@ from .._errors import (
     UnknownSae,
     UnsupportedAddress,
 )
-from .._lens import LensRequest, LensResult, LensTopK
 from .._plugins import load_model
-from .._protocol import Completion, InterpModel, StaticTaps, StreamStep
-from .._readouts import FeatureReadout, Features, check_readout
-from .._steering import AnyWrite, FeatureWrite, SteeringSpec, Write
-from ..chat import ChatTokens, span_positions
+from ..addresses._address import KINDS, Address
+from ..chat._chat import ChatTokens, span_positions
+from ..protocol._base import ModelBase
+from ..protocol._checks import check_spec, value_shape
+from ..protocol._protocol import Completion, InterpModel, StaticTaps, StreamStep
+from ..results._lens import LensRequest, LensResult, LensTopK
+from ..sae._readouts import FeatureReadout, Features, check_readout
+from ..steering._spec import AnyWrite, FeatureWrite, SteeringSpec, Write
 from ..tokens import check_text
-from ..validation import check_spec, value_shape
 from ._asgi import ClientGone, EventStream, Slots, unless_gone
 from ._errors import ApiError, SafeJSONResponse, blame, elide, field_path, from_interp, limit_exceeded
 from ._guard import API_KEY_ENV, ERROR_SCOPE_KEY, LOOPBACK_HOSTS, Guard, check_api_key, is_loopback, uvicorn_config

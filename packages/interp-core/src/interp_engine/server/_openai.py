@@ -37,7 +37,7 @@ import anyio
 from fastapi import FastAPI, Request
 from pydantic import Field, StrictInt
 
-from .._protocol import InterpModel, StreamStep
+from ..protocol._protocol import InterpModel, StreamStep
 from ._app import (
     _ERRORS,
     _chat_out,

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from fastapi.responses import Response
 
-from .._cache import _FEATURES_KEY, _LENGTHS_KEY, _N_LAYERS_KEY
-from .._readouts import FeatureReadout
+from ..results._cache import _FEATURES_KEY, _LENGTHS_KEY, _N_LAYERS_KEY
+from ..sae._readouts import FeatureReadout
 from ._errors import ApiError, limit_exceeded
 from ._schemas import EncodedTensor
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ._errors import InvalidSteering
+from .._errors import InvalidSteering
 
 OPS = ("add", "set", "ablate", "cap", "rescale", "norm_add", "swap")
 """Every steering op, in the order the docs list them."""

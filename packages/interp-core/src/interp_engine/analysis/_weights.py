@@ -32,13 +32,13 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from ._errors import InvalidOption, InvalidTokens, LayerOutOfRange, UnknownWeight, UnsupportedOperation
-from ._protocol import InterpModel, ModelInfo
-from ._steering import short_repr
-from .metrics import token_id
+from .._errors import InvalidOption, InvalidTokens, LayerOutOfRange, UnknownWeight, UnsupportedOperation
+from ..protocol._protocol import InterpModel, ModelInfo
+from ..steering._spec import short_repr
+from ._metrics import token_id
 
 if TYPE_CHECKING:
-    from ._sync import SyncModel
+    from .._sync import SyncModel
 
 NormKind = Literal["layernorm", "rmsnorm", "none"]
 
@@ -331,7 +331,7 @@ class Weights:
     :meth:`logit_direction` fetch only the entries asked for, and :meth:`clear` drops what is kept."""
 
     def __init__(self, model: InterpModel | SyncModel) -> None:
-        from ._sync import sync_model
+        from .._sync import sync_model
 
         facade = sync_model(model)
         inner = facade.model

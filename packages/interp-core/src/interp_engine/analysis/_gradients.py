@@ -13,13 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ._api import Tokens, model_points, token_rows
-from ._cache import Cache
-from ._errors import UnsupportedOperation
-from ._protocol import GradientCapture, InterpModel, Points
-from ._steering import RowSpecs
-from ._sync import SyncModel, sync_model
-from .metrics import Metric, as_gradient_metric
+from .._api import Tokens, model_points, token_rows
+from .._errors import UnsupportedOperation
+from .._sync import SyncModel, sync_model
+from ..protocol._protocol import GradientCapture, InterpModel, Points
+from ..results._cache import Cache
+from ..steering._spec import RowSpecs
+from ._metrics import Metric, as_gradient_metric
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from ._errors import InvalidAddress, LayerOutOfRange, UnknownKind
+from .._errors import InvalidAddress, LayerOutOfRange, UnknownKind
 from ._tl_names import is_tl_name, parse_tl_name, tl_name
 
 Width = Literal[

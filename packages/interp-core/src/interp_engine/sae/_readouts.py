@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from ._errors import InvalidFeatures
+from .._errors import InvalidFeatures
 
 if TYPE_CHECKING:
     from ._sae import Sae

@@ -54,8 +54,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from ._address import KINDS, MISSING_REASONS, Address, AddressLike, PointInfo
-from ._errors import (
+from .._errors import (
     InvalidAddress,
     InvalidFeatures,
     InvalidOption,
@@ -67,11 +66,12 @@ from ._errors import (
     UnsupportedAddress,
     UnsupportedOperation,
 )
-from ._lens import LensRequest
-from ._protocol import Activations, Completion, ModelInfo, Results, StreamStep
-from ._readouts import FeatureReadout, Features, as_features, check_readout, check_sae_name, read_features
-from ._sae import Sae, load_sae
-from ._steering import (
+from ..addresses._address import KINDS, MISSING_REASONS, Address, AddressLike, PointInfo
+from ..chat._chat import ChatTokens, build_chat_tokens
+from ..results._lens import LensRequest
+from ..sae._readouts import FeatureReadout, Features, as_features, check_readout, check_sae_name, read_features
+from ..sae._sae import Sae, load_sae
+from ..steering._spec import (
     AnyWrite,
     FeatureWrite,
     RowSpecs,
@@ -82,8 +82,7 @@ from ._steering import (
     row_specs,
     short_repr,
 )
-from .chat import ChatTokens, build_chat_tokens
-from .validation import (
+from ._checks import (
     check_max_tokens,
     check_residuals,
     check_spec,
@@ -94,6 +93,7 @@ from .validation import (
     value_shape,
     width_of,
 )
+from ._protocol import Activations, Completion, ModelInfo, Results, StreamStep
 
 SAMPLING_OPTIONS = ("ignore_eos", "seed", "temperature", "top_k", "top_p")
 """The generation options every built-in backend takes (vLLM's names)."""
@@ -852,7 +852,7 @@ def _lens_prompt_positions(lens: LensRequest, tokens: Any, n_prompt: int) -> tup
     if positions == "prompt":
         return tuple(range(n_prompt))
     if isinstance(positions, str):  # a chat span name, resolved against the prompt's spans
-        from .chat import span_positions
+        from ..chat._chat import span_positions
 
         try:
             found = span_positions(positions, tokens, n_prompt)

@@ -17,14 +17,14 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from ._address import Address
-from ._api import Tokens, run_with_cache
+from .._api import Tokens, run_with_cache
+from .._sync import SyncModel
+from ..addresses._address import Address
+from ..protocol._protocol import InterpModel
+from ..results._labelled import Labelled
 from ._gradients import gradient_model, run_with_gradients
-from ._labelled import Labelled
-from ._protocol import InterpModel
+from ._metrics import Metric, evaluate
 from ._sweeps import Direction, default_metric, plan_cells, scalar
-from ._sync import SyncModel
-from .metrics import Metric, evaluate
 
 
 def attribution_patch(

@@ -41,17 +41,17 @@ from typing import Any, Literal
 
 import torch
 
-from ._address import Address
-from ._api import Tokens, run_with_cache, token_rows
-from ._base import ModelBase
-from ._cache import Cache
-from ._errors import InvalidOption, InvalidTokens, UnsupportedArchitecture, UnsupportedOperation
-from ._labelled import Labelled
-from ._protocol import InterpModel
-from ._steering import short_repr
-from ._sync import SyncModel, sync_model
+from .._api import Tokens, run_with_cache, token_rows
+from .._errors import InvalidOption, InvalidTokens, UnsupportedArchitecture, UnsupportedOperation
+from .._sync import SyncModel, sync_model
+from ..addresses._address import Address
+from ..protocol._base import ModelBase
+from ..protocol._protocol import InterpModel
+from ..results._cache import Cache
+from ..results._labelled import Labelled
+from ..steering._spec import short_repr
+from ._metrics import token_id
 from ._weights import FinalNorm, Weights
-from .metrics import token_id
 
 __all__ = ["accumulated_resid", "decompose_resid", "logit_attribution"]
 

@@ -10,11 +10,11 @@ from typing import Any
 
 import torch
 
-from ._address import KINDS, Address, AddressLike, as_address
-from ._errors import InvalidActivations, InvalidAddress, InvalidFeatures, InvalidOption
+from .._errors import InvalidActivations, InvalidAddress, InvalidFeatures, InvalidOption
+from ..addresses._address import KINDS, Address, AddressLike, as_address
+from ..chat._chat import ChatTokens, select_positions
+from ..sae._readouts import FeatureReadout, Features
 from ._lens import LensResult
-from ._readouts import FeatureReadout, Features
-from .chat import ChatTokens, select_positions
 
 _LENGTHS_KEY = "__lengths__"
 _FEATURES_KEY = "__features__"

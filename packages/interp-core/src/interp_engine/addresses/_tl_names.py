@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import re
 
-from ._errors import UnknownKind
+from .._errors import UnknownKind
 
 TL_PER_LAYER: dict[str, str] = {
     "hook_resid_pre": "resid_pre",

@@ -37,10 +37,10 @@ import torch
 from safetensors.torch import load as _load_bytes
 from safetensors.torch import load_file, save
 
-from ._address import Address, as_address
-from ._errors import InvalidAddress, InvalidFeatures, UnsupportedSae
-from ._shipped import resolve_sae
-from ._tl_names import TL_MODEL_LEVEL, TL_PER_LAYER, is_tl_name
+from .._errors import InvalidAddress, InvalidFeatures, UnsupportedSae
+from .._shipped import resolve_sae
+from ..addresses._address import Address, as_address
+from ..addresses._tl_names import TL_MODEL_LEVEL, TL_PER_LAYER, is_tl_name
 
 ARCHITECTURES: tuple[str, ...] = (
     "standard",

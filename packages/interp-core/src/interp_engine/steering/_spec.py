@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from ._address import Address, AddressLike, as_address
-from ._errors import InvalidSteering
+from .._errors import InvalidSteering
+from ..addresses._address import Address, AddressLike, as_address
+from ..chat._chat import is_span_name, parse_position_name, span_positions
 from ._writes import DIRECTION_OPS, apply_op
-from .chat import is_span_name, parse_position_name, span_positions
 
 if TYPE_CHECKING:
-    from ._sae import Sae
+    from ..sae._sae import Sae
 
 Op = Literal["add", "set", "ablate", "cap", "rescale", "norm_add", "swap"]
 OPS: tuple[Op, ...] = ("add", "set", "ablate", "cap", "rescale", "norm_add", "swap")

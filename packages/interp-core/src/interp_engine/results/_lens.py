@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from ._errors import InvalidActivations, InvalidOption, InvalidSteering
+from .._errors import InvalidActivations, InvalidOption, InvalidSteering
+from ..steering._spec import _as_positions, short_repr
 from ._labelled import Labelled
-from ._steering import _as_positions, short_repr
 
 MAX_LENS_TOP_K = 100
 """The most tokens a lens keeps per layer and position."""
@@ -197,7 +197,7 @@ class LensResult:
         """A matplotlib figure (the ``plots`` extra) of the top-1 token per layer and position:
         :func:`interp_engine.plot.lens`; ``options`` go to it (``decode=``, ``tokens=``, ``ax=``,
         ``title=``)."""
-        from . import plot
+        from .. import plot
 
         return plot.lens(self, **options)
 

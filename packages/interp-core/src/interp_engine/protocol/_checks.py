@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
-from ._address import KINDS, Address, AddressLike, as_address
-from ._errors import ContextTooLong, InvalidActivations, InvalidSteering, InvalidTokens, UnsupportedAddress
+from .._errors import ContextTooLong, InvalidActivations, InvalidSteering, InvalidTokens, UnsupportedAddress
+from ..addresses._address import KINDS, Address, AddressLike, as_address
+from ..steering._spec import AnyWrite, FeatureWrite, SteeringSpec, Write
 from ._protocol import ModelInfo
-from ._steering import AnyWrite, FeatureWrite, SteeringSpec, Write
 
 
 def check_token_ids(token_ids: Any, info: ModelInfo, *, extra: int = 0) -> list[int]:

@@ -79,7 +79,7 @@ class Labelled:
         (:func:`interp_engine.plot.patching`), bars of one (:func:`interp_engine.plot.dla`);
         ``options`` go to that function (``ax=``, ``title=``, ...). Slice a third axis away
         first with :meth:`at`."""
-        from . import plot
+        from .. import plot
 
         if self.values.dim() == 1 and self.dims[0] == "component":
             return plot.dla(self, **options)

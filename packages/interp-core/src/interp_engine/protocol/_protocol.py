@@ -30,10 +30,10 @@ from typing import Any, Protocol, overload, runtime_checkable
 
 import torch
 
-from ._address import Address, AddressLike
-from ._lens import LensRequest, LensResult, LensTopK
-from ._readouts import FeatureReadout, Features
-from ._steering import RowSpecs, SteeringSpec
+from ..addresses._address import Address, AddressLike
+from ..results._lens import LensRequest, LensResult, LensTopK
+from ..sae._readouts import FeatureReadout, Features
+from ..steering._spec import RowSpecs, SteeringSpec
 
 
 @dataclass(frozen=True)

@@ -9,13 +9,13 @@ from typing import Any, Literal
 
 import torch
 
-from ._address import KINDS, Address, KindInfo
-from ._api import Tokens, token_rows
-from ._errors import InvalidOption, InvalidTokens, UnknownKind
-from ._labelled import Labelled
-from ._protocol import InterpModel
-from ._steering import short_repr
-from .metrics import Metric, logit_diff, token_id
+from .._api import Tokens, token_rows
+from .._errors import InvalidOption, InvalidTokens, UnknownKind
+from ..addresses._address import KINDS, Address, KindInfo
+from ..protocol._protocol import InterpModel
+from ..results._labelled import Labelled
+from ..steering._spec import short_repr
+from ._metrics import Metric, logit_diff, token_id
 
 Direction = Literal["denoise", "noise"]
 
@@ -183,7 +183,7 @@ def plan_cells(
             f"{len(corrupt_ids)} (reword one, or pad with tokens the model ignores)"
         )
     if isinstance(positions, str):  # a chat span name, read in the clean prompt (else the corrupt one)
-        from .chat import ChatTokens, select_positions
+        from ..chat._chat import ChatTokens, select_positions
 
         chat = next((t for t in (clean, corrupt) if isinstance(t, ChatTokens)), clean_ids)
         positions = select_positions(positions, chat, n, n)

@@ -1,0 +1,106 @@
+"""The backend SDK: everything a backend imports from the core, and the contract it keeps.
+
+A backend is a package that registers an entry point in the group ``interp_engine.backends``
+naming a module with :data:`hookimpl`-marked functions (the specs are in
+:mod:`interp_engine.hookspecs`): one answers with the backend names it serves, one builds a
+model for one of those names (``load_model(path, backend="mine")``). The model it builds is a
+:class:`ModelBase` subclass and imports only the names below (and the public errors and values
+of :mod:`interp_engine`); the modules behind them are private and move without notice.
+
+What a backend implements (each an ``async def`` on the model; the base class checks every
+request first and raises the core's typed errors, so a backend receives checked input only):
+
+- ``capture(token_ids, points, *, steering_spec)``: one forward, call ``self._check_capture``
+  first; return ``request.keyed(values)``;
+- ``generate`` / ``capture_generation`` / ``stream``: call ``self._check_generation``; end a
+  completion with ``self._stop_index`` / ``self._completion``;
+- ``_decode_residuals(residuals)``: the final norm and unembedding of one checked tensor;
+- ``_close_resources()``: release what the model holds, once, on the first ``shutdown()``;
+- optionally ``_served_kinds()`` (the kinds the loaded family has), ``weights`` access
+  (:class:`WeightInfo`, :func:`check_weight_request`) and ``chat_tokens`` through
+  :class:`TokenizerMixin`.
+
+The helpers a backend calls while it serves a checked request:
+
+- **positions and heads of a write**: :func:`write_positions`, :func:`heads_of`,
+  :func:`requested_points`;
+- **the write algebra**: :meth:`Write.apply` for one write, :class:`Pipeline` for several writes
+  folded into one per-token map (how a compiled graph applies them from a table),
+  :data:`WHOLE_ROW_OPS` for the ops a tensor-parallel shard cannot apply alone;
+- **SAE readouts**: :func:`read_features` (encode and select), :func:`select_features` (select
+  from encoded activations);
+- **the lens**: :func:`lens_top_k` over the decoded residuals of :class:`CheckedLens` layers;
+- **weights**: :data:`WEIGHT_NAMES`, :func:`probe_norm`, :func:`norm_parameters`;
+- **tokens**: :class:`TokenizerMixin`, :class:`TextPieces`, :func:`pad_rows`.
+
+``tests/toy_backend`` is a complete backend written against this module alone.
+"""
+
+from .analysis._weights import WEIGHT_NAMES, WeightInfo, check_weight_request, norm_parameters, probe_norm
+from .hookspecs import hookimpl
+from .protocol._base import CheckedLens, CheckedRequest, ModelBase, SamplingOptions
+from .protocol._checks import heads_of, requested_points, write_positions
+from .protocol._protocol import (
+    BatchCapture,
+    Completion,
+    GradientCapture,
+    GradientMetric,
+    InterpModel,
+    ModelInfo,
+    Results,
+    StaticTaps,
+    StreamStep,
+    WorkerStats,
+)
+from .results._lens import LensRequest, LensResult, LensTopK, lens_top_k
+from .sae._readouts import FeatureReadout, Features, read_features, select_features
+from .sae._sae import Sae
+from .steering._spec import AnyWrite, FeatureWrite, RowSpecs, SteeringSpec, Write
+from .steering._writes import WHOLE_ROW_OPS, Pipeline, apply_op
+from .tokens import TextPieces, TokenizerMixin, pad_rows
+
+__all__ = [
+    "WEIGHT_NAMES",
+    "WHOLE_ROW_OPS",
+    "AnyWrite",
+    "BatchCapture",
+    "CheckedLens",
+    "CheckedRequest",
+    "Completion",
+    "FeatureReadout",
+    "FeatureWrite",
+    "Features",
+    "GradientCapture",
+    "GradientMetric",
+    "InterpModel",
+    "LensRequest",
+    "LensResult",
+    "LensTopK",
+    "ModelBase",
+    "ModelInfo",
+    "Pipeline",
+    "Results",
+    "RowSpecs",
+    "Sae",
+    "SamplingOptions",
+    "StaticTaps",
+    "SteeringSpec",
+    "StreamStep",
+    "TextPieces",
+    "TokenizerMixin",
+    "WeightInfo",
+    "WorkerStats",
+    "Write",
+    "apply_op",
+    "check_weight_request",
+    "heads_of",
+    "hookimpl",
+    "lens_top_k",
+    "norm_parameters",
+    "pad_rows",
+    "probe_norm",
+    "read_features",
+    "requested_points",
+    "select_features",
+    "write_positions",
+]

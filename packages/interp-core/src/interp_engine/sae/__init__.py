@@ -1,0 +1,1 @@
+"""Sparse autoencoders: the maths, SAELens's on-disk format, and feature readouts."""
