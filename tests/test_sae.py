@@ -19,8 +19,8 @@ import torch
 from sae_lens import SAE
 from sae_lens.saes.sae import SAEMetadata
 
-from interp_engine.addresses._address import Address
 from interp_engine._errors import InvalidFeatures, UnsupportedSae
+from interp_engine.addresses._address import Address
 from interp_engine.sae._sae import ARCHITECTURES, Probe, Sae, load_sae
 
 D_IN, D_SAE, D_OUT = 32, 128, 24

@@ -22,14 +22,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ._errors import InvalidActivations
-from .results._labelled import Labelled
-from .results._lens import LensResult
-from .sae._readouts import FeatureReadout
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
     from matplotlib.image import AxesImage
+
+    from .results._labelled import Labelled
+    from .results._lens import LensResult
+    from .sae._readouts import FeatureReadout
 
 __all__ = ["attention", "dla", "features", "induction", "lens", "logit_lens", "patching", "token_label"]
 
@@ -115,6 +116,17 @@ def _ticks(ax: Axes, axis: str, labels: Sequence[str], *, rotate: bool = False) 
 def _title(ax: Axes, title: str | None, size: float = 11.0) -> None:
     if title:
         ax.set_title(title, fontsize=size).set_parse_math(False)
+
+
+def _is_labelled(value: object) -> bool:
+    """Whether ``value`` is a :class:`~interp_engine.Labelled` (told by its fields: the results
+    call these functions from their own ``plot()``, so this module does not import them)."""
+    return all(hasattr(value, name) for name in ("values", "dims", "coords", "meta", "labels"))
+
+
+def _is_lens_result(value: object) -> bool:
+    """Whether ``value`` is a :class:`~interp_engine.LensResult` (told by its fields)."""
+    return all(hasattr(value, name) for name in ("layers", "positions", "ids", "probs", "labelled"))
 
 
 def _check(condition: bool, message: str) -> None:
@@ -235,7 +247,7 @@ def lens(
     ``model.to_str_tokens(prompt_ids + completion.token_ids)``): the columns are then labelled
     by the token read at each position (whose lens predicts the token after it), else by the
     position."""
-    _check(isinstance(result, LensResult), f"plot.lens draws a LensResult, got {type(result).__name__}")
+    _check(_is_lens_result(result), f"plot.lens draws a LensResult, got {type(result).__name__}")
     if tokens is not None:
         longest = max(result.positions, default=-1)
         _check(len(tokens) > longest, f"{len(tokens)} tokens for positions up to {longest}")
@@ -398,7 +410,7 @@ def induction(
 
 
 def _labelled_2d(values: torch.Tensor | Labelled, rows: Sequence[Any] | None, cols: Sequence[Any] | None) -> Any:
-    if isinstance(values, Labelled):
+    if _is_labelled(values):
         _check(
             values.values.dim() in (1, 2),
             f"patching draws a 2-D table; this result has axes {values.dims}: pick one slice with "
@@ -487,7 +499,7 @@ def dla(
     ``contributions``: ``[components]`` with ``labels``, or a one-axis
     :class:`~interp_engine.Labelled`; ``top=k`` keeps the ``k`` largest in magnitude (in their
     order)."""
-    if isinstance(contributions, Labelled):
+    if _is_labelled(contributions):
         _check(
             contributions.values.dim() == 1,
             f"dla draws one axis of components; this result has axes {contributions.dims}: pick one with "
