@@ -1,7 +1,7 @@
 """Render the README's table of model types from what the family tests recorded.
 
 The family tests (``tests/test_eager_families.py``, ``tests/test_vllm_families.py`` and the
-sweep run by ``scripts/family_sweep.sh``) write one JSON per model type and backend to
+sweep of every model type, ``pytest -m sweep`` on the vLLM family tests) write one JSON per model type and backend to
 ``.cache/family-results/<backend>/<model_type>.json``::
 
     {"model_type": "gpt_neox", "backend": "vllm", "status": "verified" | "refused" | "fails",

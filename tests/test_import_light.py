@@ -27,6 +27,8 @@ def test_the_light_names_import_no_torch() -> None:
         "from interp_engine import ALIASES, KINDS, Address, InterpError, KindInfo, PointInfo, UnknownKind\n"
         "from interp_engine import hookimpl, installed_backends, shipped_models, tiny_model_path\n"
         "import interp_engine.hookspecs\n"
+        "from interp_engine.backend import KINDS as SDK_KINDS, NEEDS, hookimpl as sdk_hookimpl, lacking\n"
+        "assert SDK_KINDS is KINDS and sdk_hookimpl is hookimpl and 'mlp_pre_linear' in lacking(NEEDS[:1])\n"
         "assert Address.parse('resid_post.5') == Address('resid_post', 5)\n"
         "assert 'resid_post' in KINDS and issubclass(UnknownKind, InterpError)\n"
         "installed_backends()\n"
@@ -36,8 +38,8 @@ def test_the_light_names_import_no_torch() -> None:
 
 
 def test_a_tensor_name_is_imported_on_first_use() -> None:
-    loaded = _modules_after("import interp_engine\ninterp_engine.Cache\n")
-    assert "torch" in loaded
+    assert "torch" in _modules_after("import interp_engine\ninterp_engine.Cache\n")
+    assert "torch" in _modules_after("from interp_engine.backend import ModelBase\n")
 
 
 def test_lazy_names_are_the_defining_modules_objects() -> None:

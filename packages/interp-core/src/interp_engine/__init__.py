@@ -13,8 +13,7 @@ use (PEP 562 ``__getattr__``), so tooling that only reads addresses stays light.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ._errors import (
     BackendError,
@@ -45,6 +44,7 @@ from ._errors import (
     UnsupportedOperation,
     UnsupportedSae,
 )
+from ._lazy import lazy_attributes
 from ._plugins import (
     installed_backends,
     load_model,
@@ -54,14 +54,8 @@ from ._shipped import (
     shipped_saes,
     tiny_model_path,
 )
-from .addresses._address import (
-    ALIASES,
-    KINDS,
-    Address,
-    KindInfo,
-    LayerTypeError,
-    PointInfo,
-)
+from .addresses._address import Address, LayerTypeError, PointInfo
+from .addresses._kinds import ALIASES, KINDS, KindInfo
 from .hookspecs import hookimpl
 
 if TYPE_CHECKING:
@@ -195,18 +189,7 @@ _LAZY: dict[str, str] = {
 """Each name imported on first use, and the module (relative to this package) that defines it."""
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
-
+__getattr__, __dir__ = lazy_attributes(globals(), _LAZY)
 
 __all__ = [
     "ALIASES",

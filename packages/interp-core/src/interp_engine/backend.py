@@ -22,6 +22,9 @@ request first and raises the core's typed errors, so a backend receives checked 
 
 The helpers a backend calls while it serves a checked request:
 
+- **what a family serves**: :data:`KINDS` (one row per kind: its ``needs`` and why it may be
+  ``missing``), :data:`Need` / :data:`NEEDS`, :func:`lacking` (the kinds a family with these
+  needs cannot serve), :func:`needing`, :func:`missing_reason`;
 - **positions and heads of a write**: :func:`write_positions`, :func:`heads_of`,
   :func:`requested_points`;
 - **the write algebra**: :meth:`Write.apply` for one write, :class:`Pipeline` for several writes
@@ -34,32 +37,144 @@ The helpers a backend calls while it serves a checked request:
 - **tokens**: :class:`TokenizerMixin`, :class:`TextPieces`, :func:`pad_rows`.
 
 ``tests/toy_backend`` is a complete backend written against this module alone.
+
+Like :mod:`interp_engine`, this module imports no torch until a tensor-holding name is used: a
+backend's light modules (its plugin, its family tables) can import the kind rows from here.
 """
 
-from .analysis._weights import WEIGHT_NAMES, WeightInfo, check_weight_request, norm_parameters, probe_norm
-from .hookspecs import hookimpl
-from .protocol._base import CheckedLens, CheckedRequest, ModelBase, SamplingOptions
-from .protocol._checks import heads_of, requested_points, write_positions
-from .protocol._protocol import (
-    BatchCapture,
-    Completion,
-    GradientCapture,
-    GradientMetric,
-    InterpModel,
-    ModelInfo,
-    Results,
-    StaticTaps,
-    StreamStep,
-    WorkerStats,
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ._lazy import lazy_attributes
+from .addresses._kinds import (
+    KINDS,
+    NEEDS,
+    Need,
+    lacking,
+    missing_reason,
+    needing,
 )
-from .results._lens import LensRequest, LensResult, LensTopK, lens_top_k
-from .sae._readouts import FeatureReadout, Features, read_features, select_features
-from .sae._sae import Sae
-from .steering._spec import AnyWrite, FeatureWrite, RowSpecs, SteeringSpec, Write
-from .steering._writes import WHOLE_ROW_OPS, Pipeline, apply_op
-from .tokens import TextPieces, TokenizerMixin, pad_rows
+from .hookspecs import (
+    hookimpl,
+)
+
+if TYPE_CHECKING:
+    from .analysis._weights import (
+        WEIGHT_NAMES,
+        WeightInfo,
+        check_weight_request,
+        norm_parameters,
+        probe_norm,
+    )
+    from .protocol._base import (
+        CheckedLens,
+        CheckedRequest,
+        ModelBase,
+        SamplingOptions,
+    )
+    from .protocol._checks import (
+        heads_of,
+        requested_points,
+        write_positions,
+    )
+    from .protocol._protocol import (
+        BatchCapture,
+        Completion,
+        GradientCapture,
+        GradientMetric,
+        InterpModel,
+        ModelInfo,
+        Results,
+        StaticTaps,
+        StreamStep,
+        WorkerStats,
+    )
+    from .results._lens import (
+        LensRequest,
+        LensResult,
+        LensTopK,
+        lens_top_k,
+    )
+    from .sae._readouts import (
+        FeatureReadout,
+        Features,
+        read_features,
+        select_features,
+    )
+    from .sae._sae import (
+        Sae,
+    )
+    from .steering._spec import (
+        AnyWrite,
+        FeatureWrite,
+        RowSpecs,
+        SteeringSpec,
+        Write,
+    )
+    from .steering._writes import (
+        WHOLE_ROW_OPS,
+        Pipeline,
+        apply_op,
+    )
+    from .tokens import (
+        TextPieces,
+        TokenizerMixin,
+        pad_rows,
+    )
+
+_LAZY: dict[str, str] = {
+    "WEIGHT_NAMES": ".analysis._weights",
+    "WeightInfo": ".analysis._weights",
+    "check_weight_request": ".analysis._weights",
+    "norm_parameters": ".analysis._weights",
+    "probe_norm": ".analysis._weights",
+    "CheckedLens": ".protocol._base",
+    "CheckedRequest": ".protocol._base",
+    "ModelBase": ".protocol._base",
+    "SamplingOptions": ".protocol._base",
+    "heads_of": ".protocol._checks",
+    "requested_points": ".protocol._checks",
+    "write_positions": ".protocol._checks",
+    "BatchCapture": ".protocol._protocol",
+    "Completion": ".protocol._protocol",
+    "GradientCapture": ".protocol._protocol",
+    "GradientMetric": ".protocol._protocol",
+    "InterpModel": ".protocol._protocol",
+    "ModelInfo": ".protocol._protocol",
+    "Results": ".protocol._protocol",
+    "StaticTaps": ".protocol._protocol",
+    "StreamStep": ".protocol._protocol",
+    "WorkerStats": ".protocol._protocol",
+    "LensRequest": ".results._lens",
+    "LensResult": ".results._lens",
+    "LensTopK": ".results._lens",
+    "lens_top_k": ".results._lens",
+    "FeatureReadout": ".sae._readouts",
+    "Features": ".sae._readouts",
+    "read_features": ".sae._readouts",
+    "select_features": ".sae._readouts",
+    "Sae": ".sae._sae",
+    "AnyWrite": ".steering._spec",
+    "FeatureWrite": ".steering._spec",
+    "RowSpecs": ".steering._spec",
+    "SteeringSpec": ".steering._spec",
+    "Write": ".steering._spec",
+    "Pipeline": ".steering._writes",
+    "WHOLE_ROW_OPS": ".steering._writes",
+    "apply_op": ".steering._writes",
+    "TextPieces": ".tokens",
+    "TokenizerMixin": ".tokens",
+    "pad_rows": ".tokens",
+}
+"""Each tensor-holding name, imported on first use, and the module that defines it."""
+
+
+__getattr__, __dir__ = lazy_attributes(globals(), _LAZY)
 
 __all__ = [
+    "KINDS",
+    "NEEDS",
     "WEIGHT_NAMES",
     "WHOLE_ROW_OPS",
     "AnyWrite",
@@ -78,6 +193,7 @@ __all__ = [
     "LensTopK",
     "ModelBase",
     "ModelInfo",
+    "Need",
     "Pipeline",
     "Results",
     "RowSpecs",
@@ -95,7 +211,10 @@ __all__ = [
     "check_weight_request",
     "heads_of",
     "hookimpl",
+    "lacking",
     "lens_top_k",
+    "missing_reason",
+    "needing",
     "norm_parameters",
     "pad_rows",
     "probe_norm",

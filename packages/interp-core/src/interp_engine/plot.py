@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 
@@ -118,13 +118,13 @@ def _title(ax: Axes, title: str | None, size: float = 11.0) -> None:
         ax.set_title(title, fontsize=size).set_parse_math(False)
 
 
-def _is_labelled(value: object) -> bool:
+def _is_labelled(value: object) -> TypeGuard[Labelled]:
     """Whether ``value`` is a :class:`~interp_engine.Labelled` (told by its fields: the results
     call these functions from their own ``plot()``, so this module does not import them)."""
     return all(hasattr(value, name) for name in ("values", "dims", "coords", "meta", "labels"))
 
 
-def _is_lens_result(value: object) -> bool:
+def _is_lens_result(value: object) -> TypeGuard[LensResult]:
     """Whether ``value`` is a :class:`~interp_engine.LensResult` (told by its fields)."""
     return all(hasattr(value, name) for name in ("layers", "positions", "ids", "probs", "labelled"))
 

@@ -15,6 +15,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from interp_engine.backend import KINDS, Need, lacking
+
+
+def _need(kind: str) -> Need | None:
+    info = KINDS.get(kind)
+    return None if info is None else info.needs
+
 
 @dataclass(frozen=True)
 class VllmFamily:
@@ -93,30 +100,34 @@ class VllmFamily:
     def is_moe_layer(self, layer: int) -> bool:
         return self.is_moe and (not self.moe_layers or layer in self.moe_layers)
 
+    def has(self) -> frozenset[Need]:
+        """What this model's layers have, of what some kinds need (:data:`interp_engine.backend.Need`)."""
+        has: set[Need] = {"attn_pre_norm", "mlp_pre_norm", "resid_mid"}
+        if self.dense_mlp:
+            has.add("dense_mlp")
+            if self.gated:
+                has.add("gated_mlp")
+        if self.is_moe:
+            has.add("moe")
+        if self.q_norm is not None:
+            has.add("q_norm")
+        if self.k_norm is not None:
+            has.add("k_norm")
+        if self.attn_post_norm is not None:
+            has.add("attn_post_norm")
+        if self.mlp_post_norm is not None:
+            has.add("mlp_post_norm")
+        if not self.sinks:
+            has.add("key_softmax")
+        return frozenset(has)
+
     def lacks(self) -> frozenset[str]:
         """The address kinds this model does not have."""
-        missing = set()
-        if not self.dense_mlp:
-            missing |= {"mlp_pre", "mlp_pre_linear", "mlp_post"}
-        if not self.gated:
-            missing.add("mlp_pre_linear")
-        if not self.is_moe:
-            missing |= {"router_logits", "expert_indices", "expert_weights"}
-        if self.q_norm is None:
-            missing |= {"q_norm_in", "q_norm_out"}
-        if self.k_norm is None:
-            missing |= {"k_norm_in", "k_norm_out"}
-        if self.attn_post_norm is None:
-            missing.add("attn_out_post")
-        if self.mlp_post_norm is None:
-            missing.add("mlp_out_post")
-        if self.sinks:
-            missing.add("attn_scores")
-        return frozenset(missing)
+        return lacking(self.has())
 
     def missing_reason(self, kind: str) -> str | None:
         """Why this model lacks ``kind``, where the core's generic reason would mislead."""
-        if self.is_moe and not self.dense_mlp and kind in ("mlp_pre", "mlp_pre_linear", "mlp_post"):
+        if self.is_moe and not self.dense_mlp and _need(kind) in ("dense_mlp", "gated_mlp"):
             return (
                 "its MLPs are mixtures of experts: there is no single MLP hidden (read router_logits, "
                 "expert_indices, expert_weights, or mlp_out, the whole block's output)"
@@ -132,11 +143,12 @@ class VllmFamily:
         """Why ``kind`` does not exist at ``layer`` (``None``: it does), for models whose layers
         differ (dense and mixture-of-experts layers mixed)."""
         moe = self.is_moe_layer(layer)
-        if moe and kind in ("mlp_pre", "mlp_pre_linear", "mlp_post"):
+        need = _need(kind)
+        if moe and need in ("dense_mlp", "gated_mlp"):
             return (
                 f"layer {layer} is a mixture of experts: there is no single MLP hidden "
                 "(read router_logits, expert_indices, expert_weights or mlp_out)"
             )
-        if not moe and kind in ("router_logits", "expert_indices", "expert_weights"):
+        if not moe and need == "moe":
             return f"layer {layer} has a dense MLP, not a mixture of experts"
         return None

@@ -1,4 +1,4 @@
-"""Addresses: where in a model an activation is read or written."""
+"""Addresses: where in a model an activation is read or written (the kinds are in :mod:`._kinds`)."""
 
 from __future__ import annotations
 
@@ -7,121 +7,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from .._errors import InvalidAddress, LayerOutOfRange, UnknownKind
+from ._kinds import ALIASES, KINDS, KindInfo
 from ._tl_names import is_tl_name, parse_tl_name, tl_name
-
-Width = Literal[
-    "d_model", "d_mlp", "heads x keys", "heads x d_head", "kv_heads x d_head", "vocab", "experts", "experts per token"
-]
-
-
-@dataclass(frozen=True)
-class KindInfo:
-    """What one address kind means: whether it is per layer, its width, whether it can be written."""
-
-    per_layer: bool
-    width: Width
-    writable: bool
-    meaning: str
-
-    @property
-    def per_head(self) -> bool:
-        """Whether values keep a head axis (``[n_tokens, heads, d_head]``) and writes select heads."""
-        return self.width in ("heads x d_head", "kv_heads x d_head")
-
-
-KINDS: dict[str, KindInfo] = {
-    "embed": KindInfo(False, "d_model", True, "token (+ position) embedding entering layer 0"),
-    "resid_pre": KindInfo(True, "d_model", True, "residual stream entering layer L"),
-    "resid_mid": KindInfo(True, "d_model", True, "residual after attention, before the MLP"),
-    "resid_post": KindInfo(True, "d_model", True, "residual stream leaving layer L"),
-    "attn_out": KindInfo(
-        True, "d_model", True, "the attention sublayer's output (after its output projection, before any post-norm)"
-    ),
-    "mlp_out": KindInfo(True, "d_model", True, "the MLP sublayer's output (before any post-norm)"),
-    "mlp_post": KindInfo(True, "d_mlp", True, "MLP hidden activations after the nonlinearity"),
-    "attn_pattern": KindInfo(True, "heads x keys", False, "attention probabilities"),
-    "final_norm": KindInfo(False, "d_model", True, "final norm output, input to the unembedding"),
-    "logits": KindInfo(False, "vocab", False, "output logits (after any soft-cap or scaling)"),
-    "attn_q": KindInfo(
-        True, "heads x d_head", False, "queries as the attention product uses them (after rotary, q-norm)"
-    ),
-    "attn_k": KindInfo(
-        True, "kv_heads x d_head", False, "keys as the attention product uses them (after rotary, k-norm)"
-    ),
-    "attn_v": KindInfo(True, "kv_heads x d_head", True, "values, per key/value head"),
-    "attn_z": KindInfo(
-        True, "heads x d_head", True, "each head's output, the input of the attention's output projection"
-    ),
-    "attn_in": KindInfo(True, "d_model", True, "the attention sublayer's input, after its pre-norm"),
-    "mlp_in": KindInfo(True, "d_model", True, "the MLP's input, after its pre-norm"),
-    "mlp_pre": KindInfo(True, "d_mlp", True, "MLP pre-activation (gated MLPs: the gate branch)"),
-    "mlp_pre_linear": KindInfo(True, "d_mlp", True, "gated MLPs: the linear (up) branch"),
-    "attn_scores": KindInfo(
-        True,
-        "heads x keys",
-        False,
-        "pre-softmax attention scores with the model's scaling, soft-cap, window and mask (-inf where masked)",
-    ),
-    "q_norm_in": KindInfo(True, "heads x d_head", True, "queries entering the q-norm (before rotary)"),
-    "q_norm_out": KindInfo(True, "heads x d_head", True, "queries leaving the q-norm (before rotary)"),
-    "k_norm_in": KindInfo(True, "kv_heads x d_head", True, "keys entering the k-norm (before rotary)"),
-    "k_norm_out": KindInfo(True, "kv_heads x d_head", True, "keys leaving the k-norm (before rotary)"),
-    "attn_out_post": KindInfo(
-        True, "d_model", True, "sandwich-norm families: the post-attention norm's output, added to the residual"
-    ),
-    "mlp_out_post": KindInfo(
-        True, "d_model", True, "sandwich-norm families: the post-MLP norm's output, added to the residual"
-    ),
-    "logits_raw": KindInfo(
-        False, "vocab", False, "the bare unembedding of final_norm, before any logit soft-cap or scaling"
-    ),
-    "router_logits": KindInfo(
-        True, "experts", True, "mixture-of-experts layers: the router's logits per expert, before softmax and top-k"
-    ),
-    "expert_indices": KindInfo(
-        True,
-        "experts per token",
-        False,
-        "mixture-of-experts layers: the experts each token is routed to (int64), in the router's order",
-    ),
-    "expert_weights": KindInfo(
-        True,
-        "experts per token",
-        False,
-        "mixture-of-experts layers: the weights the chosen experts' outputs are multiplied by "
-        "(after the family's renormalisation), in the order of expert_indices",
-    ),
-}
-"""The address vocabulary (TransformerLens meanings), in the order of SPEC §3's table."""
-
-ALIASES: dict[str, str] = {
-    "embeddings": "embed",
-    "z": "attn_z",
-    "value": "attn_v",
-    "mlp_act": "mlp_post",
-    "attn_probs": "attn_pattern",
-    "lm_head": "logits_raw",
-}
-"""The public ``interp-engine`` package's point names that differ from ours, read as our kinds
-(its other names -- ``attn_in``, ``mlp_pre``, ``q_norm_out``, ``attn_out_post``, ... -- are ours too,
-with the same meaning)."""
-
-MISSING_REASONS: dict[str, str] = {
-    "attn_in": "its attention does not read a normed copy of the residual",
-    "mlp_in": "its MLP does not read a normed copy of the residual",
-    "mlp_pre_linear": "its MLP is not gated (one up projection and an activation: use mlp_pre)",
-    "q_norm_in": "it has no q-norm",
-    "q_norm_out": "it has no q-norm",
-    "k_norm_in": "it has no k-norm",
-    "k_norm_out": "it has no k-norm",
-    "attn_out_post": "it has no post-attention (sandwich) norm: attn_out is what is added to the residual",
-    "mlp_out_post": "it has no post-MLP (sandwich) norm: mlp_out is what is added to the residual",
-    "resid_mid": "there is no residual between its attention and MLP",
-    "router_logits": "it is not a mixture of experts",
-    "expert_indices": "it is not a mixture of experts",
-    "expert_weights": "it is not a mixture of experts",
-}
-"""Why a family may lack a kind (the default reason a backend gives with ``KindNotInFamily``)."""
 
 
 @dataclass(frozen=True)
@@ -143,41 +30,6 @@ class PointInfo:
     """The layers it exists at when that is not every layer (``None``: every layer, or no layer
     axis): a model mixing dense and mixture-of-experts layers has the router points only on the
     latter and ``mlp_post`` only on the former."""
-
-
-_KIND_ORDER = {  # the order values are computed in, inside one layer
-    kind: i
-    for i, kind in enumerate(
-        (
-            "resid_pre",
-            "attn_in",
-            "q_norm_in",
-            "q_norm_out",
-            "k_norm_in",
-            "k_norm_out",
-            "attn_q",
-            "attn_k",
-            "attn_v",
-            "attn_scores",
-            "attn_pattern",
-            "attn_z",
-            "attn_out",
-            "attn_out_post",
-            "resid_mid",
-            "mlp_in",
-            "router_logits",
-            "expert_indices",
-            "expert_weights",
-            "mlp_pre",
-            "mlp_pre_linear",
-            "mlp_post",
-            "mlp_out",
-            "mlp_out_post",
-            "resid_post",
-        )
-    )
-}
-_MODEL_LEVEL_ORDER = {"embed": -1, "final_norm": 1 << 30, "logits_raw": (1 << 30) + 1, "logits": (1 << 30) + 2}
 
 
 _LAYER_TEXT = re.compile(r"-?[0-9]+")
@@ -301,8 +153,8 @@ class Address:
     def sort_key(self) -> tuple[int, int]:
         """Forward order: by layer, then by position inside the layer."""
         if self.layer is None:
-            return (_MODEL_LEVEL_ORDER[self.kind], 0)
-        return (self.layer, _KIND_ORDER[self.kind])
+            return (KINDS[self.kind].order, 0)
+        return (self.layer, KINDS[self.kind].order)
 
 
 AddressLike = Address | str

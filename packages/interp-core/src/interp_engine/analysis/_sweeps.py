@@ -11,7 +11,8 @@ import torch
 
 from .._api import Tokens, token_rows
 from .._errors import InvalidOption, InvalidTokens, UnknownKind
-from ..addresses._address import KINDS, Address, KindInfo
+from ..addresses._address import Address
+from ..addresses._kinds import KINDS, KindInfo
 from ..protocol._protocol import InterpModel
 from ..results._labelled import Labelled
 from ..steering._spec import short_repr

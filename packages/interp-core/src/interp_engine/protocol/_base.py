@@ -66,7 +66,8 @@ from .._errors import (
     UnsupportedAddress,
     UnsupportedOperation,
 )
-from ..addresses._address import KINDS, MISSING_REASONS, Address, AddressLike, PointInfo
+from ..addresses._address import Address, AddressLike, PointInfo
+from ..addresses._kinds import KINDS, missing_reason
 from ..chat._chat import ChatTokens, build_chat_tokens
 from ..results._lens import LensRequest
 from ..sae._readouts import FeatureReadout, Features, as_features, check_readout, check_sae_name, read_features
@@ -97,10 +98,6 @@ from ._protocol import Activations, Completion, ModelInfo, Results, StreamStep
 
 SAMPLING_OPTIONS = ("ignore_eos", "seed", "temperature", "top_k", "top_p")
 """The generation options every built-in backend takes (vLLM's names)."""
-
-
-def _is_number(value: Any) -> bool:
-    return finite_float(value) is not None
 
 
 MIN_TEMPERATURE = 0.01
@@ -227,10 +224,6 @@ class CheckedRequest:
         """The addresses the readouts' SAEs read, in request order, without repeats."""
         return list(dict.fromkeys(self.saes[r.sae].address for r in self.readouts))
 
-    @property
-    def feature_writes(self) -> list[FeatureWrite]:
-        return [w for w in self.writes if isinstance(w, FeatureWrite)]
-
     def keyed(
         self, values: Mapping[Address, torch.Tensor], readouts: Mapping[Features, FeatureReadout] | None = None
     ) -> Results:
@@ -326,7 +319,7 @@ class ModelBase(abc.ABC):
         """Why this model does not serve ``kind`` (said in ``KindNotInFamily``)."""
         if kind not in self.supported_points:
             return f"the {self.backend} backend does not serve it"
-        return MISSING_REASONS.get(kind, "its family has no such point")
+        return missing_reason(kind)
 
     def _writable_kinds(self) -> list[str]:
         served = self._served_kinds()

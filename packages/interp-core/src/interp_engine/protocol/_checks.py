@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from .._errors import ContextTooLong, InvalidActivations, InvalidSteering, InvalidTokens, UnsupportedAddress
-from ..addresses._address import KINDS, Address, AddressLike, as_address
+from ..addresses._address import Address, AddressLike, as_address
+from ..addresses._kinds import KINDS
 from ..steering._spec import AnyWrite, FeatureWrite, SteeringSpec, Write
 from ._protocol import ModelInfo
 

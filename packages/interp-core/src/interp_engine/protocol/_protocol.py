@@ -1,7 +1,7 @@
 """The async model protocol every backend implements, the values it returns, and the optional
 capabilities some backends add.
 
-:class:`InterpModel` is what every backend's model offers (SPEC §5). What only some offer is a
+:class:`InterpModel` is what every backend's model offers. What only some offer is a
 protocol of its own, declared here and checked with ``isinstance`` where it is used (never with
 ``getattr``, ``hasattr`` or a class name), so a third-party backend gains a capability by
 implementing its methods, nothing else:
@@ -131,7 +131,7 @@ class Results(dict[Address | Features | LensRequest, Any]):
 
 @runtime_checkable
 class InterpModel(Protocol):
-    """What every backend's model offers (SPEC §5). Everything that computes is async.
+    """What every backend's model offers. Everything that computes is async.
 
     Results from :meth:`capture` are plain dicts keyed by :class:`Address`, without a batch
     axis (``[n_tokens, width]``; head addresses ``[n_tokens, heads, d_head]``; attention

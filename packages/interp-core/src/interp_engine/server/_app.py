@@ -44,7 +44,8 @@ from .._errors import (
     UnsupportedAddress,
 )
 from .._plugins import load_model
-from ..addresses._address import KINDS, Address
+from ..addresses._address import Address
+from ..addresses._kinds import KINDS
 from ..chat._chat import ChatTokens, span_positions
 from ..protocol._base import ModelBase
 from ..protocol._checks import check_spec, value_shape
