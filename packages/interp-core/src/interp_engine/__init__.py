@@ -89,15 +89,8 @@ if TYPE_CHECKING:
         Weights,
         weights,
     )
-    from .chat._chat import (
-        ChatTokens,
-        Span,
-    )
-    from .protocol._base import (
-        CheckedRequest,
-        ModelBase,
-        SamplingOptions,
-    )
+    from .chat._spans import ChatTokens, Span
+    from .protocol._base import ModelBase
     from .protocol._protocol import (
         BatchCapture,
         Completion,
@@ -110,6 +103,7 @@ if TYPE_CHECKING:
         StreamStep,
         WorkerStats,
     )
+    from .protocol._requests import CheckedRequest, SamplingOptions
     from .results._cache import Cache
     from .results._labelled import Labelled
     from .results._lens import (
@@ -156,11 +150,11 @@ _LAZY: dict[str, str] = {
     "WeightInfo": ".analysis._weights",
     "Weights": ".analysis._weights",
     "weights": ".analysis._weights",
-    "ChatTokens": ".chat._chat",
-    "Span": ".chat._chat",
-    "CheckedRequest": ".protocol._base",
+    "ChatTokens": ".chat._spans",
+    "Span": ".chat._spans",
+    "CheckedRequest": ".protocol._requests",
     "ModelBase": ".protocol._base",
-    "SamplingOptions": ".protocol._base",
+    "SamplingOptions": ".protocol._requests",
     "BatchCapture": ".protocol._protocol",
     "Completion": ".protocol._protocol",
     "GradientCapture": ".protocol._protocol",

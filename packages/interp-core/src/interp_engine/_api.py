@@ -11,7 +11,7 @@ import torch
 from ._errors import InvalidAddress, InvalidTokens
 from ._sync import SyncModel, sync_model
 from .addresses._address import Address, as_address
-from .chat._chat import ChatTokens, select_positions
+from .chat._spans import ChatTokens, select_positions
 from .protocol._protocol import BatchCapture, Completion, InterpModel, Points, Results, StreamStep
 from .results._cache import Cache, keep_positions
 from .results._lens import LensRequest, LensResult

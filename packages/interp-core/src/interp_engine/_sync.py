@@ -19,7 +19,7 @@ import torch
 
 from ._errors import ModelClosed, RunningLoopError, UnsupportedOperation
 from .addresses._address import Address
-from .chat._chat import ChatTokens
+from .chat._spans import ChatTokens
 from .protocol._protocol import Activations, Completion, InterpModel, Points, Results, StreamStep
 from .results._lens import LensRequest
 from .steering._spec import SteeringSpec

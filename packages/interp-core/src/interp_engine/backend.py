@@ -67,12 +67,7 @@ if TYPE_CHECKING:
         norm_parameters,
         probe_norm,
     )
-    from .protocol._base import (
-        CheckedLens,
-        CheckedRequest,
-        ModelBase,
-        SamplingOptions,
-    )
+    from .protocol._base import ModelBase
     from .protocol._checks import (
         heads_of,
         requested_points,
@@ -90,6 +85,7 @@ if TYPE_CHECKING:
         StreamStep,
         WorkerStats,
     )
+    from .protocol._requests import CheckedLens, CheckedRequest, SamplingOptions
     from .results._lens import (
         LensRequest,
         LensResult,
@@ -129,10 +125,10 @@ _LAZY: dict[str, str] = {
     "check_weight_request": ".analysis._weights",
     "norm_parameters": ".analysis._weights",
     "probe_norm": ".analysis._weights",
-    "CheckedLens": ".protocol._base",
-    "CheckedRequest": ".protocol._base",
+    "CheckedLens": ".protocol._requests",
+    "CheckedRequest": ".protocol._requests",
     "ModelBase": ".protocol._base",
-    "SamplingOptions": ".protocol._base",
+    "SamplingOptions": ".protocol._requests",
     "heads_of": ".protocol._checks",
     "requested_points": ".protocol._checks",
     "write_positions": ".protocol._checks",

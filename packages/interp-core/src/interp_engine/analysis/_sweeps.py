@@ -184,7 +184,7 @@ def plan_cells(
             f"{len(corrupt_ids)} (reword one, or pad with tokens the model ignores)"
         )
     if isinstance(positions, str):  # a chat span name, read in the clean prompt (else the corrupt one)
-        from ..chat._chat import ChatTokens, select_positions
+        from ..chat._spans import ChatTokens, select_positions
 
         chat = next((t for t in (clean, corrupt) if isinstance(t, ChatTokens)), clean_ids)
         positions = select_positions(positions, chat, n, n)

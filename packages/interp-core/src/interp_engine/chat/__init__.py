@@ -25,7 +25,11 @@ first user turn) has no template tokens of its own: its turn is its content. Cha
 tokens through the tokenizer's offsets (fast tokenizers) or by decoding prefixes (slow ones).
 """
 
-from ._chat import (
+from ._render import (
+    build_chat_tokens,
+    check_messages,
+)
+from ._spans import (
     DEFAULT_REASONING_MARKERS,
     GRAMMAR,
     PARTS,
@@ -34,8 +38,6 @@ from ._chat import (
     PositionName,
     Span,
     SpanKind,
-    build_chat_tokens,
-    check_messages,
     is_span_name,
     parse_position_name,
     select_positions,

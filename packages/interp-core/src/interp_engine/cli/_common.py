@@ -22,7 +22,7 @@ from ..sae._readouts import Features, check_readout, check_sae_name
 from ..sae._sae import Sae, load_sae
 
 if TYPE_CHECKING:
-    from ..chat._chat import ChatTokens
+    from ..chat._spans import ChatTokens
 
 DEFAULT_MODEL = "interp:tiny"
 """The model ``interp demo`` runs when none is named (the tiny model that ships with the project)."""

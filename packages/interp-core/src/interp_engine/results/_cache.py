@@ -13,7 +13,7 @@ import torch
 from .._errors import InvalidActivations, InvalidAddress, InvalidFeatures, InvalidOption
 from ..addresses._address import Address, AddressLike, as_address
 from ..addresses._kinds import KINDS
-from ..chat._chat import ChatTokens, select_positions
+from ..chat._spans import ChatTokens, select_positions
 from ..sae._readouts import FeatureReadout, Features
 from ._lens import LensResult
 

@@ -46,7 +46,7 @@ from .._errors import (
 from .._plugins import load_model
 from ..addresses._address import Address
 from ..addresses._kinds import KINDS
-from ..chat._chat import ChatTokens, span_positions
+from ..chat._spans import ChatTokens, span_positions
 from ..protocol._base import ModelBase
 from ..protocol._checks import check_spec, value_shape
 from ..protocol._protocol import Completion, InterpModel, StaticTaps, StreamStep

@@ -18,7 +18,7 @@ import torch
 
 from .._errors import InvalidSteering
 from ..addresses._address import Address, AddressLike, as_address
-from ..chat._chat import is_span_name, parse_position_name, span_positions
+from ..chat._spans import is_span_name, parse_position_name, span_positions
 from ._writes import DIRECTION_OPS, apply_op
 
 if TYPE_CHECKING:
