@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeGuard
+from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
 
 import torch
 
@@ -28,9 +28,6 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
     from matplotlib.image import AxesImage
 
-    from .results._labelled import Labelled
-    from .results._lens import LensResult
-    from .sae._readouts import FeatureReadout
 
 __all__ = ["attention", "dla", "features", "induction", "lens", "logit_lens", "patching", "token_label"]
 
@@ -118,9 +115,36 @@ def _title(ax: Axes, title: str | None, size: float = 11.0) -> None:
         ax.set_title(title, fontsize=size).set_parse_math(False)
 
 
+class Labelled(Protocol):
+    """What the plots read of a :class:`~interp_engine.Labelled` (this module draws results without
+    importing them: the results call it from their own ``plot()``)."""
+
+    values: torch.Tensor
+    dims: tuple[str, ...]
+    coords: Mapping[str, Sequence[Any]]
+    meta: Mapping[str, Any]
+
+    def labels(self, dim: str) -> list[Any]: ...
+
+
+class LensResult(Protocol):
+    """What :func:`lens` reads of a :class:`~interp_engine.LensResult`."""
+
+    layers: tuple[int, ...]
+    positions: tuple[int, ...]
+    ids: torch.Tensor
+    probs: torch.Tensor
+
+
+class FeatureReadout(Protocol):
+    """What :func:`features` reads of a :class:`~interp_engine.FeatureReadout`."""
+
+    values: torch.Tensor
+    ids: torch.Tensor | None
+
+
 def _is_labelled(value: object) -> TypeGuard[Labelled]:
-    """Whether ``value`` is a :class:`~interp_engine.Labelled` (told by its fields: the results
-    call these functions from their own ``plot()``, so this module does not import them)."""
+    """Whether ``value`` is a :class:`~interp_engine.Labelled` (told by its fields)."""
     return all(hasattr(value, name) for name in ("values", "dims", "coords", "meta", "labels"))
 
 
