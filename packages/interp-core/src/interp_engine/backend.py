@@ -28,8 +28,10 @@ The helpers a backend calls while it serves a checked request:
 - **positions and heads of a write**: :func:`write_positions`, :func:`heads_of`,
   :func:`requested_points`;
 - **the write algebra**: :meth:`Write.apply` for one write, :class:`Pipeline` for several writes
-  folded into one per-token map (how a compiled graph applies them from a table),
-  :data:`WHOLE_ROW_OPS` for the ops a tensor-parallel shard cannot apply alone;
+  folded into one per-token map (how a compiled graph applies them from a table:
+  :data:`PIPELINE_TABLES` are its fields, :func:`run_stages` evaluates them),
+  :data:`WHOLE_ROW_OPS` for the ops a tensor-parallel shard cannot apply alone and
+  :data:`ELEMENTWISE_OPS` for those it can;
 - **SAE readouts**: :func:`read_features` (encode and select), :func:`select_features` (select
   from encoded activations);
 - **the lens**: :func:`lens_top_k` over the decoded residuals of :class:`CheckedLens` layers;
@@ -109,9 +111,12 @@ if TYPE_CHECKING:
         Write,
     )
     from .steering._writes import (
+        ELEMENTWISE_OPS,
+        PIPELINE_TABLES,
         WHOLE_ROW_OPS,
         Pipeline,
         apply_op,
+        run_stages,
     )
     from .tokens import (
         TextPieces,
@@ -120,6 +125,9 @@ if TYPE_CHECKING:
     )
 
 _LAZY: dict[str, str] = {
+    "run_stages": ".steering._writes",
+    "PIPELINE_TABLES": ".steering._writes",
+    "ELEMENTWISE_OPS": ".steering._writes",
     "WEIGHT_NAMES": ".analysis._weights",
     "WeightInfo": ".analysis._weights",
     "check_weight_request": ".analysis._weights",
@@ -169,8 +177,10 @@ _LAZY: dict[str, str] = {
 __getattr__, __dir__ = lazy_attributes(globals(), _LAZY)
 
 __all__ = [
+    "ELEMENTWISE_OPS",
     "KINDS",
     "NEEDS",
+    "PIPELINE_TABLES",
     "WEIGHT_NAMES",
     "WHOLE_ROW_OPS",
     "AnyWrite",
@@ -216,6 +226,7 @@ __all__ = [
     "probe_norm",
     "read_features",
     "requested_points",
+    "run_stages",
     "select_features",
     "write_positions",
 ]

@@ -462,7 +462,7 @@ class VllmModel(TokenizerMixin, ModelBase):
         *,
         stream: bool = False,
     ) -> RequestPayload:
-        from interp_engine.backend import WHOLE_ROW_OPS
+        from interp_engine.backend import ELEMENTWISE_OPS, WHOLE_ROW_OPS
 
         split = [
             w
@@ -473,7 +473,7 @@ class VllmModel(TokenizerMixin, ModelBase):
             raise InvalidSteering(
                 f"{split[0].op} at {split[0].address} is not available under tensor parallelism (its values "
                 f"are split across ranks, and {split[0].op} needs a projection or a norm over all of them); "
-                f"use add or set there (ops that need the whole vector: {', '.join(WHOLE_ROW_OPS)})"
+                f"use {' or '.join(ELEMENTWISE_OPS)} there (ops that need the whole vector: {', '.join(WHOLE_ROW_OPS)})"
             )
         return RequestPayload(
             rid, tuple(points), tuple(writes), n_prompt, n_total, readouts=tuple(readouts), stream=stream

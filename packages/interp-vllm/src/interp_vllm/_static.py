@@ -6,22 +6,22 @@ so everything that changes per request must live in tensors the host fills befor
 - :class:`StaticTap` copies the rows it sees into a fixed buffer (``max_tokens x width``),
   allocated before compilation; after the step the host reads each request's real rows.
 - :class:`StaticWrites` applies per-token writes from slot tables: token ``t`` uses slot
-  ``s = index[t]`` and goes through a fixed pipeline that covers every op
-  (:class:`~interp_engine.steering._writes.Pipeline`):
+  ``s = index[t]`` and goes through the core's fixed pipeline that covers every op
+  (:class:`~interp_engine.backend.Pipeline`, evaluated by
+  :func:`~interp_engine.backend.run_stages` on row ``s`` of each table): an affine map
+  ``keep*x + (x.u)m + shift`` (add, set, ablate, rescale, swap), a cap along one direction, a
+  norm-scaled add (norm_add, its ``max_fraction`` folded in on the host), and at
+  ``router_logits`` entries banned to ``-inf``. The tables are the pipeline's fields
+  (:data:`~interp_engine.backend.PIPELINE_TABLES`), one row per slot. Slot 0 is the identity
+  and a token at slot 0 gets ``x`` itself back (a ``where``), bit for bit.
 
-  1. ``y = keep[s] * x + (x . u[s]) m[s] + shift[s]`` (add, set, ablate, rescale, swap);
-  2. ``y = y + (clamp(y . c[s], lo[s], hi[s]) - y . c[s]) c[s]`` (cap; ``c = 0`` and
-     ``lo, hi = -inf, inf`` when unused, which leaves ``y`` as it is);
-  3. ``y = y + |y| w[s]`` (norm_add, its ``max_fraction`` folded into ``w`` on the host).
-
-  Slot 0 is the identity and a token at slot 0 gets ``x`` itself back (a ``where``), bit for bit.
-
-Several writes at one address and token compose into one slot (:func:`compose`, the core's
-:meth:`Pipeline.then <interp_engine.steering._writes.Pipeline.then>`); a sequence with no such slot (two
-projections along different directions, a projection after a cap, two norm_adds, ...) is refused
-with ``InvalidSteering``. At a head address a "token" is one head of one token: the table's rows
-are ``d_head`` wide and its index has one entry per (token, head). Changing a slot only fills
-buffers allocated before compilation: it never recompiles.
+Several writes at one address and token compose into one slot (:func:`compose`, each op's fold
+in the core's op registry, through :meth:`Pipeline.then <interp_engine.backend.Pipeline.then>`);
+a sequence with no such slot (two projections along different directions, a projection after a
+cap, two norm_adds, ...) is refused with ``InvalidSteering``. At a head address a "token" is
+one head of one token: the table's rows are ``d_head`` wide and its index has one entry per
+(token, head). Changing a slot only fills buffers allocated before compilation: it never
+recompiles.
 
 Both are ``nn.Module`` s whose ``forward`` is pure tensor work: the same objects serve vLLM's
 compiled runner and ``bench/gpu_static_taps.py`` (an HF model under ``torch.cuda.CUDAGraph``).
@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from interp_engine import Address, FeatureReadout, Features, InvalidFeatures, InvalidSteering, Sae, Write
-from interp_engine.backend import Pipeline, select_features, write_positions
+from interp_engine.backend import PIPELINE_TABLES, Pipeline, run_stages, select_features, write_positions
 
 
 class StaticTap(nn.Module):
@@ -156,8 +156,10 @@ def plan_writes(
 
 
 class StaticWrites(nn.Module):
-    """Per-token writes at one site from slot tables (slot 0 = no write): the fixed pipeline of
-    the module docstring, one row of each table per slot."""
+    """Per-token writes at one site from slot tables (slot 0 = no write): one buffer per field
+    of :class:`~interp_engine.backend.Pipeline` (``[slots]`` for a number, ``[slots, width]``
+    for a vector), one row of each per slot, evaluated by the core's
+    :func:`~interp_engine.backend.run_stages`."""
 
     keep: torch.Tensor
     direction: torch.Tensor
@@ -186,18 +188,14 @@ class StaticWrites(nn.Module):
             raise ValueError("a write table needs slot 0 (identity) and at least one more")
         self.slots, self.width = slots, width
 
-        def table(*shape: int, value: float = 0.0) -> torch.Tensor:
-            return torch.full((slots, *shape), value, dtype=dtype, device=device)
-
-        # every buffer exists before compilation; filling a slot only writes into them
-        self.register_buffer("keep", table(value=1.0), persistent=False)
-        self.register_buffer("direction", table(width), persistent=False)
-        self.register_buffer("move", table(width), persistent=False)
-        self.register_buffer("shift", table(width), persistent=False)
-        self.register_buffer("cap", table(width), persistent=False)
-        self.register_buffer("lo", table(value=-torch.inf), persistent=False)
-        self.register_buffer("hi", table(value=torch.inf), persistent=False)
-        self.register_buffer("grow", table(width), persistent=False)
+        # every buffer exists before compilation, each row the identity's; filling a slot only
+        # writes into them
+        identity = Pipeline.identity(width)
+        for name in PIPELINE_TABLES:
+            value = getattr(identity, name)
+            shape = (slots, width) if isinstance(value, torch.Tensor) else (slots,)
+            fill = 0.0 if isinstance(value, torch.Tensor) else value
+            self.register_buffer(name, torch.full(shape, fill, dtype=dtype, device=device), persistent=False)
         self.register_buffer("index", torch.zeros(max_tokens, dtype=torch.long, device=device), persistent=False)
         self.bans = bans
         if bans:
@@ -208,18 +206,11 @@ class StaticWrites(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.width)
         slot = self.index[: rows.shape[0]]
-        # 1. affine: keep*x + (x.u) m + shift
-        projection = (rows * self.direction[slot]).sum(-1, keepdim=True)
-        out = rows * self.keep[slot].unsqueeze(-1) + projection * self.move[slot] + self.shift[slot]
-        # 2. cap along c: with c = 0 and bounds at +-inf, the correction is exactly 0 (no inf * 0)
-        c = self.cap[slot]
-        along = (out * c).sum(-1, keepdim=True)
-        capped = torch.minimum(torch.maximum(along, self.lo[slot].unsqueeze(-1)), self.hi[slot].unsqueeze(-1))
-        out = out + (capped - along) * c
-        # 3. norm-scaled add
-        out = out + torch.linalg.vector_norm(out, dim=-1, keepdim=True) * self.grow[slot]
-        if self.bans:  # 4. entries banned to -inf (never inside stages 1-3: -inf * 0 is NaN)
-            out = out.masked_fill(self.ban[slot], -torch.inf)
+        tables = {}
+        for name in PIPELINE_TABLES:  # each token's row of each table; a number as [n, 1]
+            table = getattr(self, name)
+            tables[name] = table[slot] if table.dim() == 2 else table[slot].unsqueeze(-1)
+        out = run_stages(rows, **tables, ban=self.ban[slot] if self.bans else None)
         return torch.where((slot != 0).unsqueeze(-1), out, rows).reshape(x.shape)
 
     def steered(self, n: int) -> torch.Tensor:
@@ -245,14 +236,9 @@ class StaticWrites(nn.Module):
         """Write ``op`` into ``slot``; ``part`` picks this shard's columns of its vectors (only
         ``add``/``set`` reach a tensor-parallel shard: the other ops need the whole row)."""
         part = part or slice(None)
-        self.keep[slot] = op.keep
-        self.direction[slot] = op.direction[part].to(self.direction)
-        self.move[slot] = op.move[part].to(self.move)
-        self.shift[slot] = op.shift[part].to(self.shift)
-        self.cap[slot] = op.cap[part].to(self.cap)
-        self.lo[slot] = op.lo
-        self.hi[slot] = op.hi
-        self.grow[slot] = op.grow[part].to(self.grow)
+        for name in PIPELINE_TABLES:
+            table, value = getattr(self, name), getattr(op, name)
+            table[slot] = value[part].to(table) if isinstance(value, torch.Tensor) else value
         if self.bans:
             self.ban[slot] = False if op.ban is None else op.ban[part].to(self.ban.device)
         elif op.ban is not None:

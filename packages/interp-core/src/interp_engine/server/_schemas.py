@@ -27,6 +27,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictInt, Tag
 
+from ..steering._writes import Op, param_doc
+
 Format = Literal["json", "safetensors"]
 
 
@@ -72,20 +74,17 @@ class WriteBody(_Body):
 
     address: str = Field(examples=["resid_post.1"])
     vector: TensorValue
-    op: Literal["add", "set", "ablate", "cap", "rescale", "norm_add", "swap"] = "add"
+    op: Op = "add"
     scale: float = 1.0
     positions: Positions = Field(default="all", description=_POSITIONS)
     heads: list[StrictInt] | None = Field(
         default=None, description="at attn_z/attn_v: the heads written (default every head)", examples=[[0]]
     )
-    target: TensorValue | None = Field(
-        default=None, description="swap only: the direction the component along vector moves onto"
-    )
-    lo: float | None = Field(default=None, description="cap only: lower bound of the projection x.d")
-    hi: float | None = Field(default=None, description="cap only: upper bound of the projection x.d")
-    max_fraction: float | None = Field(
-        default=None, description="norm_add only: the added vector's norm is at most max_fraction * |x|"
-    )
+    # the op-specific fields: which ops take each, and what it means, from the core's op registry
+    target: TensorValue | None = Field(default=None, description=param_doc("target"))
+    lo: float | None = Field(default=None, description=param_doc("lo"))
+    hi: float | None = Field(default=None, description=param_doc("hi"))
+    max_fraction: float | None = Field(default=None, description=param_doc("max_fraction"))
 
 
 class FeatureWriteBody(_Body):

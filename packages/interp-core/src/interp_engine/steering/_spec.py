@@ -19,13 +19,13 @@ import torch
 from .._errors import InvalidSteering
 from ..addresses._address import Address, AddressLike, as_address
 from ..chat._spans import is_span_name, parse_position_name, span_positions
-from ._writes import DIRECTION_OPS, apply_op
+from ._writes import OPS as OPS
+from ._writes import Op as Op
+from ._writes import OpArgs, apply_op, check_op_args, op_row
 
 if TYPE_CHECKING:
     from ..sae._sae import Sae
 
-Op = Literal["add", "set", "ablate", "cap", "rescale", "norm_add", "swap"]
-OPS: tuple[Op, ...] = ("add", "set", "ablate", "cap", "rescale", "norm_add", "swap")
 PositionsName = Literal["all", "prompt", "generated"]
 Positions = PositionsName | str | tuple[int, ...]
 """``"all"``, ``"prompt"``, ``"generated"``, a chat span name (``"user[-1].last"``, see
@@ -106,30 +106,6 @@ def short_repr(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else f"{text[: limit - 20]}...{text[-10:]}"
 
 
-_OP_FIELDS = {"lo": ("cap",), "hi": ("cap",), "max_fraction": ("norm_add",), "target": ("swap",)}
-"""The op-specific fields and the ops that take them."""
-
-
-def _check_op_fields(
-    op: str, scale: float, target: Any, lo: float | None, hi: float | None, max_fraction: float | None
-) -> None:
-    given = {"lo": lo, "hi": hi, "max_fraction": max_fraction, "target": target}
-    for name, value in given.items():
-        if value is not None and op not in _OP_FIELDS[name]:
-            raise InvalidSteering(f"{name} is only for op={_OP_FIELDS[name][0]!r}; this write is op={op!r}")
-    if op == "cap":
-        if lo is None and hi is None:
-            raise InvalidSteering("cap needs lo, hi or both (the bounds of the projection x.d)")
-        if lo is not None and hi is not None and lo > hi:
-            raise InvalidSteering(f"cap needs lo <= hi, got lo={lo} and hi={hi}")
-        if scale != 1.0:
-            raise InvalidSteering(f"cap takes no scale (its bounds say how far to cap); got scale={scale}")
-    if op == "norm_add" and max_fraction is not None and max_fraction <= 0:
-        raise InvalidSteering(f"max_fraction must be > 0 (a fraction of |x|), got {max_fraction}")
-    if op == "swap" and target is None:
-        raise InvalidSteering("swap needs target= (the direction the component along vector is moved onto)")
-
-
 def _as_heads(value: Any) -> tuple[int, ...] | None:
     if value is None:
         return None
@@ -163,11 +139,11 @@ def _check_shape(
             )
         if tensor.dim() == 3:
             raise InvalidSteering(f"a steering {name} is [width] or [n_positions, width], got shape {shape}")
-        if op == "ablate" and tensor.dim() != 1:
-            raise InvalidSteering("ablate takes one direction of shape [width]")
+        if not op_row(op).per_position and tensor.dim() != 1:
+            raise InvalidSteering(f"{op} takes one direction of shape [width]")
         return
-    if op == "ablate" and tensor.dim() == 3:
-        raise InvalidSteering(f"ablate at {address} takes a direction [d_head] or one per head [heads, d_head]")
+    if not op_row(op).per_position and tensor.dim() == 3:
+        raise InvalidSteering(f"{op} at {address} takes a direction [d_head] or one per head [heads, d_head]")
     if heads is not None and tensor.dim() >= 2 and tensor.shape[-2] != len(heads):
         raise InvalidSteering(
             f"the {name} for {address} has {tensor.shape[-2]} head rows (shape {shape}) but heads= lists "
@@ -271,8 +247,7 @@ class Write:
         addr = as_address(address)
         if not addr.info.writable:
             raise InvalidSteering(f"cannot write at {addr}: {addr.kind} is read-only")
-        if not isinstance(op, str) or op not in OPS:
-            raise InvalidSteering(f"unknown steering op {op!r}; valid ops: {', '.join(OPS)}")
+        row = op_row(op)
         factor = finite_float(scale)
         if factor is None:
             raise InvalidSteering(f"scale must be a finite number, got {short_repr(scale)}")
@@ -280,21 +255,22 @@ class Write:
             raise InvalidSteering(f"scale {factor:g} overflows float32 activations (largest finite: {FLOAT32_MAX:g})")
         low, high = _as_bound(lo, "lo"), _as_bound(hi, "hi")
         fraction = _as_bound(max_fraction, "max_fraction")
-        _check_op_fields(op, factor, target, low, high, fraction)
-        # an expert is ablated by its router logit at -inf (add or set); nowhere else is inf allowed
-        expert_ablation = addr.kind == "router_logits" and op in ("add", "set")
+        check_op_args(op, OpArgs(factor, target, low, high, fraction))
+        # an expert is ablated by its router logit at -inf (an elementwise op: add or set); nowhere
+        # else is inf allowed
+        expert_ablation = addr.kind == "router_logits" and not row.whole_row
         tensor = _as_vector(vector, allow_neg_inf=expert_ablation)
         if expert_ablation and bool(torch.isneginf(tensor).any()) and factor <= 0:
             raise InvalidSteering(f"a -inf router logit needs scale > 0 (scale {factor:g} would make it NaN or +inf)")
         finite = tensor.masked_fill(torch.isneginf(tensor), 0.0) if expert_ablation else tensor
-        if op in ("add", "set", "norm_add") and not bool(torch.isfinite(finite * factor).all()):
+        if not row.direction and not bool(torch.isfinite(finite * factor).all()):
             raise InvalidSteering(
                 f"scale {factor:g} times the vector overflows float32 (largest finite: {FLOAT32_MAX:g}); "
                 "use a smaller scale"
             )
         selected = _as_heads(heads)
         _check_shape(addr, tensor, op, selected)
-        if op in DIRECTION_OPS and bool((tensor.norm(dim=-1) == 0).any()):
+        if row.direction and bool((tensor.norm(dim=-1) == 0).any()):
             raise InvalidSteering(f"cannot {op} along a zero vector: {op} uses vector as a direction")
         onto = None
         if target is not None:

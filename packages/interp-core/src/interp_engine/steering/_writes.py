@@ -1,10 +1,14 @@
-"""The algebra of a write, once for every backend.
+"""The steering ops as data, and the algebra of a write, once for every backend.
 
-:func:`apply_op` is what each op does to activations; :class:`Pipeline` is the same algebra
-folded into one fixed per-token map (an affine stage, a cap, a norm-scaled add), which is how a
-compiled graph applies several writes at one address from a table. Backends call
-:meth:`Write.apply <interp_engine.Write.apply>` (which selects heads and calls :func:`apply_op`)
-or fold writes with :meth:`Pipeline.then`; neither is written anywhere else.
+:data:`OP_ROWS` holds one :class:`OpRow` per op: its name, the parameters it takes, whether it
+uses ``vector`` as a direction or needs the whole row, its one-line doc, and its math twice over
+-- ``apply`` on activations (what :meth:`Write.apply <interp_engine.Write.apply>` runs on the
+eager and vllm backends, through :func:`apply_op`) and ``fold`` into a :class:`Pipeline`, the
+fixed per-token map (an affine stage, a cap, a norm-scaled add) that a compiled graph applies
+from slot tables (vllm-static evaluates :func:`run_stages` on them). The op type :data:`Op`, the
+checks of a :class:`~interp_engine.Write`, the HTTP schema's op enum and field docs, the
+README's op table (:func:`op_table`) and the tensor-parallel refusal all read these rows: a new
+op is one row here and its two functions.
 
 Notation: ``d = vector / |vector|`` per row, ``p = x . d`` over the last axis (per head at a head
 address), ``|x|`` the norm of ``x`` over the last axis.
@@ -14,20 +18,27 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from .._errors import InvalidSteering
 
-OPS = ("add", "set", "ablate", "cap", "rescale", "norm_add", "swap")
-"""Every steering op, in the order the docs list them."""
-DIRECTION_OPS = ("ablate", "cap", "rescale", "swap")
-"""Ops that use ``vector`` as a direction (a zero row has none)."""
-WHOLE_ROW_OPS = ("ablate", "cap", "rescale", "swap", "norm_add")
-"""Ops that need a dot product or a norm over the whole row: not applicable per shard of a row
-that tensor parallelism splits across ranks."""
+Op = Literal["add", "set", "ablate", "cap", "rescale", "norm_add", "swap"]
+"""A steering op's name (the names of :data:`OP_ROWS`, in order)."""
+
+
+@dataclass(frozen=True)
+class OpArgs:
+    """A write's parameters as its op reads them (``target`` the row that applies, or ``None``)."""
+
+    scale: float = 1.0
+    target: torch.Tensor | None = None
+    lo: float | None = None
+    hi: float | None = None
+    max_fraction: float | None = None
 
 
 def _unit(vector: torch.Tensor) -> torch.Tensor:
@@ -50,59 +61,6 @@ def norm_add_coefficient(scale: float, vector: torch.Tensor, max_fraction: float
     return capped
 
 
-def apply_op(
-    op: str,
-    scale: float,
-    x: torch.Tensor,
-    vector: torch.Tensor,
-    *,
-    target: torch.Tensor | None = None,
-    lo: float | None = None,
-    hi: float | None = None,
-    max_fraction: float | None = None,
-) -> torch.Tensor:
-    """``x`` after one write (a new tensor): ``vector`` (and ``target``) broadcast against ``x``
-    over the last axis.
-
-    - ``add``: ``x + scale * vector``;
-    - ``set``: ``scale * vector`` everywhere ``x`` is (activation patching);
-    - ``ablate``: ``x - scale * p d``;
-    - ``cap``: ``x + (clamp(p, lo, hi) - p) d`` (``lo``/``hi`` ``None``: unbounded on that side);
-    - ``rescale``: ``x + (scale - 1) p d`` (the component along ``d`` scaled by ``scale``);
-    - ``norm_add``: ``x + c |x| vector`` with ``c = scale``, shrunk so the added norm is at most
-      ``max_fraction * |x|`` when ``max_fraction`` is given;
-    - ``swap``: ``x + scale * p (t - d)`` with ``t = target / |target|`` (the component along
-      ``d`` moved onto ``t``).
-    """
-    vector = vector.to(device=x.device, dtype=x.dtype)
-    if op == "add":
-        return x + scale * vector
-    if op == "set":
-        constant: torch.Tensor = torch.broadcast_to(scale * vector, x.shape)
-        return constant.clone()
-    if op == "norm_add":
-        coef = norm_add_coefficient(scale, vector, max_fraction)
-        grown: torch.Tensor = x + coef * x.norm(dim=-1, keepdim=True) * vector
-        return grown
-    if op not in DIRECTION_OPS:
-        raise InvalidSteering(f"unknown steering op {op!r}; valid ops: {', '.join(OPS)}")
-    direction = _unit(vector)
-    projection = _dot(x, direction)
-    out: torch.Tensor
-    if op == "ablate":
-        out = x - scale * projection * direction
-    elif op == "rescale":
-        out = x + (scale - 1.0) * projection * direction
-    elif op == "cap":
-        out = x + (projection.clamp(min=lo, max=hi) - projection) * direction
-    else:  # swap
-        if target is None:
-            raise InvalidSteering("swap needs a target direction")
-        onto = _unit(target.to(device=x.device, dtype=x.dtype))
-        out = x + scale * projection * (onto - direction)
-    return out
-
-
 _UNFOLDABLE = (
     "cannot be folded into one slot of vllm-static's per-token pipeline (one affine map "
     "keep*x + (x.u)m + shift along a single direction u, then one cap, then one norm_add, in that "
@@ -121,11 +79,12 @@ class Pipeline:
     4. ``y = -inf`` where ``ban`` is set (an expert's router logit ablated by a ``-inf`` write;
        the ``-inf`` never enters stages 1-3, where ``-inf * 0`` would be NaN).
 
-    ``add`` moves the shift; ``set`` makes the map constant; ``ablate``, ``rescale`` and
-    ``swap`` move the component along one direction (``m``), ``cap`` is stage 2 and
-    ``norm_add`` stage 3 (its ``max_fraction`` folds into ``w``: the coefficient is a constant
-    per row). Sequences with no map of this form (two projections along different directions,
-    an ablation after a cap, two norm_adds, ...) raise ``InvalidSteering``.
+    Each op's :attr:`OpRow.fold` extends the map: ``add`` moves the shift; ``set`` makes the map
+    constant; ``ablate``, ``rescale`` and ``swap`` move the component along one direction
+    (``m``), ``cap`` is stage 2 and ``norm_add`` stage 3 (its ``max_fraction`` folds into ``w``:
+    the coefficient is a constant per row). Sequences with no map of this form (two projections
+    along different directions, an ablation after a cap, two norm_adds, ...) raise
+    ``InvalidSteering``. :func:`run_stages` evaluates the map.
     """
 
     keep: float
@@ -170,59 +129,30 @@ class Pipeline:
         hi: float | None = None,
         max_fraction: float | None = None,
     ) -> Pipeline:
-        """This map followed by one write of ``vector`` (``[width]``; ``target`` likewise)."""
+        """This map followed by one write of ``vector`` (``[width]``; ``target`` likewise): the
+        op's :attr:`OpRow.fold`."""
+        row = op_row(op)
         width = self.width
         v = vector.detach().to("cpu", torch.float32).reshape(width)
         infinite = torch.isneginf(v)
-        banned = bool(infinite.any())
-        if banned:  # -inf entries (router logits): banned at the end, kept out of the shift
+        ban = None
+        if bool(infinite.any()):  # -inf entries (router logits): banned at the end, kept out of the shift
             v = v.masked_fill(infinite, 0.0)
-            if op not in ("set", "add"):
-                raise InvalidSteering(f"a -inf entry is only for add or set, not {op}")
-        if op == "set":
-            zeros = torch.zeros(width)
-            return Pipeline(
-                0.0, zeros, zeros, scale * v, zeros, -math.inf, math.inf, zeros, infinite if banned else None
+            if row.whole_row:
+                raise InvalidSteering(f"a -inf entry is only for {_ELEMENTWISE}, not {op}")
+            ban = infinite
+        if self.ban is not None and row.whole_row:
+            raise InvalidSteering(
+                f"{op} after a -inf write on the same token would be NaN; only {_ELEMENTWISE} may follow"
             )
-        if self.ban is not None and op != "add":
-            raise InvalidSteering(f"{op} after a -inf write on the same token would be NaN; only add or set may follow")
-        if op == "add":
-            if self.grows:
-                raise InvalidSteering(f"add after norm_add on the same token {_UNFOLDABLE}")
-            shift = self.shift + scale * v
-            ban = self.ban if not banned else infinite if self.ban is None else self.ban | infinite
-            if not self.capped:
-                return self._replace(shift=shift, ban=ban)
-            # cap(y) + k c + v_perp = cap'(y + k c + v_perp), the bounds moved by k = (s v) . c
-            k = float((scale * v) @ self.cap)
-            return self._replace(shift=shift, lo=self.lo + k, hi=self.hi + k, ban=ban)
-        if op == "norm_add":
-            if self.grows:
-                raise InvalidSteering(f"two norm_adds on the same token {_UNFOLDABLE}")
-            coef = float(norm_add_coefficient(scale, v, max_fraction))
-            return self._replace(grow=coef * v)
-        if op not in DIRECTION_OPS:
-            raise InvalidSteering(f"unknown steering op {op!r}; valid ops: {', '.join(OPS)}")
-        d = v / v.norm()
-        if op == "cap":
-            return self._then_cap(d, lo, hi)
-        if self.capped or self.grows:
-            raise InvalidSteering(f"{op} after a cap or a norm_add on the same token {_UNFOLDABLE}")
-        # y + (y . d) n for each of these
-        if op == "ablate":
-            n = -scale * d
-        elif op == "rescale":
-            n = (scale - 1.0) * d
-        else:
-            if target is None:
-                raise InvalidSteering("swap needs a target direction")
-            t = target.detach().to("cpu", torch.float32).reshape(width)
-            n = scale * (t / t.norm() - d)
-        return self._then_projection(op, d, n)
+        onto = None if target is None else target.detach().to("cpu", torch.float32).reshape(width)
+        return row.fold(self, v, ban, OpArgs(scale, onto, lo, hi, max_fraction))
 
     def _then_projection(self, op: str, d: torch.Tensor, n: torch.Tensor) -> Pipeline:
-        """Stage 1 followed by ``y + (y . d) n``:
+        """Stage 1 followed by ``y + (y . d) n`` (the fold of ``ablate``, ``rescale`` and ``swap``):
         ``keep x + (x.u)(m + (m.d) n) + keep (x.d) n + shift + (shift.d) n``."""
+        if self.capped or self.grows:
+            raise InvalidSteering(f"{op} after a cap or a norm_add on the same token {_UNFOLDABLE}")
         shift = self.shift + (self.shift @ d) * n
         move = self.move + (self.move @ d) * n
         if self.keep == 0.0:  # a constant so far: no (x . d) term
@@ -258,17 +188,350 @@ class Pipeline:
         return self._replace(lo=clamp(self.lo), hi=clamp(self.hi))
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
-        """The map applied to rows ``x`` (``[..., width]``): the host-side reference of
-        vllm-static's in-graph tables."""
+        """The map applied to rows ``x`` (``[..., width]``): :func:`run_stages` on this one slot,
+        its tables in ``x``'s dtype, as vllm-static's in-graph tables evaluate it."""
 
-        def vec(value: torch.Tensor) -> torch.Tensor:
-            return value.to(device=x.device, dtype=x.dtype)
+        def scalar(value: float) -> torch.Tensor:
+            return torch.tensor([value], device=x.device, dtype=x.dtype)
 
-        y = x * self.keep + _dot(x, vec(self.direction)) * vec(self.move) + vec(self.shift)
-        c = vec(self.cap)
-        p = _dot(y, c)
-        y = y + (p.clamp(min=self.lo, max=self.hi) - p) * c
-        out: torch.Tensor = y + y.norm(dim=-1, keepdim=True) * vec(self.grow)
-        if self.ban is not None:
-            out = out.masked_fill(self.ban.to(x.device), -math.inf)
-        return out
+        tables = {
+            name: value.to(device=x.device, dtype=x.dtype) if isinstance(value, torch.Tensor) else scalar(value)
+            for name, value in ((name, getattr(self, name)) for name in PIPELINE_TABLES)
+        }
+        return run_stages(x, **tables, ban=None if self.ban is None else self.ban.to(x.device))
+
+
+PIPELINE_TABLES = ("keep", "direction", "move", "shift", "cap", "lo", "hi", "grow")
+"""A :class:`Pipeline`'s per-slot values, the keyword arguments of :func:`run_stages`: ``keep``,
+``lo`` and ``hi`` are numbers (one per row, ``[..., 1]``), the others ``[..., width]`` vectors."""
+
+
+def run_stages(
+    x: torch.Tensor,
+    *,
+    keep: torch.Tensor,
+    direction: torch.Tensor,
+    move: torch.Tensor,
+    shift: torch.Tensor,
+    cap: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    grow: torch.Tensor,
+    ban: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Stages 1-4 of :class:`Pipeline` on rows ``x`` (``[..., width]``), with each table's row
+    for each of them (broadcast against ``x``; pure tensor work, traceable into a compiled graph).
+    With ``cap`` zero and bounds at ``-inf``/``inf`` the cap's correction is exactly 0 (no
+    ``inf * 0``); the ``-inf`` of ``ban`` never enters stages 1-3."""
+    # 1. affine: keep*x + (x.u) m + shift
+    projection = (x * direction).sum(-1, keepdim=True)
+    out = x * keep + projection * move + shift
+    # 2. cap along c
+    along = (out * cap).sum(-1, keepdim=True)
+    capped = torch.minimum(torch.maximum(along, lo), hi)
+    out = out + (capped - along) * cap
+    # 3. norm-scaled add
+    out = out + torch.linalg.vector_norm(out, dim=-1, keepdim=True) * grow
+    if ban is not None:  # 4. entries banned to -inf
+        out = out.masked_fill(ban, -torch.inf)
+    result: torch.Tensor = out
+    return result
+
+
+# -- the ops: each one's math on activations (apply) and folded into a Pipeline (fold) ----------
+
+Apply = Callable[[torch.Tensor, torch.Tensor, OpArgs], torch.Tensor]
+"""``(x, vector, args) -> x after the write`` (``vector`` already in ``x``'s dtype and device)."""
+Fold = Callable[[Pipeline, torch.Tensor, torch.Tensor | None, OpArgs], Pipeline]
+"""``(pipeline, vector, ban, args) -> pipeline followed by the write``: ``vector`` is a float32
+CPU ``[width]`` row with any ``-inf`` entries zeroed, ``ban`` those entries (``None``: none)."""
+
+
+def _along(x: torch.Tensor, vector: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``d`` and ``p = x . d``."""
+    direction = _unit(vector)
+    return direction, _dot(x, direction)
+
+
+def _apply_add(x: torch.Tensor, v: torch.Tensor, a: OpArgs) -> torch.Tensor:
+    return x + a.scale * v
+
+
+def _fold_add(pipe: Pipeline, v: torch.Tensor, ban: torch.Tensor | None, a: OpArgs) -> Pipeline:
+    if pipe.grows:
+        raise InvalidSteering(f"add after norm_add on the same token {_UNFOLDABLE}")
+    shift = pipe.shift + a.scale * v
+    banned = pipe.ban if ban is None else ban if pipe.ban is None else pipe.ban | ban
+    if not pipe.capped:
+        return pipe._replace(shift=shift, ban=banned)
+    # cap(y) + k c + v_perp = cap'(y + k c + v_perp), the bounds moved by k = (s v) . c
+    k = float((a.scale * v) @ pipe.cap)
+    return pipe._replace(shift=shift, lo=pipe.lo + k, hi=pipe.hi + k, ban=banned)
+
+
+def _apply_set(x: torch.Tensor, v: torch.Tensor, a: OpArgs) -> torch.Tensor:
+    constant: torch.Tensor = torch.broadcast_to(a.scale * v, x.shape)
+    return constant.clone()
+
+
+def _fold_set(pipe: Pipeline, v: torch.Tensor, ban: torch.Tensor | None, a: OpArgs) -> Pipeline:
+    zeros = torch.zeros(pipe.width)
+    return Pipeline(0.0, zeros, zeros, a.scale * v, zeros, -math.inf, math.inf, zeros, ban)
+
+
+def _apply_ablate(x: torch.Tensor, v: torch.Tensor, a: OpArgs) -> torch.Tensor:
+    d, p = _along(x, v)
+    out: torch.Tensor = x - a.scale * p * d
+    return out
+
+
+def _fold_ablate(pipe: Pipeline, v: torch.Tensor, ban: torch.Tensor | None, a: OpArgs) -> Pipeline:
+    d = v / v.norm()
+    return pipe._then_projection("ablate", d, -a.scale * d)
+
+
+def _apply_cap(x: torch.Tensor, v: torch.Tensor, a: OpArgs) -> torch.Tensor:
+    d, p = _along(x, v)
+    out: torch.Tensor = x + (p.clamp(min=a.lo, max=a.hi) - p) * d
+    return out
+
+
+def _fold_cap(pipe: Pipeline, v: torch.Tensor, ban: torch.Tensor | None, a: OpArgs) -> Pipeline:
+    return pipe._then_cap(v / v.norm(), a.lo, a.hi)
+
+
+def _check_cap(a: OpArgs) -> None:
+    if a.lo is None and a.hi is None:
+        raise InvalidSteering("cap needs lo, hi or both (the bounds of the projection x.d)")
+    if a.lo is not None and a.hi is not None and a.lo > a.hi:
+        raise InvalidSteering(f"cap needs lo <= hi, got lo={a.lo} and hi={a.hi}")
+    if a.scale != 1.0:
+        raise InvalidSteering(f"cap takes no scale (its bounds say how far to cap); got scale={a.scale}")
+
+
+def _apply_rescale(x: torch.Tensor, v: torch.Tensor, a: OpArgs) -> torch.Tensor:
+    d, p = _along(x, v)
+    out: torch.Tensor = x + (a.scale - 1.0) * p * d
+    return out
+
+
+def _fold_rescale(pipe: Pipeline, v: torch.Tensor, ban: torch.Tensor | None, a: OpArgs) -> Pipeline:
+    d = v / v.norm()
+    return pipe._then_projection("rescale", d, (a.scale - 1.0) * d)
+
+
+def _apply_norm_add(x: torch.Tensor, v: torch.Tensor, a: OpArgs) -> torch.Tensor:
+    coef = norm_add_coefficient(a.scale, v, a.max_fraction)
+    grown: torch.Tensor = x + coef * x.norm(dim=-1, keepdim=True) * v
+    return grown
+
+
+def _fold_norm_add(pipe: Pipeline, v: torch.Tensor, ban: torch.Tensor | None, a: OpArgs) -> Pipeline:
+    if pipe.grows:
+        raise InvalidSteering(f"two norm_adds on the same token {_UNFOLDABLE}")
+    coef = float(norm_add_coefficient(a.scale, v, a.max_fraction))
+    return pipe._replace(grow=coef * v)
+
+
+def _check_norm_add(a: OpArgs) -> None:
+    if a.max_fraction is not None and a.max_fraction <= 0:
+        raise InvalidSteering(f"max_fraction must be > 0 (a fraction of |x|), got {a.max_fraction}")
+
+
+def _apply_swap(x: torch.Tensor, v: torch.Tensor, a: OpArgs) -> torch.Tensor:
+    d, p = _along(x, v)
+    if a.target is None:
+        raise InvalidSteering("swap needs a target direction")
+    onto = _unit(a.target.to(device=x.device, dtype=x.dtype))
+    out: torch.Tensor = x + a.scale * p * (onto - d)
+    return out
+
+
+def _fold_swap(pipe: Pipeline, v: torch.Tensor, ban: torch.Tensor | None, a: OpArgs) -> Pipeline:
+    if a.target is None:
+        raise InvalidSteering("swap needs a target direction")
+    d = v / v.norm()
+    return pipe._then_projection("swap", d, a.scale * (a.target / a.target.norm() - d))
+
+
+def _check_swap(a: OpArgs) -> None:
+    if a.target is None:
+        raise InvalidSteering("swap needs target= (the direction the component along vector is moved onto)")
+
+
+# -- the registry ---------------------------------------------------------------------------------
+
+PARAMS = ("scale", "target", "lo", "hi", "max_fraction")
+"""A write's parameters besides ``vector``, which every op takes."""
+PARAM_DOCS = {
+    "target": "the direction the component along vector moves onto",
+    "lo": "lower bound of the projection x.d",
+    "hi": "upper bound of the projection x.d",
+    "max_fraction": "the added vector's norm is at most max_fraction * |x|",
+}
+"""What each op-specific parameter means (the HTTP schema's field descriptions)."""
+
+
+@dataclass(frozen=True)
+class OpRow:
+    """One steering op: what it takes, how it is checked, its math, and its docs."""
+
+    name: Op
+    doc: str
+    """Its effect, one line (the README's op table, Markdown)."""
+    vector: str
+    """The vector shapes it takes (the README's op table, Markdown)."""
+    apply: Apply
+    """Its math on activations (:func:`apply_op`)."""
+    fold: Fold
+    """Its math folded into a :class:`Pipeline` (:meth:`Pipeline.then`), or ``InvalidSteering``
+    where the sequence so far followed by it has no such map."""
+    takes: frozenset[str] = frozenset({"scale"})
+    """Which of :data:`PARAMS` it takes (a parameter it does not take is refused when given)."""
+    direction: bool = False
+    """Uses ``vector`` as a direction (a zero row is refused; ``scale * vector`` never enters the output)."""
+    whole_row: bool = False
+    """Needs a dot product or a norm over the whole row: not applicable per shard of a row that
+    tensor parallelism splits across ranks, and ``-inf`` entries (an expert ablated at
+    ``router_logits``) can neither be written by it nor precede it."""
+    per_position: bool = True
+    """Takes one vector row per position (or per head) as well as a single one."""
+    check: Callable[[OpArgs], None] | None = None
+    """Its own checks of the parameters (``InvalidSteering``), after the generic ones."""
+
+
+OP_ROWS: tuple[OpRow, ...] = (
+    OpRow(
+        "add",
+        "`x + scale * v`",
+        "`[width]`, or `[n_positions, width]` (one row per selected position)",
+        _apply_add,
+        _fold_add,
+    ),
+    OpRow(
+        "set",
+        "`x := scale * v` — activation patching: pass another run's activations",
+        "same",
+        _apply_set,
+        _fold_set,
+    ),
+    OpRow(
+        "ablate",
+        "`x − scale * p d̂` (directional ablation)",  # noqa: RUF001 (the README's minus sign)
+        "`[width]`",
+        _apply_ablate,
+        _fold_ablate,
+        direction=True,
+        whole_row=True,
+        per_position=False,
+    ),
+    OpRow(
+        "cap",
+        "`x + (clamp(p, lo, hi) − p) d̂` — projection capping; `lo`, `hi` or both, `scale` stays 1",  # noqa: RUF001 (the README's minus sign)
+        "same as `add`",
+        _apply_cap,
+        _fold_cap,
+        takes=frozenset({"lo", "hi"}),
+        direction=True,
+        whole_row=True,
+        check=_check_cap,
+    ),
+    OpRow(
+        "rescale",
+        "`x + (scale − 1) p d̂` — the component along `d̂` times `scale`, the rest kept",  # noqa: RUF001 (the README's minus sign)
+        "same as `add`",
+        _apply_rescale,
+        _fold_rescale,
+        direction=True,
+        whole_row=True,
+    ),
+    OpRow(
+        "norm_add",
+        "`x + scale * ‖x‖ * v` with `v` as given (a unit `v` adds `scale*‖x‖*d̂`); `max_fraction` caps the "
+        "added norm at `max_fraction * ‖x‖`",
+        "same as `add`",
+        _apply_norm_add,
+        _fold_norm_add,
+        takes=frozenset({"scale", "max_fraction"}),
+        whole_row=True,
+        check=_check_norm_add,
+    ),
+    OpRow(
+        "swap",
+        "`x + scale * p (t̂ − d̂)`, `t̂ = target/‖target‖` — the component along `d̂` moved onto `t̂`",  # noqa: RUF001 (the README's minus sign)
+        "same as `add`; `target` too",
+        _apply_swap,
+        _fold_swap,
+        takes=frozenset({"scale", "target"}),
+        direction=True,
+        whole_row=True,
+        check=_check_swap,
+    ),
+)
+"""Every steering op, in the order the docs list them."""
+
+_BY_NAME: dict[str, OpRow] = {row.name: row for row in OP_ROWS}
+OPS: tuple[Op, ...] = tuple(row.name for row in OP_ROWS)
+"""Every steering op's name, in the order the docs list them."""
+DIRECTION_OPS = tuple(row.name for row in OP_ROWS if row.direction)
+"""Ops that use ``vector`` as a direction (a zero row has none)."""
+WHOLE_ROW_OPS = DIRECTION_OPS + tuple(row.name for row in OP_ROWS if row.whole_row and not row.direction)
+"""Ops that need a dot product or a norm over the whole row (the direction ops, then the
+others): not applicable per shard of a row that tensor parallelism splits across ranks."""
+ELEMENTWISE_OPS = tuple(row.name for row in OP_ROWS if not row.whole_row)
+"""Ops that act entry by entry: the ones a tensor-parallel shard can apply, and the only ones
+that take ``-inf`` entries."""
+_ELEMENTWISE = " or ".join(ELEMENTWISE_OPS)
+
+
+def op_row(op: str) -> OpRow:
+    """The row of ``op`` (``InvalidSteering`` naming the valid ops for any other name)."""
+    row = _BY_NAME.get(op) if isinstance(op, str) else None
+    if row is None:
+        raise InvalidSteering(f"unknown steering op {op!r}; valid ops: {', '.join(OPS)}")
+    return row
+
+
+def check_op_args(op: str, args: OpArgs) -> None:
+    """``InvalidSteering`` unless ``op`` takes the parameters given (``target``, ``lo``, ``hi``,
+    ``max_fraction``: the ones not ``None``) with values it accepts."""
+    row = op_row(op)
+    for name in ("lo", "hi", "max_fraction", "target"):
+        if getattr(args, name) is not None and name not in row.takes:
+            first = next(other.name for other in OP_ROWS if name in other.takes)
+            raise InvalidSteering(f"{name} is only for op={first!r}; this write is op={op!r}")
+    if row.check is not None:
+        row.check(args)
+
+
+def param_doc(name: str) -> str:
+    """``"cap only: lower bound of the projection x.d"``: which ops take an op-specific
+    parameter, and what it means."""
+    ops = "/".join(row.name for row in OP_ROWS if name in row.takes)
+    return f"{ops} only: {PARAM_DOCS[name]}"
+
+
+def op_table() -> str:
+    """The README's op table (Markdown), one line per row of :data:`OP_ROWS`."""
+    lines = ["| op | effect | vector |", "|---|---|---|"]
+    lines += [f"| `{row.name}` | {row.doc} | {row.vector} |" for row in OP_ROWS]
+    return "\n".join(lines) + "\n"
+
+
+def apply_op(
+    op: str,
+    scale: float,
+    x: torch.Tensor,
+    vector: torch.Tensor,
+    *,
+    target: torch.Tensor | None = None,
+    lo: float | None = None,
+    hi: float | None = None,
+    max_fraction: float | None = None,
+) -> torch.Tensor:
+    """``x`` after one write (a new tensor): ``vector`` (and ``target``) broadcast against ``x``
+    over the last axis; the op's :attr:`OpRow.apply` (``OpRow.doc`` says what each does, ``lo``
+    or ``hi`` ``None`` leaving a cap unbounded on that side)."""
+    row = op_row(op)
+    vector = vector.to(device=x.device, dtype=x.dtype)
+    return row.apply(x, vector, OpArgs(scale, target, lo, hi, max_fraction))
