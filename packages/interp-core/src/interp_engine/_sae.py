@@ -42,6 +42,7 @@ from ._sae_format import (
     SKIP,
     TRANSCODERS,
     WEIGHTS_FILENAME,
+    SaeFields,
     dtype_name,
     read_bytes,
     read_folder,
@@ -137,7 +138,7 @@ class _Weights:
     dec_norm: torch.Tensor | None  # TopK with rescale_acts_by_decoder_norm: ||W_dec[i]||
 
 
-class Sae:
+class Sae(SaeFields):
     """One sparse dictionary (or linear probe) at one address.
 
     Built from tensors (``Sae("topk", W_enc, b_enc, W_dec, b_dec, "blocks.3.hook_resid_post", k=32)``)
@@ -156,23 +157,13 @@ class Sae:
     ``UnsupportedSae`` naming the field.
     """
 
-    architecture: str
+    # the fields a cfg.json records are declared by SaeFields
     cfg: dict[str, Any]
-    W_enc: torch.Tensor
     b_enc: torch.Tensor
     W_dec: torch.Tensor | None
     b_dec: torch.Tensor | None
     threshold: torch.Tensor | None
-    k: int | None
     W_skip: torch.Tensor | None
-    hook_name: str
-    hook_name_out: str | None
-    apply_b_dec_to_input: bool
-    normalize_activations: str
-    norm_scaling_factor: float | None
-    rescale_acts_by_decoder_norm: bool
-    reshape_activations: str
-    activation: str | None
 
     def __init__(
         self,

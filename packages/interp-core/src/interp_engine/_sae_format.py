@@ -103,7 +103,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 class SaeFields(Protocol):
-    """What :func:`synced_cfg` reads of an SAE."""
+    """The fields of an SAE that its cfg.json records, as :func:`synced_cfg` reads them;
+    :class:`~interp_engine.Sae` declares them by subclassing this."""
 
     architecture: str
     W_enc: torch.Tensor
