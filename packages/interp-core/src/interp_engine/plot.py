@@ -119,10 +119,14 @@ class Labelled(Protocol):
     """What the plots read of a :class:`~interp_engine.Labelled` (this module draws results without
     importing them: the results call it from their own ``plot()``)."""
 
-    values: torch.Tensor
-    dims: tuple[str, ...]
-    coords: Mapping[str, Sequence[Any]]
-    meta: Mapping[str, Any]
+    @property
+    def values(self) -> torch.Tensor: ...
+    @property
+    def dims(self) -> tuple[str, ...]: ...
+    @property
+    def coords(self) -> Mapping[str, Sequence[Any]]: ...
+    @property
+    def meta(self) -> Mapping[str, Any]: ...
 
     def labels(self, dim: str) -> list[Any]: ...
 
@@ -130,17 +134,24 @@ class Labelled(Protocol):
 class LensResult(Protocol):
     """What :func:`lens` reads of a :class:`~interp_engine.LensResult`."""
 
-    layers: tuple[int, ...]
-    positions: tuple[int, ...]
-    ids: torch.Tensor
-    probs: torch.Tensor
+    @property
+    def layers(self) -> tuple[int, ...]: ...
+    @property
+    def positions(self) -> tuple[int, ...]: ...
+    @property
+    def ids(self) -> torch.Tensor: ...
+
+    @property
+    def probs(self) -> torch.Tensor: ...
 
 
 class FeatureReadout(Protocol):
     """What :func:`features` reads of a :class:`~interp_engine.FeatureReadout`."""
 
-    values: torch.Tensor
-    ids: torch.Tensor | None
+    @property
+    def values(self) -> torch.Tensor: ...
+    @property
+    def ids(self) -> torch.Tensor | None: ...
 
 
 def _is_labelled(value: object) -> TypeGuard[Labelled]:

@@ -1,10 +1,6 @@
-"""Sparse dictionaries (SAEs, transcoders) and linear probes, read and written in SAELens's format.
+"""Sparse dictionaries (SAEs, transcoders) and linear probes: their maths, as SAELens 6 computes it.
 
-An SAE folder is what SAELens's ``save_model`` writes: ``cfg.json`` and ``sae_weights.safetensors``
-(``W_enc [d_in, d_sae]``, ``b_enc``, ``W_dec [d_sae, d_out]``, ``b_dec``, plus ``threshold`` for
-JumpReLU kinds and ``W_skip [d_out, d_in]`` for skip transcoders). :func:`load_sae` reads one without
-SAELens installed and :meth:`Sae.save` writes one SAELens reads back. :class:`Sae` encodes and
-decodes as SAELens 6 does, always in float32 on the input's device::
+:class:`Sae` encodes and decodes as SAELens 6 does, always in float32 on the input's device::
 
     pre  = (normalise(x) - b_dec * apply_b_dec_to_input) @ W_enc + b_enc   (transcoders: no b_dec)
     f    = relu(pre) | relu(pre) * (pre > threshold) | topk(pre, k) with relu
@@ -17,98 +13,61 @@ time are served (:data:`NORMALIZATIONS`); ``expected_average_only_in`` needs its
 keep beside it), since SAELens only applies it by folding it into the weights.
 
 A :class:`Probe` is the same object without a decoder: ``k`` projections ``act(x @ W.T + b)``.
+:func:`load_sae` reads an SAE folder in SAELens's format and :meth:`Sae.save` writes one SAELens
+reads back; the format itself (files, cfg versions) is ``sae._format``.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import math
 import operator
 import os
-import pathlib
-import re
-import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from safetensors.torch import load as _load_bytes
-from safetensors.torch import load_file, save
 
 from .._errors import InvalidAddress, InvalidFeatures, UnsupportedSae
-from .._shipped import resolve_sae
 from ..addresses._address import Address, as_address
 from ..addresses._tl_names import TL_MODEL_LEVEL, TL_PER_LAYER, is_tl_name
-
-ARCHITECTURES: tuple[str, ...] = (
-    "standard",
-    "jumprelu",
-    "topk",
-    "transcoder",
-    "jumprelu_transcoder",
-    "skip_transcoder",
-    "jumprelu_skip_transcoder",
-    "probe",
+from ._format import (
+    ARCHITECTURES,
+    CFG_FILENAME,
+    JUMPRELU,
+    NORM_WHY_NOT,
+    NORMALIZATIONS,
+    PROBE_ACTIVATIONS,
+    SCALER_FILENAME,
+    SKIP,
+    TRANSCODERS,
+    WEIGHTS_FILENAME,
+    SaeFields,
+    dtype_name,
+    read_bytes,
+    read_folder,
+    sae_arguments,
+    synced_cfg,
+    to_bytes,
+    unsupported_architecture,
+    write_folder,
 )
-"""The architectures :class:`Sae` implements (SAELens's names, and ``probe``)."""
 
-NORMALIZATIONS: tuple[str, ...] = ("none", "expected_average_only_in", "constant_norm_rescale", "layer_norm")
-"""The ``normalize_activations`` modes served, each as SAELens applies it at inference."""
+__all__ = [
+    "ARCHITECTURES",
+    "CFG_FILENAME",
+    "NORMALIZATIONS",
+    "PROBE_ACTIVATIONS",
+    "SCALER_FILENAME",
+    "WEIGHTS_FILENAME",
+    "Probe",
+    "Sae",
+    "load_sae",
+]
 
-PROBE_ACTIVATIONS: tuple[str, ...] = ("relu", "sigmoid", "tanh")
-"""A probe's optional activation (``None``: the bare projection)."""
-
-CFG_FILENAME = "cfg.json"
-WEIGHTS_FILENAME = "sae_weights.safetensors"
-SCALER_FILENAME = "activation_scaler.json"
-
-_TRANSCODERS = frozenset({"transcoder", "jumprelu_transcoder", "skip_transcoder", "jumprelu_skip_transcoder"})
-_JUMPRELU = frozenset({"jumprelu", "jumprelu_transcoder", "jumprelu_skip_transcoder"})
-_SKIP = frozenset({"skip_transcoder", "jumprelu_skip_transcoder"})
 _PER_INPUT_NORMS = frozenset({"constant_norm_rescale", "layer_norm"})
 _LAYER_NORM_EPS = 1e-5  # SAELens's layer_norm adds it to the standard deviation
-
-_WHY_NOT: dict[str, str] = {
-    "gated": "its gated encoder (r_mag, b_gate, b_mag) is not implemented",
-    "abstopk": "its absolute-value top-k is not implemented",
-    "batchtopk": "it is a SAELens training architecture; SAELens saves it for inference as 'jumprelu' "
-    "(TrainingSAE.save_inference_model), which is read",
-    "matryoshka_batchtopk": "it is a SAELens training architecture; SAELens saves it for inference as "
-    "'jumprelu' (TrainingSAE.save_inference_model), which is read",
-    "temporal": "its attention over earlier positions is not implemented",
-    "matching_pursuit": "its iterative matching-pursuit encoder is not implemented",
-}
-"""SAELens architectures that are not read, and why."""
-
-_NORM_WHY_NOT: dict[str, str] = {
-    "covariance_whitening": "SAELens folds the whitening into the weights when training ends "
-    "(SAE.fold_activation_whitening); this checkpoint was saved before that and expects whitened inputs",
-}
-
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
-_CFG_LAYOUT_VERSION = "6.0.0"
-"""The SAELens version written into a new cfg's metadata: the cfg layout it follows (SAELens reads a
-cfg without a version as a pre-6 one)."""
-
-_OTHER_FORMATS: dict[str, str] = {
-    "sae.safetensors": "EleutherAI sparsify's format",
-    "params.npz": "Gemma Scope's raw npz format",
-}
-
-
-def _unsupported_architecture(architecture: object) -> UnsupportedSae:
-    why = _WHY_NOT.get(architecture, "it is not a known SAELens architecture") if isinstance(architecture, str) else ""
-    return UnsupportedSae(
-        f"SAE architecture {architecture!r} is not supported ({why or 'it is not a string'}); "
-        f"supported architectures: {', '.join(ARCHITECTURES)}"
-    )
 
 
 def _hook_address(name: object, field: str) -> Address:
@@ -145,13 +104,6 @@ def _check_shape(tensor: torch.Tensor, shape: tuple[int, ...], name: str, archit
         )
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    for name, known in _DTYPES.items():
-        if known == dtype:
-            return name
-    raise UnsupportedSae(f"SAE tensors must be float32, float64, float16 or bfloat16 (SAELens's dtypes), got {dtype}")
-
-
 @dataclass(frozen=True)
 class _Denorm:
     """SAELens's output de-normalisation, ``y * mul / div + add`` (each optional)."""
@@ -186,7 +138,7 @@ class _Weights:
     dec_norm: torch.Tensor | None  # TopK with rescale_acts_by_decoder_norm: ||W_dec[i]||
 
 
-class Sae:
+class Sae(SaeFields):
     """One sparse dictionary (or linear probe) at one address.
 
     Built from tensors (``Sae("topk", W_enc, b_enc, W_dec, b_dec, "blocks.3.hook_resid_post", k=32)``)
@@ -205,23 +157,13 @@ class Sae:
     ``UnsupportedSae`` naming the field.
     """
 
-    architecture: str
+    # the fields a cfg.json records are declared by SaeFields
     cfg: dict[str, Any]
-    W_enc: torch.Tensor
     b_enc: torch.Tensor
     W_dec: torch.Tensor | None
     b_dec: torch.Tensor | None
     threshold: torch.Tensor | None
-    k: int | None
     W_skip: torch.Tensor | None
-    hook_name: str
-    hook_name_out: str | None
-    apply_b_dec_to_input: bool
-    normalize_activations: str
-    norm_scaling_factor: float | None
-    rescale_acts_by_decoder_norm: bool
-    reshape_activations: str
-    activation: str | None
 
     def __init__(
         self,
@@ -245,14 +187,14 @@ class Sae:
         activation: str | None = None,
     ) -> None:
         if architecture not in ARCHITECTURES:
-            raise _unsupported_architecture(architecture)
+            raise unsupported_architecture(architecture)
         arch = architecture
         self.architecture = arch
         W_enc = _tensor(W_enc, "W_enc", arch)
         if W_enc.dim() != 2:
             raise UnsupportedSae(f"W_enc of a {arch!r} SAE is [d_in, d_sae], got shape {list(W_enc.shape)}")
         d_in, d_sae = W_enc.shape
-        _dtype_name(W_enc.dtype)
+        dtype_name(W_enc.dtype)
         self.W_enc = W_enc
         self.b_enc = _tensor(b_enc, "b_enc", arch).to(device=W_enc.device, dtype=W_enc.dtype)
         _check_shape(self.b_enc, (d_sae,), "b_enc", arch, "one bias per feature")
@@ -270,13 +212,13 @@ class Sae:
                     f"W_dec of this {arch!r} SAE has shape {list(self.W_dec.shape)}, expected [{d_sae}, d_out]: "
                     f"W_enc {list(W_enc.shape)} gives d_sae={d_sae}"
                 )
-            if arch not in _TRANSCODERS:
+            if arch not in TRANSCODERS:
                 _check_shape(self.W_dec, (d_sae, d_in), "W_dec", arch, "an SAE decodes to its input width d_in")
             self.b_dec = _tensor(b_dec, "b_dec", arch).to(device=W_enc.device, dtype=W_enc.dtype)
             _check_shape(self.b_dec, (self.W_dec.shape[1],), "b_dec", arch, "one bias per output unit")
 
         self.threshold = None
-        if arch in _JUMPRELU:
+        if arch in JUMPRELU:
             if threshold is None:
                 raise UnsupportedSae(f"a {arch!r} SAE needs threshold [d_sae] (one JumpReLU threshold per feature)")
             self.threshold = _tensor(threshold, "threshold", arch).to(device=W_enc.device, dtype=W_enc.dtype)
@@ -296,7 +238,7 @@ class Sae:
         self.rescale_acts_by_decoder_norm = bool(rescale_acts_by_decoder_norm)
 
         self.W_skip = None
-        if arch in _SKIP:
+        if arch in SKIP:
             if W_skip is None:
                 raise UnsupportedSae(f"a {arch!r} needs W_skip [d_out, d_in]")
             self.W_skip = _tensor(W_skip, "W_skip", arch).to(device=W_enc.device, dtype=W_enc.dtype)
@@ -304,7 +246,7 @@ class Sae:
         elif W_skip is not None:
             raise UnsupportedSae(f"W_skip is only for skip transcoders, not {arch!r}")
 
-        if apply_b_dec_to_input and (arch in _TRANSCODERS or arch == "probe"):
+        if apply_b_dec_to_input and (arch in TRANSCODERS or arch == "probe"):
             raise UnsupportedSae(
                 f"apply_b_dec_to_input is not available to a {arch!r} (b_dec is not in its input space)"
             )
@@ -328,17 +270,17 @@ class Sae:
 
         self._address = _hook_address(hook_name, "hook_name")
         self.hook_name = str(self._address) if arch == "probe" else hook_name
-        if hook_name_out is not None and arch not in _TRANSCODERS:
+        if hook_name_out is not None and arch not in TRANSCODERS:
             raise UnsupportedSae(f"hook_name_out is only for transcoders, not {arch!r}")
         self.hook_name_out = hook_name_out
         self._address_out = self._address if hook_name_out is None else _hook_address(hook_name_out, "hook_name_out")
-        self.cfg = self._synced_cfg(cfg)
+        self.cfg = synced_cfg(self, cfg)
         self._cache: dict[str, _Weights] = {}
         self._moved: dict[tuple[str | None, torch.dtype | None], Sae] = {}
 
     def _check_normalisation(self, mode: object, factor: float | None) -> None:
         if not isinstance(mode, str) or mode not in NORMALIZATIONS:
-            why = _NORM_WHY_NOT.get(mode, "it is not a SAELens mode") if isinstance(mode, str) else "not a string"
+            why = NORM_WHY_NOT.get(mode, "it is not a SAELens mode") if isinstance(mode, str) else "not a string"
             raise UnsupportedSae(
                 f"normalize_activations={mode!r} is not supported ({why}); supported: {', '.join(NORMALIZATIONS)}"
             )
@@ -358,43 +300,6 @@ class Sae:
                 )
         elif factor is not None:
             raise UnsupportedSae(f"norm_scaling_factor is only for 'expected_average_only_in', not {mode!r}")
-
-    def _synced_cfg(self, given: Mapping[str, Any] | None) -> dict[str, Any]:
-        """``given`` (a copy) with the fields SAELens reads set from this object; a new cfg in
-        SAELens 6's layout when none is given."""
-        cfg: dict[str, Any] = copy.deepcopy(dict(given)) if given is not None else {}
-        if self.architecture == "probe":
-            cfg.update(architecture="probe", hook_name=self.hook_name, d_in=self.d_in, d_sae=self.d_sae)
-            cfg["activation"] = self.activation
-            return cfg
-        cfg["d_in"] = self.d_in
-        cfg["d_sae"] = self.d_sae
-        cfg["dtype"] = _dtype_name(self.W_enc.dtype)
-        cfg.setdefault("device", "cpu")
-        cfg["apply_b_dec_to_input"] = self.apply_b_dec_to_input
-        cfg["normalize_activations"] = self.normalize_activations
-        if self.norm_scaling_factor is not None:
-            cfg["norm_scaling_factor"] = self.norm_scaling_factor
-        cfg["reshape_activations"] = self.reshape_activations
-        raw_metadata = cfg.get("metadata")
-        metadata: dict[str, Any] = raw_metadata if isinstance(raw_metadata, dict) else {}
-        legacy = any(key in cfg for key in ("sae_lens_version", "hook_name", "hook_point"))
-        if not legacy and "sae_lens_version" not in metadata:
-            # mark the layout, or SAELens would read this cfg as a pre-6 one (and drop its metadata)
-            cfg["metadata"] = {"sae_lens_version": _CFG_LAYOUT_VERSION, **metadata}
-        _place(cfg, "hook_name", self.hook_name, ("hook_name", "hook_point"))
-        if self.hook_name_out is not None:
-            _place(cfg, "hook_name_out", self.hook_name_out, ("hook_name_out",))
-        cfg["architecture"] = self.architecture
-        if self.k is not None:
-            cfg["k"] = self.k
-            kwargs = cfg.get("activation_fn_kwargs")
-            if isinstance(kwargs, dict) and "k" in kwargs:
-                kwargs["k"] = self.k
-            cfg["rescale_acts_by_decoder_norm"] = self.rescale_acts_by_decoder_norm
-        if self.is_transcoder:
-            cfg["d_out"] = self.d_out
-        return cfg
 
     # -- what it is ------------------------------------------------------------------------------
 
@@ -426,7 +331,7 @@ class Sae:
     @property
     def is_transcoder(self) -> bool:
         """Whether it decodes to another point (``hook_name_out``) than it reads."""
-        return self.architecture in _TRANSCODERS
+        return self.architecture in TRANSCODERS
 
     @property
     def has_decoder(self) -> bool:
@@ -627,7 +532,7 @@ class Sae:
         changes); ``self`` when nothing moves. Copies are cached per (device, dtype)."""
         target = None if device is None else torch.device(device)
         if dtype is not None:
-            _dtype_name(dtype)
+            dtype_name(dtype)
         if (target is None or target == self.W_enc.device) and (dtype is None or dtype == self.W_enc.dtype):
             return self
         key = (None if target is None else str(target), dtype)
@@ -637,7 +542,7 @@ class Sae:
             for name, tensor in self.state_dict().items():
                 setattr(moved, name, tensor.to(device=target, dtype=dtype))
             if dtype is not None and "dtype" in self.cfg:
-                moved.cfg = {**self.cfg, "dtype": _dtype_name(dtype)}
+                moved.cfg = {**self.cfg, "dtype": dtype_name(dtype)}
             moved._cache = {}
             moved._moved = {}
             self._moved[key] = moved
@@ -647,27 +552,17 @@ class Sae:
         """Write ``cfg.json`` and ``sae_weights.safetensors`` into ``folder`` (created if needed),
         in SAELens's format: SAELens's ``SAE.load_from_disk`` reads it (probes: only :func:`load_sae`).
         SAELens ignores ``norm_scaling_factor``, which it applies only by folding."""
-        path = pathlib.Path(folder)
-        path.mkdir(parents=True, exist_ok=True)
-        # bytes written like any file (safetensors' save_file leaves it readable by its owner only)
-        (path / WEIGHTS_FILENAME).write_bytes(save(self._cpu_state()))
-        (path / CFG_FILENAME).write_text(json.dumps(self.cfg, indent=2) + "\n")
+        write_folder(folder, self._cpu_state(), self.cfg)
 
     def to_bytes(self) -> bytes:
         """The tensors as safetensors bytes with ``cfg`` in the header's metadata (for sending the
         SAE to worker processes); :meth:`from_bytes` reads it."""
-        return save(self._cpu_state(), metadata={"cfg": json.dumps(self.cfg)})
+        return to_bytes(self._cpu_state(), self.cfg)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Sae:
         """The SAE (or probe) :meth:`to_bytes` wrote."""
-        try:
-            (length,) = struct.unpack("<Q", data[:8])
-            metadata = json.loads(data[8 : 8 + length]).get("__metadata__") or {}
-            cfg = json.loads(metadata["cfg"])
-            tensors = _load_bytes(data)
-        except Exception as exc:  # struct, JSON and safetensors errors alike
-            raise UnsupportedSae(f"these bytes are not an SAE written by Sae.to_bytes: {exc}") from None
+        cfg, tensors = read_bytes(data)
         return _from_parts(cfg, tensors)
 
 
@@ -707,140 +602,14 @@ _PROBE_FNS: dict[str | None, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-def _place(cfg: dict[str, Any], key: str, value: str, legacy: tuple[str, ...]) -> None:
-    """Set a hook name where this cfg keeps it: ``metadata.<key>`` (SAELens 6), an older top-level
-    key, or (neither present) ``metadata.<key>``."""
-    metadata = cfg.get("metadata")
-    if isinstance(metadata, dict) and key in metadata:
-        metadata[key] = value
-        return
-    for name in legacy:
-        if name in cfg:
-            cfg[name] = value
-            return
-    if not isinstance(metadata, dict):
-        metadata = cfg["metadata"] = {}
-    metadata[key] = value
-
-
-def _is_pre_6(cfg: Mapping[str, Any], metadata: Mapping[str, Any]) -> bool:
-    """Whether SAELens reads this cfg as one written before 6.0 (no version, or an older one)."""
-    version = cfg.get("sae_lens_version") or metadata.get("sae_lens_version")
-    match = re.match(r"\s*(\d+)", version) if isinstance(version, str) else None
-    return match is None or int(match.group(1)) < 6
-
-
 def _from_parts(cfg: object, tensors: dict[str, torch.Tensor], *, scaler_factor: object = None) -> Sae:
-    """The SAE a cfg.json and its tensors describe, read as SAELens 6 reads them (pre-6 cfgs included)."""
-    if not isinstance(cfg, dict):
-        raise UnsupportedSae(f"{CFG_FILENAME} must hold a JSON object, got {type(cfg).__name__}")
-    raw_metadata = cfg.get("metadata")
-    metadata: dict[str, Any] = raw_metadata if isinstance(raw_metadata, dict) else {}
-    pre_6 = _is_pre_6(cfg, metadata)
-    arch = cfg.get("architecture", "standard")
-    raw_kwargs = cfg.get("activation_fn_kwargs")
-    activation_kwargs: dict[str, Any] = raw_kwargs if isinstance(raw_kwargs, dict) else {}
-    activation_fn = cfg.get("activation_fn", cfg.get("activation_fn_str"))
-    if pre_6 and activation_fn == "topk" and activation_kwargs.get("k") is not None:
-        arch = "topk"
-    if arch not in ARCHITECTURES:
-        raise _unsupported_architecture(arch)
-    hook_name = metadata.get("hook_name") or cfg.get("hook_name") or cfg.get("hook_point")
-    if not isinstance(hook_name, str):
-        raise UnsupportedSae(
-            f"{CFG_FILENAME} names no hook (metadata.hook_name in SAELens 6, hook_name or hook_point before): "
-            "interp-engine needs it to know where the SAE reads"
-        )
-    if arch == "probe":
-        _expect_tensors(tensors, {"W_enc", "b_enc"}, arch)
+    """The SAE (or probe) a cfg.json and its tensors describe (:func:`sae_arguments`)."""
+    arguments = sae_arguments(cfg, tensors, scaler_factor=scaler_factor)
+    if arguments["architecture"] == "probe":
         probe = Probe.__new__(Probe)
-        Sae.__init__(
-            probe,
-            "probe",
-            tensors["W_enc"],
-            tensors["b_enc"],
-            None,
-            None,
-            hook_name,
-            cfg=cfg,
-            activation=cfg.get("activation"),
-        )
+        Sae.__init__(probe, **arguments)
         return probe
-
-    head_index = metadata.get("hook_head_index", cfg.get("hook_head_index"))
-    if head_index is not None:
-        raise UnsupportedSae(
-            f"this SAE reads one attention head ({hook_name} head {head_index}); per-head SAEs are not supported"
-        )
-    dtype_name = cfg.get("dtype", "float32")
-    dtype = _DTYPES.get(dtype_name.removeprefix("torch.")) if isinstance(dtype_name, str) else None
-    if dtype is None:
-        raise UnsupportedSae(f"unknown SAE dtype {dtype_name!r}; SAELens's dtypes: {', '.join(_DTYPES)}")
-    tensors = {name: t.to(dtype) for name, t in tensors.items()}
-    if "log_threshold" in tensors and "threshold" not in tensors:  # older JumpReLU checkpoints
-        tensors["threshold"] = torch.exp(tensors.pop("log_threshold"))
-    if "scaling_factor" in tensors:  # a finetuning scale SAELens <6 wrote; all ones means none
-        scale = tensors.pop("scaling_factor")
-        if not torch.allclose(scale, torch.ones_like(scale)):
-            raise UnsupportedSae("this SAE has a finetuning scaling_factor (SAELens < 6), which is not supported")
-    expected = {"W_enc", "b_enc", "W_dec", "b_dec"}
-    expected |= {"threshold"} if arch in _JUMPRELU else set()
-    expected |= {"W_skip"} if arch in _SKIP else set()
-    _expect_tensors(tensors, expected, arch)
-
-    for field, width in (("d_in", 0), ("d_sae", 1)):
-        if field in cfg and cfg[field] != tensors["W_enc"].shape[width]:
-            raise UnsupportedSae(
-                f"{CFG_FILENAME} says {field}={cfg[field]!r} but W_enc has shape {list(tensors['W_enc'].shape)}"
-            )
-    transcoder = arch in _TRANSCODERS
-    if transcoder and "d_out" in cfg and cfg["d_out"] != tensors["W_dec"].shape[-1]:
-        raise UnsupportedSae(
-            f"{CFG_FILENAME} says d_out={cfg['d_out']!r} but W_dec has shape {list(tensors['W_dec'].shape)}"
-        )
-
-    normalize = cfg.get("normalize_activations")
-    if isinstance(normalize, bool):  # SAELens < 6
-        normalize = "expected_average_only_in" if normalize else "none"
-    normalize = "none" if normalize is None else normalize
-    factor = cfg.get("norm_scaling_factor")
-    if normalize == "expected_average_only_in" and factor is None:
-        factor = scaler_factor
-    reshape = cfg.get("reshape_activations")
-    if reshape is None:
-        reshape = "hook_z" if pre_6 and isinstance(hook_name, str) and "hook_z" in hook_name else "none"
-    k = None
-    if arch == "topk":
-        k = activation_kwargs.get("k") if pre_6 and activation_kwargs.get("k") is not None else cfg.get("k")
-        if isinstance(k, float) and k.is_integer():
-            k = int(k)
-    return Sae(
-        arch,
-        tensors["W_enc"],
-        tensors["b_enc"],
-        tensors["W_dec"],
-        tensors["b_dec"],
-        hook_name,
-        threshold=tensors.get("threshold"),
-        k=k,
-        W_skip=tensors.get("W_skip"),
-        hook_name_out=(metadata.get("hook_name_out") or cfg.get("hook_name_out")) if transcoder else None,
-        apply_b_dec_to_input=bool(cfg.get("apply_b_dec_to_input", not transcoder)),
-        normalize_activations=normalize,
-        cfg=cfg,
-        rescale_acts_by_decoder_norm=bool(cfg.get("rescale_acts_by_decoder_norm", False)) if arch == "topk" else False,
-        norm_scaling_factor=factor if normalize == "expected_average_only_in" else None,
-        reshape_activations=reshape,
-    )
-
-
-def _expect_tensors(tensors: Mapping[str, torch.Tensor], expected: set[str], arch: str) -> None:
-    missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
-    if missing or extra:
-        raise UnsupportedSae(
-            f"a {arch!r} SAE's {WEIGHTS_FILENAME} holds {', '.join(sorted(expected))}; "
-            f"this one is missing {missing or 'nothing'} and has unexpected {extra or 'nothing'}"
-        )
+    return Sae(**arguments)
 
 
 def load_sae(source: str | os.PathLike[str] | Sae, *, device: str | torch.device | None = None) -> Sae:
@@ -856,35 +625,5 @@ def load_sae(source: str | os.PathLike[str] | Sae, *, device: str | torch.device
         return source if device is None else source.to(device)
     if not isinstance(source, (str, os.PathLike)):
         raise UnsupportedSae(f"load_sae takes a folder path or an Sae, got {type(source).__name__}")
-    path = pathlib.Path(resolve_sae(source))  # a shipped name ("interp:tiny-sae") is its folder
-    if path.is_file() and path.name in (CFG_FILENAME, WEIGHTS_FILENAME):
-        path = path.parent
-    wanted = f"a folder with {CFG_FILENAME} and {WEIGHTS_FILENAME} (SAELens's save_model format)"
-    if not path.is_dir():
-        raise UnsupportedSae(f"no SAE folder at {str(path)!r}: load_sae reads {wanted}")
-    missing = [name for name in (CFG_FILENAME, WEIGHTS_FILENAME) if not (path / name).is_file()]
-    if missing:
-        hints = [f"{name} looks like {what}" for name, what in _OTHER_FORMATS.items() if (path / name).exists()]
-        hint = f" ({'; '.join(hints)}: convert it with SAELens and save_model)" if hints else ""
-        raise UnsupportedSae(f"{str(path)!r} has no {' or '.join(missing)}: load_sae reads {wanted}{hint}")
-    try:
-        cfg = json.loads((path / CFG_FILENAME).read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise UnsupportedSae(f"cannot read {path / CFG_FILENAME}: {exc}") from None
-    try:
-        tensors = load_file(str(path / WEIGHTS_FILENAME), device=str(torch.device(device or "cpu")))
-    except Exception as exc:  # safetensors raises its own SafetensorError, OSError, RuntimeError
-        raise UnsupportedSae(f"cannot read {path / WEIGHTS_FILENAME}: {exc}") from None
-    return _from_parts(cfg, tensors, scaler_factor=_scaler_factor(path))
-
-
-def _scaler_factor(path: pathlib.Path) -> object:
-    """The scaling factor of a SAELens checkpoint's ``activation_scaler.json``, if there is one."""
-    scaler = path / SCALER_FILENAME
-    if not scaler.is_file():
-        return None
-    try:
-        data = json.loads(scaler.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise UnsupportedSae(f"cannot read {scaler}: {exc}") from None
-    return data.get("scaling_factor") if isinstance(data, dict) else None
+    cfg, tensors, scaler_factor = read_folder(source, device)
+    return _from_parts(cfg, tensors, scaler_factor=scaler_factor)

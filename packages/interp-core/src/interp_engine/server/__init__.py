@@ -23,8 +23,9 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         f"interp_engine.server needs the 'serve' extra ({exc.name} is missing): pip install 'interp-core[serve]'"
     ) from exc
 
-from ._app import create_app, run
+from ._app import create_app
 from ._guard import LOOPBACK_HOSTS, uvicorn_config
 from ._limits import ServerLimits
+from ._run import run
 
 __all__ = ["LOOPBACK_HOSTS", "ServerLimits", "create_app", "run", "uvicorn_config"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractContextManager
 from typing import TypeVar
 
 import anyio
@@ -13,7 +14,10 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from ._errors import ApiError
+from ..protocol._protocol import StreamStep
+from ..steering._spec import SteeringSpec
+from ._errors import ApiError, ClientGone
+from ._render import check_finite_steps
 
 T = TypeVar("T")
 
@@ -40,10 +44,6 @@ class EventStream(StreamingResponse):
                 if aclose is not None:
                     await aclose()
                 await self._close()
-
-
-class ClientGone(Exception):
-    """The client closed its connection before the answer was ready."""
 
 
 async def unless_gone(request: Request, work: Awaitable[T]) -> T:
@@ -103,3 +103,44 @@ class Slots:
 
     async def __aexit__(self, *exc: object) -> None:
         self.release()
+
+
+class ModelStream:
+    """A model's stream of steps holding a request slot. :meth:`next` pulls a step under the
+    request's error mapping (``fields``) and refuses one holding inf or NaN; :meth:`close` closes
+    the stream (the backend aborts its request) and frees the slot, once, however often it is
+    called."""
+
+    def __init__(
+        self,
+        steps: AsyncIterator[StreamStep],
+        slots: Slots,
+        fields: AbstractContextManager[None],
+        spec: SteeringSpec | None,
+    ) -> None:
+        self.steps = steps
+        self._slots = slots
+        self._fields = fields
+        self._spec = spec
+        self._closed = False
+
+    async def next(self) -> StreamStep | None:
+        """The next step, or None once the stream has ended."""
+        try:
+            with self._fields:
+                step = await anext(self.steps)
+        except StopAsyncIteration:
+            return None
+        check_finite_steps([step], self._spec)
+        return step
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            aclose = getattr(self.steps, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        finally:
+            self._slots.release()

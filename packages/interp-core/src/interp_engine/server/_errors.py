@@ -14,11 +14,15 @@
 Every body is bounded: a message, a field path or a ``valid`` entry longer than a few hundred
 characters is elided in the middle (an 8 MB address gives a short error, not an 8 MB one), and
 bodies are written as ASCII JSON with no ``NaN`` (a lone surrogate echoed back cannot break them).
+
+The errors a model call raises name the request field at fault (:class:`FieldBlame`); a client
+that closed its connection is :class:`ClientGone` (logged as ``499``, nothing is sent).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -37,10 +41,16 @@ from .._errors import (
     InvalidTokens,
     ModelClosed,
     UnknownSae,
+    UnsupportedAddress,
     UnsupportedArchitecture,
     UnsupportedOperation,
     UnsupportedSae,
 )
+from ..addresses._address import Address
+from ..sae._readouts import Features
+from ..steering._spec import SteeringSpec, Write
+
+logger = logging.getLogger("interp_engine.server")
 
 _CLIENT_ERRORS = (
     InvalidAddress,
@@ -170,6 +180,67 @@ def blame(fields: Mapping[type[InterpError], str]) -> Iterator[None]:
         yield
     except InterpError as exc:
         field = next((name for cls, name in fields.items() if isinstance(exc, cls)), None)
+        raise from_interp(exc, field) from exc
+
+
+class ClientGone(Exception):
+    """The client closed its connection before the answer was ready."""
+
+
+class FieldBlame:
+    """Context manager mapping the core's errors raised by a model call to the request field."""
+
+    def __init__(
+        self,
+        prompt_field: str,
+        spec: SteeringSpec | None,
+        points_field: str,
+        readouts: Sequence[Features],
+        lens_layers: frozenset[int] = frozenset(),
+    ) -> None:
+        self.lens_layers = lens_layers
+        self.prompt_field = prompt_field
+        self.steered = bool(spec)
+        self.written = {w.address for w in spec if isinstance(w, Write)} if spec else set()
+        self.points_field = points_field
+        self.read = {r.sae for r in readouts}
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
+        expected = (InterpError, ApiError, ClientGone, StopAsyncIteration, StopIteration)
+        if self.steered and isinstance(exc, Exception) and not isinstance(exc, expected):
+            # an untyped failure of a steered forward pass: the writes made it fail (inf/NaN into a
+            # sampler, ...); the same request unsteered would have run
+            logger.warning("a steered request failed", exc_info=exc)
+            raise ApiError(
+                400,
+                "InvalidSteering",
+                f"the forward pass failed under this request's steering ({type(exc).__name__}: {str(exc)[:200]}); "
+                "its writes may overflow float32 activations",
+                field="steering",
+            ) from exc
+        if not isinstance(exc, InterpError):
+            return
+        field: str | None = None
+        if isinstance(exc, InvalidAddress):  # one the backend cannot serve: a write's, a point, the lens's
+            written = isinstance(exc, UnsupportedAddress) and exc.address in self.written
+            address = exc.address
+            lensed = isinstance(address, Address) and address.kind == "resid_post" and address.layer in self.lens_layers
+            field = "steering" if written else "lens" if lensed else self.points_field
+        elif isinstance(exc, InvalidTokens):
+            field = self.prompt_field
+        elif isinstance(exc, InvalidSteering):
+            field = "steering"
+        elif isinstance(exc, InvalidActivations):
+            field = "activations"
+        elif isinstance(exc, UnknownSae):  # a readout's SAE, or a feature write's
+            field = self.points_field if exc.name in self.read else "steering"
+        elif isinstance(exc, InvalidFeatures):
+            field = self.points_field if self.read else "steering"
+        elif isinstance(exc, InvalidOption) and self.lens_layers and str(exc).startswith("lens"):
+            field = "lens"
         raise from_interp(exc, field) from exc
 
 

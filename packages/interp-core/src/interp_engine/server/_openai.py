@@ -27,7 +27,6 @@ also holds ``chat``, the prompt's spans; steering positions may name them (``"as
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -38,21 +37,11 @@ from fastapi import FastAPI, Request
 from pydantic import Field, StrictInt
 
 from ..protocol._protocol import InterpModel, StreamStep
-from ._app import (
-    _ERRORS,
-    _chat_out,
-    _check_finite_features,
-    _check_finite_steps,
-    _completion_out,
-    _PromptIn,
-    _readout_of,
-    _Served,
-    _tensor_body,
-    _tensor_of,
-    generation_options,
-)
 from ._asgi import EventStream, unless_gone
+from ._convert import PromptIn, Served, generation_options
 from ._errors import ApiError, limit_exceeded
+from ._render import ERRORS, completion_out, json_text, tensor_body
+from ._routes import capture_generation_of, results_of
 from ._schemas import LensBody, MessageBody, Point, SteeringBody, _Body, _Chat
 
 MAX_STOPS = 4
@@ -200,6 +189,13 @@ def _stops(body: CompletionRequest | ChatCompletionRequest) -> list[str]:
     return stops
 
 
+def _named_logprobs(model: InterpModel, step: StreamStep) -> tuple[list[str], float | None]:
+    """The text of each token ``step.logprobs`` lists, and the logprob of the token chosen (None if
+    it is not among them)."""
+    names = model.to_str_tokens([t for t, _ in step.logprobs]) if step.logprobs else []
+    return names, next((lp for t, lp in step.logprobs if t == step.token_id), None)
+
+
 class _Logprobs:
     """OpenAI's legacy ``logprobs`` object, token by token."""
 
@@ -210,8 +206,7 @@ class _Logprobs:
     def of(self, steps: Sequence[StreamStep], pieces: Sequence[str]) -> dict[str, Any]:
         out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for step, piece in zip(steps, pieces, strict=True):
-            names = self.model.to_str_tokens([t for t, _ in step.logprobs]) if step.logprobs else []
-            chosen = next((lp for t, lp in step.logprobs if t == step.token_id), None)
+            names, chosen = _named_logprobs(self.model, step)
             out["tokens"].append(piece)
             out["token_logprobs"].append(chosen)
             out["top_logprobs"].append(dict(zip(names, (lp for _, lp in step.logprobs), strict=True)))
@@ -256,8 +251,7 @@ class _ChatShape(_Shape):
         """Chat logprobs: per token its text, logprob and the top ones."""
         out = []
         for step in steps:
-            names = self.model.to_str_tokens([t for t, _ in step.logprobs]) if step.logprobs else []
-            chosen = next((lp for t, lp in step.logprobs if t == step.token_id), None)
+            names, chosen = _named_logprobs(self.model, step)
             top = [
                 {"token": name, "logprob": lp, "bytes": list(name.encode("utf-8", "surrogatepass"))}
                 for name, (_, lp) in zip(names, step.logprobs, strict=True)
@@ -285,8 +279,8 @@ class _ChatShape(_Shape):
         return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
 
-def add_completions(app: FastAPI, served: _Served) -> None:
-    @app.post("/v1/completions", responses={**_ERRORS, 200: {"content": {"text/event-stream": {}}}})
+def add_completions(app: FastAPI, served: Served) -> None:
+    @app.post("/v1/completions", responses={**ERRORS, 200: {"content": {"text/event-stream": {}}}})
     async def completions(body: CompletionRequest, request: Request) -> Any:
         """OpenAI-compatible completions (the OpenAI client works against it); steering, captures,
         feature readouts and the logit lens go in ``interp`` (the client's ``extra_body``)."""
@@ -302,7 +296,7 @@ def add_completions(app: FastAPI, served: _Served) -> None:
         return await _complete(
             served,
             request,
-            _PromptIn(ids, ids, "prompt"),
+            PromptIn(ids, ids, "prompt"),
             body,
             n_logprobs=n_logprobs,
             want_logprobs=body.logprobs is not None,
@@ -310,7 +304,7 @@ def add_completions(app: FastAPI, served: _Served) -> None:
             shape=_Shape(model),
         )
 
-    @app.post("/v1/chat/completions", responses={**_ERRORS, 200: {"content": {"text/event-stream": {}}}})
+    @app.post("/v1/chat/completions", responses={**ERRORS, 200: {"content": {"text/event-stream": {}}}})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         """OpenAI-compatible chat completions: ``messages`` formatted by the model's chat template
         (``model.chat_tokens``; vLLM's ``add_generation_prompt``, ``chat_template`` and
@@ -339,9 +333,9 @@ def add_completions(app: FastAPI, served: _Served) -> None:
 
 
 async def _complete(
-    served: _Served,
+    served: Served,
     request: Request,
-    prompt: _PromptIn,
+    prompt: PromptIn,
     body: CompletionRequest | ChatCompletionRequest,
     *,
     n_logprobs: int,
@@ -368,7 +362,7 @@ async def _complete(
         "created": int(time.time()),
         "model": body.model or served.name,
     }
-    chat = {"chat": _chat_out(prompt.chat)} if prompt.chat is not None else {}
+    chat = prompt.chat_head()
     if extension.points is not None:
         if body.stream or stops or want_logprobs:
             raise ApiError(
@@ -380,19 +374,13 @@ async def _complete(
             )
         points, readouts = served.points(extension.points, "interp.points")
         served.check_size(points, len(ids) + max_tokens, "interp.points", readouts)
-        if lens is not None:
-            options["lens"] = lens
-        async with served.slots:
-            with served.fields(prompt_field, spec, "interp.points", readouts, lens=lens):
-                work = model.capture_generation(
-                    prompt.tokens, [*points, *readouts], max_tokens=max_tokens, steering_spec=spec, **options
-                )
-                completion, acts = await unless_gone(request, work)
+        completion, acts = await capture_generation_of(
+            served, model, request, prompt, points, readouts, spec, lens, max_tokens, options, "interp.points"
+        )
         served.count_tokens(prompt=len(ids), generated=len(completion.token_ids))
-        tensors = {str(p): _tensor_of(acts[p]) for p in points}
-        features = {str(r): _readout_of(acts[r]) for r in readouts}
-        captured = await _tensor_body(
-            request, served, "json", "activations", tensors, {}, len(ids), features, steered=spec
+        tensors, features = results_of(acts, points, readouts)
+        captured = await tensor_body(
+            served.tensor_format(request, "json"), "activations", tensors, {}, len(ids), features, steered=spec
         )
         if lens is not None:
             captured["lens"] = await served.lens_result(acts.get(lens), spec)
@@ -402,34 +390,21 @@ async def _complete(
             "object": shape.object,
             "choices": [shape.choice(completion.text, None, completion.finish_reason)],
             "usage": _usage(len(ids), n_out),
-            "interp": {"prompt_token_ids": ids, **chat, **_completion_out(completion), **captured},
+            "interp": {"prompt_token_ids": ids, **chat, **completion_out(completion), **captured},
         }
     readouts = served.readouts(extension.features, "interp.features") if extension.features else []
     served.check_size([], max_tokens, "interp.features", readouts)
     options = generation_options(options, spec, readouts, lens)
     fields = served.fields(prompt_field, spec, "interp.features", readouts, lens=lens)
-    await served.slots.acquire()
-    steps = model.stream(
-        prompt.tokens, max_tokens=max_tokens, n_logprobs=max(n_logprobs, int(want_logprobs)), **options
+    stream, first = await served.open_stream(
+        request,
+        model,
+        prompt.tokens,
+        max_tokens=max_tokens,
+        n_logprobs=max(n_logprobs, int(want_logprobs)),
+        options=options,
+        fields=fields,
     )
-    close = served.stream_closer(steps)
-
-    async def next_step() -> StreamStep | None:
-        try:
-            with fields:
-                step = await anext(steps)
-        except StopAsyncIteration:
-            return None
-        _check_finite_steps([step], spec)
-        _check_finite_features([step], spec)
-        return step
-
-    try:
-        first = await unless_gone(request, next_step())
-    except BaseException:
-        with anyio.CancelScope(shield=True):
-            await close()
-        raise
     served.count_tokens(prompt=len(ids))
     stop_at = _Stops(stops)
 
@@ -444,7 +419,7 @@ async def _complete(
                 yield [step], piece, "stop"
                 return
             last = n >= max_tokens
-            following = None if last else await next_step()
+            following = None if last else await stream.next()
             if following is None:
                 piece += stop_at.flush()
                 yield [step], piece, "length" if n >= max_tokens else "stop"
@@ -469,7 +444,7 @@ async def _complete(
             collected, text_out, finish = await unless_gone(request, collect())
         finally:
             with anyio.CancelScope(shield=True):
-                await close()
+                await stream.close()
         choice = shape.choice(text_out, collected if want_logprobs else None, finish)
         extra: dict[str, Any] = {"prompt_token_ids": ids, **chat, "token_ids": [s.token_id for s in collected]}
         if readouts or lens is not None:
@@ -503,7 +478,7 @@ async def _complete(
             yield _data({"error": exc.body()})
         yield "data: [DONE]\n\n"
 
-    return EventStream(events(), close)
+    return EventStream(events(), stream.close)
 
 
 def _usage(prompt: int, completion: int) -> dict[str, int]:
@@ -511,7 +486,7 @@ def _usage(prompt: int, completion: int) -> dict[str, int]:
 
 
 def _data(chunk: Any) -> str:
-    return f"data: {json.dumps(chunk, ensure_ascii=True, allow_nan=False)}\n\n"
+    return f"data: {json_text(chunk)}\n\n"
 
 
 __all__ = ["ChatCompletionRequest", "CompletionRequest", "add_completions"]
