@@ -231,11 +231,3 @@ def verified_model_types() -> list[str]:
 def supported_model_types() -> list[str]:
     """The verified ``model_type`` values (any decoder-only model whose structure resolves is served)."""
     return verified_model_types()
-
-
-def family_for(model: Any) -> Family:
-    """The resolved :class:`Family` of a loaded HF causal LM, or ``UnsupportedArchitecture`` naming
-    what could not be placed."""
-    from ._resolve import resolve
-
-    return resolve(model)

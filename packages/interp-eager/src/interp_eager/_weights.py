@@ -16,7 +16,7 @@ from torch import nn
 from interp_engine import ModelInfo, UnsupportedArchitecture
 from interp_engine._weights import WEIGHT_NAMES, WeightInfo, probe_norm
 
-from ._plan import Architecture, _maybe
+from ._sites import Architecture, _maybe
 
 
 def _matrix(module: nn.Module) -> torch.Tensor:
