@@ -150,6 +150,9 @@ class Family:
     ``attn_scores`` then (their softmax would not be the pattern)."""
     logit_multiplier: float = 1.0
     """The constant the model multiplies its unembedding's output by (Cohere's ``logit_scale``)."""
+    residual_multiplier: float = 1.0
+    """The constant each sublayer's output is multiplied by before it is added to the residual
+    (Granite's ``residual_multiplier``): ``attn_out`` and ``mlp_out`` are read after it, as added."""
 
 
 FAMILY_DATA: dict[str, dict[str, Any]] = {

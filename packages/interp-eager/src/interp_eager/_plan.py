@@ -297,6 +297,8 @@ class Plan:
     def _handle(self, site: Site, plan: _SitePlan, value: torch.Tensor) -> torch.Tensor:
         chunk = self.chunk
         rows = self._rows(site, value)
+        if site.scale != 1.0:  # the value as added to the residual
+            rows = rows * site.scale
         edited = rows
         for edit in plan.edits:
             edited = edit.apply(edited, chunk)
@@ -319,7 +321,9 @@ class Plan:
                 self._record(address, steered)
         for address in plan.reads:
             self._record(address, edited)
-        return value if edited is rows else self._put(site, value, edited)
+        if edited is rows:
+            return value
+        return self._put(site, value, edited / site.scale if site.scale != 1.0 else edited)
 
     def hooks(self) -> list[Any]:
         handles = []

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._trace import Traced, close, same
+from ._trace import Traced, close, config_numbers, same
 from ._tree import linear_io, refuse
 
 
@@ -66,18 +66,10 @@ def _logit_multiplier(model: nn.Module, raw: torch.Tensor | None, logits: torch.
     if cap:
         target = torch.atanh((target / cap).clamp(-1 + 1e-6, 1 - 1e-6)) * cap
     scale = float((raw * target).sum() / (raw * raw).sum())
-    for value in _config_numbers(model.config):  # the config's own number, exactly (logit_scale, 1 / logits_scaling)
+    for value in config_numbers(model.config):  # the config's own number, exactly (logit_scale, 1 / logits_scaling)
         for candidate in (value, 1.0 / value):
             if abs(candidate - scale) <= 1e-3 * abs(scale):
                 scale = candidate
     if close(post(scale).to(logits.dtype), logits):
         return scale
     raise refuse(model, "its logits are not its unembedding's output (nor a constant multiple of it)")
-
-
-def _config_numbers(config: Any) -> list[float]:
-    try:
-        items = config.to_dict().values()
-    except (AttributeError, TypeError, ValueError):
-        return []
-    return [float(v) for v in items if isinstance(v, (int, float)) and not isinstance(v, bool) and v not in (0, 1)]

@@ -12,7 +12,9 @@ meet the residual stream (parallel or sequential, the residual identity).
 - a second forward with the attention's output shifted tells parallel blocks (the MLP's input does
   not move) from sequential ones;
 - the residual identity ``resid_post = resid_pre + attention part + MLP part`` is checked (up to
-  the dtype's rounding), and a model it does not hold for is refused.
+  the dtype's rounding); where it holds with both parts times one constant (Granite's
+  ``residual_multiplier``, read as the config's number), that is the family's residual multiplier
+  (``attn_out``/``mlp_out`` are then read after it); a model it does not hold for is refused.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 
 from ._families import QkNormLayout
 from ._resolve_attention import Attention
-from ._trace import Record, Traced, close, recording, run, same
+from ._trace import Record, Traced, close, config_numbers, recording, run, same
 from ._tree import refuse
 
 _Q_NAME = re.compile(r"^(q|query)(_|$)|^q[a-z]*norm", re.IGNORECASE)
@@ -94,26 +96,45 @@ def resolve_residual(
         run(model, traced.ids)
     parallel = same(shifted.inputs.get(traced.at(mlp_in)), traced.input(mlp_in))
 
-    # the residual identity: resid_post = resid_pre + what each sublayer adds
+    # the residual identity: resid_post = resid_pre + what each sublayer adds (times a multiplier)
+    multiplier = 1.0
     if not post_norm:
         resid_pre = record.inputs[traced.at("")]
         attn_part = traced.output(attn_post_norm) if attn_post_norm else attn_output
         mlp_part = traced.output(mlp_post_norm) if mlp_post_norm else mlp_output
         if attn_part is None or mlp_part is None or layer_output is None:
             raise refuse(model, "the traced forward did not reach its attention and MLP")
-        total = resid_pre.reshape(-1) + attn_part.reshape(-1) + mlp_part.reshape(-1)
-        if not close(total, layer_output):
-            raise refuse(
-                model,
-                f"its {type(traced.layers[0]).__name__} output is not its input plus its attention's and MLP's outputs "
-                "(a residual multiplier or another operation between them)",
-            )
+        added = attn_part.reshape(-1) + mlp_part.reshape(-1)
+        if not close(resid_pre.reshape(-1) + added, layer_output):
+            fitted = None if attn_post_norm else _multiplier(model, resid_pre, added, layer_output)
+            if fitted is None:
+                raise refuse(
+                    model,
+                    f"its {type(traced.layers[0]).__name__} output is not its input plus its attention's and MLP's "
+                    "outputs (a residual multiplier or another operation between them)",
+                )
+            multiplier = fitted
     return {
         "attn_post_norm": attn_post_norm,
         "mlp_post_norm": mlp_post_norm,
         "post_norm": post_norm,
         "parallel": parallel,
+        "residual_multiplier": multiplier,
     }
+
+
+def _multiplier(model: Any, resid_pre: torch.Tensor, added: torch.Tensor, layer_output: torch.Tensor) -> float | None:
+    """The constant both sublayers' outputs are multiplied by before the residual add (Granite's
+    ``residual_multiplier``): fitted to ``resid_post - resid_pre``, snapped to the config's own
+    number; ``None`` if no constant makes the layer's output its input plus that multiple."""
+    delta = layer_output.reshape(-1).double() - resid_pre.reshape(-1).double()
+    added = added.double()
+    scale = float((delta * added).sum() / (added * added).sum().clamp_min(1e-30))
+    for value in config_numbers(model.config):  # the config's own number, exactly
+        if abs(value - scale) <= 1e-3 * abs(scale):
+            scale = value
+    total = resid_pre.reshape(-1) + (added * scale).to(resid_pre.dtype)
+    return scale if close(total, layer_output) else None
 
 
 def _norm_layout(x: torch.Tensor, heads: int, d: int, tokens: int) -> QkNormLayout | None:

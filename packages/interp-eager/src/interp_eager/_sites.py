@@ -132,6 +132,9 @@ class Site:
     index: int = 0
     heads: HeadSlice | None = None
     cols: ColumnSlice | None = None
+    scale: float = 1.0
+    """What the tensor is multiplied by to give the value (a write hands back ``value / scale``):
+    the residual multiplier at a sublayer's output."""
 
 
 View = Literal["heads", "q norm", "k norm", "values"]
@@ -163,6 +166,9 @@ class EagerSite:
     """Which half of a fused ``[gate | up]`` projection's output (where the family has one)."""
     how: Literal["hook", "recompute"] = "hook"
     """As :meth:`Architecture.served_kinds` reports it."""
+    added: bool = False
+    """A sublayer's output as added to the residual: the module's output times the family's
+    :attr:`~interp_eager._families.Family.residual_multiplier`."""
     no_gradient: str | None = None
     """Why no gradient is taken here (a kind no write reaches)."""
 
@@ -197,7 +203,7 @@ SITES: dict[str, EagerSite] = {
             "attn_q/attn_k",
         ),
         EagerSite("attn_z", "pre", ("attn_sub_norm", "attn_o"), view="heads"),
-        EagerSite("attn_out", "post", ("attn_out_at", "attn")),
+        EagerSite("attn_out", "post", ("attn_out_at", "attn"), added=True),
         EagerSite("attn_out_post", "post", ("attn_post_norm",)),
         EagerSite("resid_mid", "derived"),
         EagerSite("mlp_in", "pre", ("mlp_in",)),
@@ -213,7 +219,7 @@ SITES: dict[str, EagerSite] = {
         EagerSite("mlp_pre", "post", ("mlp_pre",), part=0),
         EagerSite("mlp_pre_linear", "post", ("mlp_pre_linear",), part=1),
         EagerSite("mlp_post", "pre", ("mlp_sub_norm", "mlp_down")),
-        EagerSite("mlp_out", "post", ("mlp_out",)),
+        EagerSite("mlp_out", "post", ("mlp_out",), added=True),
         EagerSite("mlp_out_post", "post", ("mlp_post_norm",)),
         EagerSite("resid_post", "post", ("layer",)),
         EagerSite("final_norm", "post", ("final_norm",), else_input_of="unembed"),
@@ -438,7 +444,8 @@ class Architecture:
         index = row.index if isinstance(row.index, int) else int(getattr(self.family, row.index))
         heads = self._view(row.view)
         cols = ColumnSlice(row.part, 2) if row.part is not None and self.family.gate_up_fused else None
-        return Site(module, when, index=index, heads=heads, cols=cols)
+        scale = self.family.residual_multiplier if row.added else 1.0
+        return Site(module, when, index=index, heads=heads, cols=cols, scale=scale)
 
     def d_mlp(self) -> int:
         """The width of ``mlp_post``, the one rule for ``d_mlp`` on this backend: the input width of a

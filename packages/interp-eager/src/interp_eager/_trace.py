@@ -157,3 +157,12 @@ class Traced:
 
     def output(self, path: str, layer: int = 0) -> torch.Tensor | None:
         return self.record.outputs.get(self.at(path, layer))
+
+
+def config_numbers(config: Any) -> list[float]:
+    """The config's numbers other than 0 and 1 (a constant the model applies is one of them)."""
+    try:
+        items = config.to_dict().values()
+    except (AttributeError, TypeError, ValueError):
+        return []
+    return [float(v) for v in items if isinstance(v, (int, float)) and not isinstance(v, bool) and v not in (0, 1)]

@@ -82,6 +82,7 @@ def weight_info(hf_model: nn.Module, arch: Architecture, info: ModelInfo) -> Wei
         logit_softcap=float(cap) if cap else None,
         dtype=str(param.dtype).removeprefix("torch."),
         unembed_inputs=tuple(p for p in arch.family.before_unembed if _maybe(hf_model, p) is not None),
+        residual_multiplier=float(arch.family.residual_multiplier),
     )
 
 
