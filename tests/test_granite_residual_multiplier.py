@@ -130,6 +130,17 @@ def granite_vllm_path() -> pathlib.Path:
     return _build(vllm_model_path("granite"), MODELS / "granite-residual-multiplier-vllm")
 
 
+def test_the_vllm_resolver_reads_the_multiplier_of_each_sublayer() -> None:
+    """vLLM's module tree (no engine): both contributions' multiplier, applied where each is added."""
+    from interp_vllm._resolve import resolve_without_weights
+    from interp_vllm._sites import SITES, added_scale
+
+    family = resolve_without_weights(str(granite_vllm_path()), {"dtype": "float32"})
+    assert (family.attn_scale, family.mlp_scale) == (MULTIPLIER, MULTIPLIER)
+    scales = {kind: added_scale(SITES[kind], family) for kind in ("attn_out", "mlp_out", "attn_out_post", "attn_z")}
+    assert scales == {"attn_out": MULTIPLIER, "mlp_out": MULTIPLIER, "attn_out_post": 1.0, "attn_z": 1.0}
+
+
 def test_the_vllm_backend_equals_eager() -> None:
     path = granite_vllm_path()
     twin = sync_model(load_model(path, backend="eager"))
