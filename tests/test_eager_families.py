@@ -1251,7 +1251,6 @@ def test_resolution_does_not_read_the_model_type(family: str) -> None:
 
 REFUSAL = {
     "bloom": "the output of its attention BloomAttention is none of its projections' outputs",
-    "granite": "its GraniteDecoderLayer output is not its input plus its attention's and MLP's outputs",
 }
 """Why each of ``conftest.REFUSED_VARIANTS`` is refused (every tiny default config resolves)."""
 

@@ -150,6 +150,9 @@ class Family:
     ``attn_scores`` then (their softmax would not be the pattern)."""
     logit_multiplier: float = 1.0
     """The constant the model multiplies its unembedding's output by (Cohere's ``logit_scale``)."""
+    residual_multiplier: float = 1.0
+    """The constant each sublayer's output is multiplied by before it is added to the residual
+    (Granite's ``residual_multiplier``): ``attn_out`` and ``mlp_out`` are read after it, as added."""
 
 
 FAMILY_DATA: dict[str, dict[str, Any]] = {
@@ -231,11 +234,3 @@ def verified_model_types() -> list[str]:
 def supported_model_types() -> list[str]:
     """The verified ``model_type`` values (any decoder-only model whose structure resolves is served)."""
     return verified_model_types()
-
-
-def family_for(model: Any) -> Family:
-    """The resolved :class:`Family` of a loaded HF causal LM, or ``UnsupportedArchitecture`` naming
-    what could not be placed."""
-    from ._resolve import resolve
-
-    return resolve(model)

@@ -1,6 +1,6 @@
 """The eager backend's model: HF ``transformers`` + PyTorch hooks, behind the async protocol.
 
-Every address kind is read by a hook where the model computes it (see ``_plan``; ``attn_scores``
+Every address kind is read by a hook where the model computes it (see ``_sites``; ``attn_scores``
 is rebuilt, with the eager attention's own operations, from the queries, keys and mask its
 attention function receives, so ``softmax(attn_scores)`` is ``attn_pattern``); which kinds a
 loaded model has -- a gated MLP's ``mlp_pre_linear``, the q/k-norm points, the sandwich norms'
@@ -58,10 +58,11 @@ from interp_engine.backend import (
     read_features,
 )
 
-from ._families import Family, family_for
+from ._families import Family
 from ._generate import choose, generator_for, top_logprobs
-from ._plan import EAGER_KINDS, Architecture, Chunk, Plan, check_probe
-from ._resolve import resolve_config
+from ._plan import Chunk, Plan, check_probe
+from ._resolve import resolve, resolve_config
+from ._sites import EAGER_KINDS, Architecture
 from ._weights import read_weight, weight_info
 
 T = TypeVar("T")
@@ -116,7 +117,7 @@ def load(name_or_path: str, options: dict[str, Any]) -> EagerModel:
         kwargs["attn_implementation"] = "eager"
     try:
         hf_model: Any = AutoModelForCausalLM.from_pretrained(name_or_path, trust_remote_code=trust, **kwargs)
-        family = family_for(hf_model)  # the traced checks, before the tokenizer loads
+        family = resolve(hf_model)  # the traced checks, before the tokenizer loads
         tokenizer_source = options.get("tokenizer") or name_or_path
         tokenizer = (
             AutoTokenizer.from_pretrained(tokenizer_source, trust_remote_code=trust, revision=revision)
@@ -154,28 +155,6 @@ def _ctx_length(config: Any, tokenizer: Any) -> int:
     return limit if isinstance(limit, int) and 0 < limit < 10**9 else 2**31 - 1
 
 
-def _in_width(module: nn.Module) -> int:
-    if isinstance(module, nn.Linear):
-        return module.in_features
-    weight = getattr(module, "weight", None)  # GPT-2's Conv1D stores [in, out]
-    if isinstance(weight, torch.Tensor):
-        return int(weight.shape[0])
-    raise UnsupportedAddress("cannot read the MLP width of this model", address="mlp_post")
-
-
-def _d_mlp(arch: Architecture) -> int:
-    """The width of ``mlp_post``: a dense layer's MLP hidden; on a model whose every layer is a
-    mixture of experts (no ``mlp_post``), one expert's hidden, from the config."""
-    if arch.dense_layers and arch.family.mlp_down is not None:
-        return _in_width(arch.layer_module(min(arch.dense_layers), arch.family.mlp_down))
-    config: Any = arch.config
-    for name in ("moe_intermediate_size", "intermediate_size", "ffn_dim"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return int(config.hidden_size) * 4
-
-
 class EagerModel(TokenizerMixin, ModelBase):
     """A HuggingFace causal LM served through the interp-engine async protocol.
 
@@ -193,7 +172,7 @@ class EagerModel(TokenizerMixin, ModelBase):
         self._hf: nn.Module | None = hf_model.eval()
         self.tokenizer = tokenizer
         config: Any = hf_model.config
-        self.family = family if family is not None else family_for(hf_model)
+        self.family = family if family is not None else resolve(hf_model)
         self.arch = Architecture(hf_model, self.family)
         self._kinds = self.arch.served_kinds()
         embed = hf_model.get_input_embeddings()  # type: ignore[operator]
@@ -201,7 +180,7 @@ class EagerModel(TokenizerMixin, ModelBase):
             architecture=str(config.model_type),
             n_layers=len(self.arch.layers),
             d_model=int(config.hidden_size),
-            d_mlp=_d_mlp(self.arch),
+            d_mlp=self.arch.d_mlp(),
             n_heads=self.arch.n_heads,
             n_kv_heads=self.arch.n_kv_heads,
             vocab_size=int(embed.num_embeddings),
@@ -256,24 +235,10 @@ class EagerModel(TokenizerMixin, ModelBase):
         return self._kinds
 
     def _kind_layers(self, kind: str) -> tuple[int, ...] | None:
-        arch = self.arch
-        if not (arch.moe_layers and arch.dense_layers):  # every layer alike
-            return None
-        if kind in ("router_logits", "expert_indices", "expert_weights"):
-            return tuple(sorted(arch.moe_layers))
-        if kind in ("mlp_pre", "mlp_pre_linear", "mlp_post"):
-            return tuple(sorted(arch.dense_layers))
-        return None
+        return self.arch.kind_layers(kind)
 
     def _missing_reason(self, kind: str) -> str:
-        if kind == "resid_mid" and self.arch.post_norm:
-            return "it normalises the residual after each block (post-LN); read attn_out or resid_post"
-        structural = self.arch.missing_reason(kind)
-        if structural:
-            return structural
-        reason = super()._missing_reason(kind)
-        module = self.arch.missing_module(kind)
-        return f"{reason}: its layers have no {module} module" if module else reason
+        return self.arch.missing_reason(kind, super()._missing_reason(kind))
 
     # -- one forward --------------------------------------------------------------------
     @contextlib.contextmanager

@@ -16,7 +16,7 @@ from torch import nn
 from interp_engine import ModelInfo, UnsupportedArchitecture
 from interp_engine.backend import WEIGHT_NAMES, WeightInfo, probe_norm
 
-from ._plan import Architecture, _maybe
+from ._sites import Architecture, _maybe
 
 
 def _matrix(module: nn.Module) -> torch.Tensor:
@@ -82,6 +82,7 @@ def weight_info(hf_model: nn.Module, arch: Architecture, info: ModelInfo) -> Wei
         logit_softcap=float(cap) if cap else None,
         dtype=str(param.dtype).removeprefix("torch."),
         unembed_inputs=tuple(p for p in arch.family.before_unembed if _maybe(hf_model, p) is not None),
+        residual_multiplier=float(arch.family.residual_multiplier),
     )
 
 

@@ -67,6 +67,8 @@ class VllmFamily:
     """The MLP reads the layer's input, not the residual after attention (GPT-NeoX, GPT-J, Phi)."""
     attn_scale: float = 1.0
     """What the layer multiplies the attention's contribution by before adding it (Granite)."""
+    mlp_scale: float = 1.0
+    """What the layer multiplies the MLP's contribution by before adding it (Granite)."""
     dense_mlp: bool = True
     """Whether (some) layers have a dense MLP (up and down projections)."""
     router: str | None = None

@@ -11,8 +11,9 @@ layers and attention) and finds, by class and by data flow:
   residual add (takes and returns ``(hidden, residual)``), the attention child (the one holding
   vLLM's ``Attention`` kernel), the MLP child, the norms applied to their outputs before the
   residual add (sandwich / post norms: Gemma 2/3, OLMo 2), whether the MLP reads the attention's
-  result (sequential) or the layer input (parallel residual: GPT-NeoX, GPT-J, Falcon, Phi), and a
-  constant each sublayer's output is scaled by before the add (Granite's residual multiplier);
+  result (sequential) or the layer input (parallel residual: GPT-NeoX, GPT-J, Falcon, Phi), and the
+  constant each sublayer's output is scaled by before the add (Granite's residual multiplier:
+  ``attn_out``/``mlp_out`` are read after it, as added);
 - in the attention child: the kernel, the output projection (the ``RowParallelLinear``: its input
   is every head's output), the q/k norms;
 - in the MLP child: the down projection (``RowParallelLinear``) and the up projection
@@ -120,6 +121,7 @@ class _Layer:
     mlp_post_norm: str | None
     parallel: bool
     attn_scale: float
+    mlp_scale: float
 
 
 def _placeholders(graph: fx.Graph) -> list[fx.Node]:
@@ -221,11 +223,16 @@ def _trace_layer(model: nn.Module, layer: nn.Module, classes: dict[str, Any]) ->
                 return None, scale
         return None, 1.0
 
+    def scale_after(norm: str) -> float:  # the scale after a post-norm, if any
+        post = next(n for n in graph.nodes if n.op == "call_module" and str(n.target) == norm)
+        return next((s for u, s in _consumers(post, layer) if u.op == "call_function"), 1.0)
+
     attn_post, attn_scale = post_norm(attn_node)
-    mlp_post, _ = post_norm(mlp_exit)
-    if attn_post is not None:  # the scale after the post-norm, if any
-        post = next(n for n in graph.nodes if n.op == "call_module" and str(n.target) == attn_post)
-        attn_scale = next((s for u, s in _consumers(post, layer) if u.op == "call_function"), 1.0)
+    mlp_post, mlp_scale = post_norm(mlp_exit)
+    if attn_post is not None:
+        attn_scale = scale_after(attn_post)
+    if mlp_post is not None:
+        mlp_scale = scale_after(mlp_post)
     return _Layer(
         hidden_arg=(names.index(hidden_name), hidden_name),
         residual_arg=residual_arg,
@@ -237,6 +244,7 @@ def _trace_layer(model: nn.Module, layer: nn.Module, classes: dict[str, Any]) ->
         mlp_post_norm=mlp_post,
         parallel=attn_node not in _ancestors(mlp_node),
         attn_scale=attn_scale,
+        mlp_scale=mlp_scale,
     )
 
 
@@ -429,6 +437,7 @@ def resolve(model: nn.Module, config: Any) -> VllmFamily:
         mlp_post_norm=traced.mlp_post_norm,
         parallel=traced.parallel,
         attn_scale=traced.attn_scale,
+        mlp_scale=traced.mlp_scale,
         dense_mlp=dense is not None,
         moe_layers=tuple(moe_layers) if len(moe_layers) < len(real) else (),
         n_experts=n_experts if moe is not None else 0,

@@ -67,6 +67,9 @@ class VllmSite:
     """Computed at the hook from other values (see the module docstring), not read directly."""
     static_write: bool = True
     """Whether vllm-static can apply writes here in-graph."""
+    added: Literal["attn", "mlp"] | None = None
+    """A sublayer's output as the residual receives it: the hooked tensor times the family's
+    multiplier of that sublayer's contribution (:func:`added_scale`), where this kind is what is added."""
     routed: Literal["ids", "weights"] | None = None
     """Computed by vLLM's routing function from the router's logits at the same hook (the experts
     chosen and their weights); vllm-static taps the logits (:data:`ROUTER_KIND`) and routes on the host."""
@@ -93,8 +96,8 @@ SITES: dict[str, VllmSite] = {
         VllmSite("attn_scores", "input", "attn_kernel", shard="heads", derived=True, static_write=False),
         VllmSite("attn_pattern", "input", "attn_kernel", shard="heads", derived=True, static_write=False),
         VllmSite("attn_z", "input", "attn_o_proj", shard="heads"),
-        VllmSite("attn_out", "output", "attn"),
-        VllmSite("attn_out_post", "output", "attn_post_norm"),
+        VllmSite("attn_out", "output", "attn", added="attn"),
+        VllmSite("attn_out_post", "output", "attn_post_norm", added="attn"),
         VllmSite("resid_mid", "output", "attn_contrib", derived=True),
         VllmSite("mlp_in", "input", "mlp_in_at", arg=0, arg_name="hidden_states"),
         # mixtures of experts: the router's output, and vLLM's routing function applied to it
@@ -104,8 +107,8 @@ SITES: dict[str, VllmSite] = {
         VllmSite("mlp_pre", "output", "mlp_up", shard="last", part="gate"),
         VllmSite("mlp_pre_linear", "output", "mlp_up", shard="last", part="up"),
         VllmSite("mlp_post", "input", "mlp_down", shard="last"),
-        VllmSite("mlp_out", "output", "mlp_out_at"),
-        VllmSite("mlp_out_post", "output", "mlp_post_norm"),
+        VllmSite("mlp_out", "output", "mlp_out_at", added="mlp"),
+        VllmSite("mlp_out_post", "output", "mlp_post_norm", added="mlp"),
         VllmSite("resid_post", "layer_out"),
         VllmSite("final_norm", "model_out"),
         VllmSite("logits_raw", "model_out", static_write=False),
@@ -139,6 +142,19 @@ def columns(site: VllmSite, family: VllmFamily) -> tuple[int, int] | None:
     if site.part is None or not family.gated:
         return None
     return (0 if site.part == "gate" else 1), 2
+
+
+def added_scale(site: VllmSite, family: VllmFamily) -> float:
+    """What the hooked tensor is multiplied by to give the site's value (a write hands back
+    ``value / scale``): the layer's multiplier of a sublayer's contribution (Granite's residual
+    multiplier) at the point that is added to the residual -- the sublayer's output, or its
+    post-norm's where the family has one; 1 elsewhere."""
+    if site.added is None:
+        return 1.0
+    post = family.attn_post_norm if site.added == "attn" else family.mlp_post_norm
+    if site.kind.endswith("_post") != (post is not None):
+        return 1.0
+    return family.attn_scale if site.added == "attn" else family.mlp_scale
 
 
 # -- tensor parallelism --------------------------------------------------------------------------

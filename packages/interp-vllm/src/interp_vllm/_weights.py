@@ -190,9 +190,16 @@ def _vocab_rows(module: Any, table: torch.Tensor, vocab: list[int] | None) -> di
 # -- the front end ---------------------------------------------------------------------------------
 
 
-def merge_info(answers: Sequence[dict[str, Any]], first: Sequence[int], last: Sequence[int], config: Any) -> WeightInfo:
+def merge_info(
+    answers: Sequence[dict[str, Any]],
+    first: Sequence[int],
+    last: Sequence[int],
+    config: Any,
+    residual_multiplier: float = 1.0,
+) -> WeightInfo:
     """One :class:`WeightInfo` from the workers' answers (``first``/``last``: the indices of the
-    first and last pipeline stages' workers)."""
+    first and last pipeline stages' workers; ``residual_multiplier``: the family's multiplier of the
+    attention's contribution, :attr:`~interp_vllm._families.VllmFamily.attn_scale`)."""
     head = answers[last[0]]
     if head.get("norm_error"):
         raise UnsupportedArchitecture(str(head["norm_error"]))
@@ -223,6 +230,7 @@ def merge_info(answers: Sequence[dict[str, Any]], first: Sequence[int], last: Se
         logit_scale=float(head.get("logit_scale", 1.0)),
         logit_softcap=head.get("softcap"),
         dtype=str(head.get("dtype", "float32")),
+        residual_multiplier=float(residual_multiplier),
     )
 
 

@@ -48,7 +48,7 @@ from interp_engine.backend import lens_top_k, write_positions
 
 from ._families import VllmFamily
 from ._resolve import resolve
-from ._sites import SITES, HookKey, VllmSite, columns, hook_key, local_write
+from ._sites import SITES, HookKey, VllmSite, added_scale, columns, hook_key, local_write
 from ._static import SaeLayout, SaeMath, pick
 from ._wire import PAYLOAD_KEY, Fetched, LensChunk, RequestPayload, compact, compact_ids, merge_lens
 
@@ -909,7 +909,15 @@ class TapManager:
                         routed = self.route(layer, args[0] if args else rows, rows)
                     self._record_routing(routed, members, address)
                 else:
-                    changed |= self._visit(part_of(rows, columns(site, self.family)), members, address)
+                    part = part_of(rows, columns(site, self.family))
+                    factor = added_scale(site, self.family)
+                    if factor == 1.0:
+                        changed |= self._visit(part, members, address)
+                    else:  # the value as added to the residual (Granite's residual multiplier)
+                        added = part * factor
+                        if self._visit(added, members, address):
+                            part.copy_(added / factor)
+                            changed = True
             if not changed:
                 return None
             return (value, *output[1:]) if isinstance(output, tuple) else value

@@ -13,9 +13,11 @@ The residual stream leaving the last layer is a sum of what each part of the mod
 ``attn_out.L`` and ``mlp_out.L`` (on families with sandwich norms -- Gemma 2/3, OLMo 2 -- what
 they add is ``attn_out_post.L``/``mlp_out_post.L``, and those are the components). With
 ``heads=True`` each ``attn_out.L`` is split into ``LxHh`` (head ``h``'s ``attn_z`` times its rows
-of ``W_O``) and ``b_O.L`` (the output projection's bias). That the components add up to the
-captured residual is checked on every call; where they do not (a post-norm block, a residual
-multiplier), the call refuses with ``UnsupportedArchitecture`` instead of returning a wrong split.
+of ``W_O``) and ``b_O.L`` (the output projection's bias), each times the model's residual
+multiplier where it has one (Granite: ``attn_out`` is what is added to the residual, the output
+projection's output times ``residual_multiplier``). That the components add up to the
+captured residual is checked on every call; where they do not (a post-norm block), the call
+refuses with ``UnsupportedArchitecture`` instead of returning a wrong split.
 
 The attribution follows TransformerLens's ``logit_attrs``: the final norm is not linear, so its
 denominator is computed once from the whole residual and applied to every component
@@ -125,10 +127,11 @@ def _split(weights: Weights, tokens: Tokens, *, heads: bool, position: int, extr
     names = ["embed"]
     parts = [_at(cache, "resid_pre.0", positions)]
     tolerance = _tolerance(weights.layout.dtype)
+    multiplier = weights.layout.residual_multiplier  # what the residual receives of each sublayer's output
     for layer in range(n):
         if heads:
             z = _at(cache, f"attn_z.{layer}", positions)  # [rows, heads, d_head]
-            w_o = weights.W_O(layer).double()  # [heads, d_head, d_model]
+            w_o = weights.W_O(layer).double() * multiplier  # [heads, d_head, d_model], as added
             per_head = torch.einsum("rhd,hdm->rhm", z, w_o)
             names += [f"L{layer}H{h}" for h in range(per_head.shape[1])]
             parts += list(per_head.unbind(1))
@@ -136,8 +139,8 @@ def _split(weights: Weights, tokens: Tokens, *, heads: bool, position: int, extr
             b_o = weights.b_O(layer)
             if b_o is not None:
                 names.append(f"b_O.{layer}")
-                parts.append(b_o.double().expand_as(total))
-                total = total + b_o.double()
+                parts.append((b_o.double() * multiplier).expand_as(total))
+                total = total + b_o.double() * multiplier
             whole = _at(cache, f"attn_out.{layer}", positions)
             error = _relative(total, whole)
             if error > tolerance:

@@ -106,6 +106,11 @@ class WeightInfo:
     unembed_inputs: tuple[str, ...] = ()
     """Modules between the final norm and the unembedding (OPT's ``project_out``): ``W_U`` then reads
     their output, not the final norm's (direct logit attribution refuses such a model)."""
+    residual_multiplier: float = 1.0
+    """The constant each sublayer's output is multiplied by before it is added to the residual
+    (Granite's ``residual_multiplier``). ``attn_out`` and ``mlp_out`` are what is added, so
+    ``attn_out = residual_multiplier * (attn_z @ W_O + b_O)``: ``W_O`` and ``b_O`` are the output
+    projection's own parameters."""
 
 
 @dataclass(frozen=True, eq=False)

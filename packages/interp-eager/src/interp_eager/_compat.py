@@ -1,0 +1,100 @@
+"""Every patch the eager backend makes to a third-party private API, in one place.
+
+Each patch names the versions it is written for (:class:`Patch`), checks before patching that its
+target still has the shape it expects, and otherwise raises :class:`IncompatibleDependency` naming
+the installed version and the range, instead of an ``AttributeError`` deep inside a forward.
+
+- :data:`ATTENTION_INTERFACE`: transformers' ``ALL_ATTENTION_FUNCTIONS.get_interface`` (the
+  lookup every attention module makes, in each forward, for its attention function) is replaced on
+  that instance by one handing out wrapped functions, so the eager backend's attention taps see the
+  queries, keys and mask each call receives (:mod:`interp_eager._intercept`).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import inspect
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from packaging.version import Version
+
+from interp_engine import BackendError
+
+
+class IncompatibleDependency(BackendError):
+    """An installed package no longer has the private API a patch of the eager backend expects."""
+
+
+@dataclass(frozen=True)
+class Patch:
+    """A patch of ``target`` (a private API of ``package``), written for versions
+    ``[since, before)``."""
+
+    package: str
+    target: str
+    since: str
+    before: str
+
+    def version(self) -> str:
+        return importlib.metadata.version(self.package)
+
+    def covers(self, version: str | None = None) -> bool:
+        """Whether ``version`` (default: the installed one) is in the range the patch is written for."""
+        found = Version(version or self.version())
+        return Version(self.since) <= found < Version(self.before)
+
+    def incompatible(self, what: str) -> IncompatibleDependency:
+        return IncompatibleDependency(
+            f"the eager backend patches {self.package}'s {self.target}, written for {self.package} "
+            f">={self.since},<{self.before}; the installed {self.package} {self.version()} {what}"
+        )
+
+
+ATTENTION_INTERFACE = Patch("transformers", "ALL_ATTENTION_FUNCTIONS.get_interface", "5.0", "6")
+"""The attention-function lookup (``AttentionInterface.get_interface(attn_implementation,
+default)``) every attention module of transformers 5 calls in its forward."""
+
+_PATCHED = "_interp_engine_tapped"
+_lock = threading.Lock()
+
+
+def attention_interface() -> Any:
+    """transformers' ``ALL_ATTENTION_FUNCTIONS``, checked to have the ``get_interface(attn_implementation,
+    default)`` method the patch replaces."""
+    try:
+        from transformers import modeling_utils
+
+        interface = modeling_utils.ALL_ATTENTION_FUNCTIONS
+    except (ImportError, AttributeError) as exc:
+        raise ATTENTION_INTERFACE.incompatible("has no modeling_utils.ALL_ATTENTION_FUNCTIONS") from exc
+    method = getattr(interface, "get_interface", None)
+    if not callable(method):
+        raise ATTENTION_INTERFACE.incompatible("has no ALL_ATTENTION_FUNCTIONS.get_interface")
+    if not getattr(interface, _PATCHED, False):
+        parameters = list(inspect.signature(method).parameters)
+        if parameters[:2] != ["attn_implementation", "default"]:
+            raise ATTENTION_INTERFACE.incompatible(
+                f"has ALL_ATTENTION_FUNCTIONS.get_interface({', '.join(parameters)}), "
+                "not get_interface(attn_implementation, default)"
+            )
+    return interface
+
+
+def tap_attention_interface(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Make ``ALL_ATTENTION_FUNCTIONS.get_interface`` return ``wrap(function)`` for the function it
+    would return (once per process; later calls do nothing). The implementation (eager, SDPA, ...)
+    and its masks stay the model's own; ``wrap`` decides what else runs."""
+    interface = attention_interface()
+    with _lock:
+        if getattr(interface, _PATCHED, False):
+            return
+        original = interface.get_interface
+
+        def get_interface(attn_implementation: str, default: Callable[..., Any]) -> Callable[..., Any]:
+            return wrap(original(attn_implementation, default))
+
+        setattr(interface, "get_interface", get_interface)  # noqa: B010 - an instance attribute, on purpose
+        setattr(interface, _PATCHED, True)
