@@ -50,10 +50,12 @@ from torch import nn
 from interp_engine import Address, FeatureWrite, Write, load_sae
 from interp_engine.validation import write_positions
 
+from ._request_taps import Hook, RequestTaps, Slice
 from ._sites import ROUTER_KIND, SITES, HookKey, VllmSite, columns, hook_key, owned_heads
 from ._static import SaeLayout, StaticSae, StaticTap, StaticWrites, plan_writes
 from ._wire import Fetched, RequestPayload, compact
-from ._worker import RequestTaps, TapManager, _arg, _get, _Hook, _set_arg, _Slice, arg_slot, forward_pre_hook
+from ._worker import TapManager
+from .hooks import arg_slot, arg_value, attr_path, forward_pre_hook, set_arg
 
 logger = logging.getLogger(__name__)
 
@@ -281,25 +283,25 @@ class StaticTapManager(TapManager):
         mid = Address("resid_mid", layer)
         stash = mid in self.points or mid in self.write_addresses
         if stash:
-            self._new_tap(_get(block, attn_path), "interp_stash", self.d_model)
+            self._new_tap(attr_path(block, attn_path), "interp_stash", self.d_model)
         hidden_at, residual_at = self.family.hidden_arg, self.family.residual_arg
         writes = _writes(names)
         batched = self.family.batched
 
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            hidden = _arg(args, kwargs, *hidden_at)
-            residual = _arg(args, kwargs, *residual_at) if residual_at is not None else None
+            hidden = arg_value(args, kwargs, *hidden_at)
+            residual = arg_value(args, kwargs, *residual_at) if residual_at is not None else None
             stream = hidden if residual is None else hidden + residual
             new = _chain_rows(module, names, stream, batched)
             if stash:
-                _tap(_get(module, attn_path), "interp_stash")(new[0] if batched else new)
+                _tap(attr_path(module, attn_path), "interp_stash")(new[0] if batched else new)
             if not writes:
                 return None
             if residual is None or residual_at is None:
-                return _set_arg(args, kwargs, *hidden_at, new)
+                return set_arg(args, kwargs, *hidden_at, new)
             mask = _steered(module, names, new.shape[0])
-            args, kwargs = _set_arg(args, kwargs, *hidden_at, torch.where(mask, new, hidden))
-            return _set_arg(args, kwargs, *residual_at, torch.where(mask, 0.0, residual))
+            args, kwargs = set_arg(args, kwargs, *hidden_at, torch.where(mask, new, hidden))
+            return set_arg(args, kwargs, *residual_at, torch.where(mask, 0.0, residual))
 
         return hook
 
@@ -347,12 +349,12 @@ class StaticTapManager(TapManager):
 
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             for (index, name), names in steps:
-                args, kwargs = _set_arg(
-                    args, kwargs, index, name, _chain_rows(module, names, _arg(args, kwargs, index, name), batched)
+                args, kwargs = set_arg(
+                    args, kwargs, index, name, _chain_rows(module, names, arg_value(args, kwargs, index, name), batched)
                 )
             if qk:
-                _tap(module, "interp_q")(_arg(args, kwargs, 0, "query"))
-                _tap(module, "interp_k")(_arg(args, kwargs, 1, "key"))
+                _tap(module, "interp_q")(arg_value(args, kwargs, 0, "query"))
+                _tap(module, "interp_k")(arg_value(args, kwargs, 1, "key"))
             return (args, kwargs) if writes else None
 
         return hook
@@ -485,7 +487,7 @@ class StaticTapManager(TapManager):
             self._lens(slices)
         return output
 
-    def _lens_rows(self, slices: list[_Slice]) -> None:
+    def _lens_rows(self, slices: list[Slice]) -> None:
         """The lens layers' rows out of their ``resid_post`` taps (the front end serves the lens
         only at declared ``resid_post`` points): a layer without a tap is decoded as zeros and
         the request fails (see :meth:`TapManager._lens`)."""
@@ -500,8 +502,8 @@ class StaticTapManager(TapManager):
                 rows = tap.buffer[sl.start : sl.end]
                 sl.lens_rows[index] = rows[sl.lens_keep.to(rows.device)]
 
-    def _fill_indices(self, slices: list[_Slice]) -> None:
-        steering: dict[Address, list[tuple[_Slice, torch.Tensor, torch.Tensor]]] = {}
+    def _fill_indices(self, slices: list[Slice]) -> None:
+        steering: dict[Address, list[tuple[Slice, torch.Tensor, torch.Tensor]]] = {}
         for sl in slices:
             for address, (_, slot_of, combo) in self.held.get(sl.taps.rid, {}).items():
                 steering.setdefault(address, []).append((sl, slot_of, combo))
@@ -540,8 +542,8 @@ class StaticTapManager(TapManager):
             device = module.clamp_on.device
             module.set_clamps((on.to(device), features.clamp_min(0).to(device), values.to(device)))
 
-    def _read(self, slices: list[_Slice], output: Any) -> None:
-        hook = _Hook()
+    def _read(self, slices: list[Slice], output: Any) -> None:
+        hook = Hook()
         if self.rank == 0:  # the SAEs' rows are whole on every rank
             self._readouts(slices)
         for sl in slices:
@@ -559,7 +561,7 @@ class StaticTapManager(TapManager):
                     logits = tap.buffer[sl.start : sl.end]
                     self._record_routing(
                         self.route(address.layer or 0, logits, logits),
-                        [_Slice(sl.taps, 0, sl.end - sl.start, sl.positions)],
+                        [Slice(sl.taps, 0, sl.end - sl.start, sl.positions)],
                         address,
                     )
                 else:
@@ -570,10 +572,10 @@ class StaticTapManager(TapManager):
         if hook.members:
             self._read_output(output, hook)
 
-    def _readouts(self, slices: list[_Slice]) -> None:
+    def _readouts(self, slices: list[Slice]) -> None:
         """This step's readouts, out of the SAEs' buffers: per SAE, one read of every reading
         request's rows and each distinct readout once, then each request's rows of it."""
-        readers: dict[str, list[tuple[_Slice, torch.Tensor]]] = defaultdict(list)
+        readers: dict[str, list[tuple[Slice, torch.Tensor]]] = defaultdict(list)
         for sl in slices:
             keep = sl.positions >= sl.taps.first_readout
             if not sl.taps.readouts_at or not bool(keep.any()):

@@ -24,17 +24,9 @@ import torch
 from interp_engine import BackendError, ModelInfo, UnsupportedArchitecture
 from interp_engine._weights import WEIGHT_NAMES, WeightInfo, norm_parameters, probe_norm
 
+from .hooks import attr_path, copy_rows
+
 _VOCAB_WEIGHTS = ("W_E", "W_U", "b_U")
-
-
-def _get(root: Any, path: str) -> Any:
-    for part in path.split("."):
-        root = getattr(root, part)
-    return root
-
-
-def _copy(value: torch.Tensor) -> torch.Tensor:
-    return value.detach().to("cpu", torch.float32, copy=True)
 
 
 def _vocab_size(taps: Any) -> int:
@@ -60,11 +52,11 @@ def input_embedding(taps: Any) -> Any:
 
 
 def _unembedding(taps: Any) -> Any:
-    return _get(taps.model, taps.family.unembed) if taps.last_stage and taps.family.unembed else None
+    return attr_path(taps.model, taps.family.unembed) if taps.last_stage and taps.family.unembed else None
 
 
 def _output_projection(taps: Any, layer: int) -> Any:
-    return _get(taps.layers[layer], taps.family.attn_o_proj)
+    return attr_path(taps.layers[layer], taps.family.attn_o_proj)
 
 
 def _bias(module: Any) -> torch.Tensor | None:
@@ -93,7 +85,7 @@ def worker_info(taps: Any) -> dict[str, Any]:
     cap = getattr(processor, "soft_cap", None)
     out["logit_scale"] = float(scale) if isinstance(scale, (int, float)) else 1.0
     out["softcap"] = float(cap) if isinstance(cap, (int, float)) and cap else None
-    norm = _get(taps.model, taps.family.final_norm)
+    norm = attr_path(taps.model, taps.family.final_norm)
     found = probe_norm(  # its own forward, not a call: the taps' hooks on the norm never see the probe
         norm.forward,
         norm,
@@ -135,11 +127,11 @@ def worker_weight(taps: Any, name: str, layer: int | None, vocab: list[int] | No
         if name in ("ln_final.w", "ln_final.b"):
             if not taps.last_stage:
                 return {}
-            weight, bias = norm_parameters(_get(taps.model, taps.family.final_norm))
+            weight, bias = norm_parameters(attr_path(taps.model, taps.family.final_norm))
             value = weight if name == "ln_final.w" else bias
             if value is None:
                 raise BackendError(f"the final norm has no {name}")
-            return {"values": _copy(value)}
+            return {"values": copy_rows(value)}
         if layer is None or layer not in taps.owned:
             return {}
         projection = _output_projection(taps, layer)
@@ -147,9 +139,9 @@ def worker_weight(taps: Any, name: str, layer: int | None, vocab: list[int] | No
             bias = _bias(projection)
             if bias is None:
                 raise BackendError(f"the output projection of layer {layer} has no bias")
-            return {"values": _copy(bias)}
+            return {"values": copy_rows(bias)}
         matrix = linear_matrix(projection)  # [this rank's heads * d_head, d_model]
-        return {"values": _copy(matrix.reshape(-1, taps.d_head, matrix.shape[1]))}
+        return {"values": copy_rows(matrix.reshape(-1, taps.d_head, matrix.shape[1]))}
 
 
 def linear_matrix(module: Any) -> torch.Tensor:
@@ -184,7 +176,7 @@ def _vocab_rows(module: Any, table: torch.Tensor, vocab: list[int] | None) -> di
         held = [(i, v - start) for i, v in enumerate(vocab) if start <= v < end]
         positions = torch.tensor([i for i, _ in held], dtype=torch.long)
         local = torch.tensor([j for _, j in held], dtype=torch.long)
-    return {"positions": positions, "values": _copy(table[local.to(table.device)])}
+    return {"positions": positions, "values": copy_rows(table[local.to(table.device)])}
 
 
 # -- the front end ---------------------------------------------------------------------------------

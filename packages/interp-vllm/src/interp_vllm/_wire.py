@@ -123,6 +123,14 @@ class RequestPayload:
         return None if data is None else cls.decode(data)
 
     @classmethod
+    def awaits_fetch_of(cls, params: Any) -> bool:
+        """Whether the payload a request's ``SamplingParams`` carry asks for values back (points,
+        readouts or a lens), read without decoding the rest: it answers for a payload that
+        :meth:`decode` refused too (that request's error waits for its fetch)."""
+        data = (getattr(params, "extra_args", None) or {}).get(PAYLOAD_KEY) or {}
+        return bool(data.get("points") or data.get("readouts") or data.get("lens"))
+
+    @classmethod
     def rid_of(cls, params: Any) -> str | None:
         """Only the id (cheap: the workers ask this of every request in every step)."""
         data = (getattr(params, "extra_args", None) or {}).get(PAYLOAD_KEY)
