@@ -28,8 +28,8 @@ as the dynamic worker's, ever leave the worker).
 vLLM's deferred residual is handled in-graph: a write on ``resid_pre``/``resid_post`` gives
 ``(where(steered, new_stream, hidden), where(steered, 0, residual))``.
 
-Invariant: :func:`keep_inductor_mutation_order` runs in the worker before vLLM compiles the model
-(here, when the :class:`StaticTapManager` is built). The hooks read tensors that opaque ops wrote
+Invariant: :func:`._compat.keep_inductor_mutation_order` runs in the worker before vLLM compiles
+the model (here, when the :class:`StaticTapManager` is built). The hooks read tensors that opaque ops wrote
 in place (on CPU every vLLM linear is ``onednn_mm(out, ...)`` into a preallocated buffer; the
 ``resid_mid`` stash is our own buffer); without it torch 2.13's Inductor may schedule such a read
 before the write, silently.
@@ -38,7 +38,6 @@ before the write, silently.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from collections import defaultdict
 from collections.abc import Callable
@@ -50,55 +49,21 @@ from torch import nn
 from interp_engine import Address, FeatureWrite, Write, load_sae
 from interp_engine.validation import write_positions
 
+from . import _compat
 from ._request_taps import Hook, RequestTaps, Slice
 from ._sites import ROUTER_KIND, SITES, HookKey, VllmSite, columns, hook_key, owned_heads
 from ._static import SaeLayout, StaticSae, StaticTap, StaticWrites, plan_writes
-from ._wire import Fetched, RequestPayload, compact
+from ._wire import CONFIG_KEY, Fetched, RequestPayload, StaticDeclaration, compact, from_wire
 from ._worker import TapManager
 from .hooks import arg_slot, arg_value, attr_path, forward_pre_hook, set_arg
 
 logger = logging.getLogger(__name__)
 
-CONFIG_KEY = "interp_engine_static"
-"""The ``additional_config`` entry that declares the static taps (part of vLLM's compile hash)."""
 
-
-def keep_inductor_mutation_order() -> None:
-    """Make Inductor keep every read of a buffer after the op that mutated it (pytorch#185509).
-
-    Inductor orders a read of a buffer that an earlier node mutated through the reading node's
-    ``mutation_renames``. In torch 2.13 (fixed upstream by pytorch#185873) a scheduler node that
-    re-derives its loop body (``SchedulerNode._compute_attrs``: the CPU backend does it in
-    ``recompute_size_and_body`` to fuse nodes with different loop ranges) re-extracts its reads
-    under the buffers' original names and re-applies the renames only if it also has fake
-    dependencies. The read then no longer depends on the mutation and can be fused into a kernel
-    that runs before it. In a vllm-static graph on CPU that is the hook's ``hidden + residual``
-    read before ``onednn_mm`` has written ``hidden`` (the MLP's down projection): stale or
-    uninitialised memory in the tap and in every write, with no error. This re-applies the
-    renames whenever the reads are re-derived, as ``refresh_dependencies`` does; idempotent, and
-    harmless where torch already does it."""
-    try:
-        from torch._inductor.scheduler import SchedulerNode
-    except ImportError:  # no Inductor: nothing is compiled
-        return
-    compute = getattr(SchedulerNode, "_compute_attrs", None)
-    if compute is None or getattr(compute, "_interp_keeps_mutation_order", False):
-        return
-
-    @functools.wraps(compute)
-    def _compute_attrs(self: Any, *args: Any, **kwargs: Any) -> None:
-        compute(self, *args, **kwargs)
-        renames = getattr(self, "mutation_renames", None)  # empty (or unset) while the node is built
-        if renames:
-            self.set_read_writes(self.read_writes.rename(renames))
-
-    _compute_attrs._interp_keeps_mutation_order = True  # type: ignore[attr-defined]
-    SchedulerNode._compute_attrs = _compute_attrs  # type: ignore[method-assign]
-
-
-def static_config(runner: Any) -> dict[str, Any] | None:
-    extra = getattr(runner.vllm_config, "additional_config", None)
-    return extra.get(CONFIG_KEY) if isinstance(extra, dict) else None
+def static_config(runner: Any) -> StaticDeclaration | None:
+    """The engine's vllm-static declaration (``None``: a ``vllm`` engine)."""
+    data = _compat.additional_config(runner).get(CONFIG_KEY)
+    return None if data is None else from_wire(StaticDeclaration, data)
 
 
 def _tap(module: nn.Module, name: str) -> StaticTap:
@@ -151,14 +116,13 @@ def _steered(module: nn.Module, names: Names, n: Any) -> torch.Tensor:
 class StaticTapManager(TapManager):
     """The fixed taps of one model runner, and their per-step host work."""
 
-    def __init__(self, runner: Any, config: dict[str, Any]) -> None:
+    def __init__(self, runner: Any, config: StaticDeclaration) -> None:
         super().__init__(runner)
-        self.points = [Address.parse(p) for p in config.get("points", [])]
+        self.points, self.write_addresses = config.addresses()
         # expert indices and weights are routed on the host from the router's logits: tap those
         routed = [Address(ROUTER_KIND, a.layer) for a in self.points if SITES[a.kind].routed is not None]
         self.points += [a for a in dict.fromkeys(routed) if a not in self.points]
-        self.write_addresses = [Address.parse(a) for a in config.get("writes", [])]
-        self.slots = int(config.get("slots", 256))
+        self.slots = config.slots
         self.max_tokens = int(runner.max_num_tokens)
         param = next(self.model.parameters())
         self.dtype, self.device = param.dtype, param.device
@@ -169,18 +133,18 @@ class StaticTapManager(TapManager):
         self.held: dict[str, dict[Address, tuple[list[int], torch.Tensor, torch.Tensor]]] = {}
         self.failed: dict[str, str] = {}
         # SAEs compiled in: loaded from the folders the front end wrote, one StaticSae each
-        self.sae_top_k = int(config.get("sae_top_k", 64))
-        self.sae_dense_max = int(config.get("sae_dense_max", 0))
+        self.sae_top_k = config.sae_top_k
+        self.sae_dense_max = config.sae_dense_max
         self.sae_modules: dict[str, StaticSae] = {}
         self.sae_names: dict[Address, list[str]] = defaultdict(list)
         n_layers = len(self.layers)
-        for name, entry in (config.get("saes") or {}).items():
-            sae = load_sae(entry["path"]).to(device=self.device)
+        for name, entry in config.saes.items():
+            sae = load_sae(entry.path).to(device=self.device)
             self.saes[name] = sae
             self.sae_names[sae.address.resolve(n_layers)].append(name)
         # per request: per SAE, the feature and value clamped at each position (-1: none)
         self.clamps: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
-        keep_inductor_mutation_order()  # before warm-up compiles the graph with the hooks in it
+        _compat.keep_inductor_mutation_order()  # before warm-up compiles the graph with the hooks in it
         self._install_static()
 
     # -- installation (before compilation) ------------------------------------------------

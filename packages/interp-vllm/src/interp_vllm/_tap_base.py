@@ -20,6 +20,7 @@ from torch import nn
 
 from interp_engine import Address, BackendError, Sae
 
+from . import _compat
 from ._families import VllmFamily
 from ._request_taps import RequestTaps, Slice
 from ._resolve import resolve
@@ -34,6 +35,7 @@ class TapBase:
     """The model runner's model and family, this worker's ranks, and the requests' states."""
 
     def __init__(self, runner: Any) -> None:
+        _compat.check_runner(runner)
         self.runner = runner
         self.model: nn.Module = runner.get_model()
         self.family: VllmFamily = resolve(self.model, runner.model_config.hf_config)

@@ -31,6 +31,7 @@ import torch
 
 from interp_engine import BackendError, UnsupportedArchitecture
 
+from . import _compat
 from ._request_taps import Hook, RequestTaps, Slice
 from ._sites import HookKey, hook_key
 from ._tap_fetch import FetchTaps
@@ -47,7 +48,7 @@ def tap_manager(runner: Any) -> TapManager | UntappedRunner:
     that serves vLLM's plain requests untouched (installing interp-vllm never breaks vLLM)."""
     try:
         return TapManager(runner)
-    except UnsupportedArchitecture as exc:
+    except (UnsupportedArchitecture, _compat.IncompatibleVersion) as exc:
         logger.warning("interp-engine: no taps for this model: %s", exc)
         return UntappedRunner(str(exc))
 
@@ -77,13 +78,12 @@ class TapManager(HookTaps, LensTaps, FetchTaps):
 
     # -- the step's requests ------------------------------------------------------------
     def _slices(self, positions: torch.Tensor | None) -> list[Slice]:
-        runner = self.runner
-        batch = runner.input_batch
-        num_reqs = int(batch.num_reqs)
+        req_ids = _compat.batch_request_ids(self.runner)
+        num_reqs = len(req_ids)
         if num_reqs == 0 or positions is None:
             return []
         wanted: list[tuple[int, RequestTaps]] = []
-        for index, req_id in enumerate(batch.req_ids[:num_reqs]):
+        for index, req_id in enumerate(req_ids):
             params = self._params(req_id)
             rid = RequestPayload.rid_of(params)
             if rid is None or rid in self.retired:
@@ -97,7 +97,7 @@ class TapManager(HookTaps, LensTaps, FetchTaps):
             wanted.append((index, taps))
         if not wanted:
             return []
-        starts = runner.query_start_loc.cpu[: num_reqs + 1].tolist()
+        starts = _compat.batch_starts(self.runner, num_reqs)
         self.step_tokens = starts[-1]
 
         # a copy: the runner reuses its positions buffer every step
@@ -130,7 +130,7 @@ class TapManager(HookTaps, LensTaps, FetchTaps):
 
     def _params(self, req_id: str) -> Any:
         """The ``SamplingParams`` of a live vLLM request."""
-        return getattr(self.runner.requests.get(req_id), "sampling_params", None)
+        return _compat.request_params(self.runner, req_id)
 
     def finished(self, req_ids: Any) -> None:
         """vLLM finished or aborted these requests (its own ids). A request that captured
