@@ -246,23 +246,26 @@ def patch_runner(
     ``_model_forward``, ``finished(runner, req_ids)`` hears of requests vLLM finished before the
     runner drops them, ``after_load(runner)`` runs right after the model is loaded (GPU and CPU
     runner). Checks every target first: nothing is patched if one moved."""
-    owners = [patch.check() for patch in RUNNER_PATCHES]
+    runner = MODEL_FORWARD.owner()
+    if getattr(runner, PATCHED, False):
+        return
+    for patch in RUNNER_PATCHES:
+        patch.check()
     if not MODEL_FORWARD.in_range():
         logger.warning(
             "interp-engine: the model runner is patched for %s; the installed vllm is %s (its shape matches)",
             MODEL_FORWARD.spelled,
             _installed("vllm"),
         )
-    runner = owners[0]
-    if getattr(runner, PATCHED, False):
-        return
     original_forward = runner._model_forward
 
+    @functools.wraps(original_forward)  # the shape checks see vLLM's signature through the wrapper
     def _model_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         return forward(self, lambda *a, **k: original_forward(self, *a, **k), args, kwargs)
 
     original_update = runner._update_states
 
+    @functools.wraps(original_update)
     def _update_states(self: Any, scheduler_output: Any) -> Any:
         done = getattr(scheduler_output, "finished_req_ids", None)
         if done:
@@ -271,7 +274,7 @@ def patch_runner(
 
     runner._model_forward = _model_forward
     runner._update_states = _update_states
-    for owner in dict.fromkeys(o for o in (owners[2], owners[3]) if o is not None):
+    for owner in dict.fromkeys(o for o in (LOAD_MODEL.check(), CPU_LOAD_MODEL.check()) if o is not None):
         _wrap_load_model(owner, after_load)
     setattr(runner, PATCHED, True)
 
@@ -279,6 +282,7 @@ def patch_runner(
 def _wrap_load_model(runner_class: Any, after_load: Callable[[Any], None]) -> None:
     original = runner_class.__dict__["load_model"]
 
+    @functools.wraps(original)
     def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
         after_load(self)
