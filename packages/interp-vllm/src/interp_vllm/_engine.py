@@ -357,7 +357,7 @@ class EngineClient(TokenizerMixin, ModelBase):
         except Exception as exc:
             if self._closed:
                 raise ModelClosed("the model was shut down while this call was in flight") from exc
-            if _is_engine_dead(exc):  # its engine core process is gone: every later call says so at once
+            if is_engine_dead(exc):  # its engine core process is gone: every later call says so at once
                 raise self._engine_died(f"{type(exc).__name__}: {exc}") from exc
             raise
         finally:
@@ -465,7 +465,7 @@ class EngineClient(TokenizerMixin, ModelBase):
         try:
             answers = await call(Workers(engine))
         except Exception as exc:
-            if _is_engine_dead(exc):
+            if is_engine_dead(exc):
                 raise self._engine_died(f"{type(exc).__name__}: {exc}") from exc
             raise BackendError(f"the workers could not read the weights: {type(exc).__name__}: {exc}") from exc
         return answers
@@ -509,7 +509,7 @@ def _stages(pings: list[Ping]) -> list[tuple[frozenset[int], list[int]]]:
     return [(layers[stage], [index for _, index in sorted(workers[stage])]) for stage in sorted(workers)]
 
 
-def _is_engine_dead(exc: BaseException) -> bool:
+def is_engine_dead(exc: BaseException) -> bool:
     """Whether ``exc`` is vLLM's report that its engine core died."""
     from vllm.v1.engine.exceptions import EngineDeadError
 

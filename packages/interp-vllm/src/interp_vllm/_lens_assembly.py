@@ -1,4 +1,5 @@
-"""The logit lens and readouts as the front end assembles them from the workers' answers."""
+"""The logit lens and readouts as the front end assembles them from the workers' answers, and
+the payload fields that ask for them."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from interp_engine._lens import LensResult, LensTopK
 from ._wire import Fetched, LensChunk, RequestPayload
 
 
-def _readouts_of(ranks: list[Fetched]) -> dict[Features, tuple[torch.Tensor, FeatureReadout]]:
+def readouts_of(ranks: list[Fetched]) -> dict[Features, tuple[torch.Tensor, FeatureReadout]]:
     """Every readout the workers computed (each by tensor-parallel rank 0 of the pipeline stage
     holding its SAE's address)."""
     found: dict[Features, tuple[torch.Tensor, FeatureReadout]] = {}
@@ -27,7 +28,7 @@ def _readouts_of(ranks: list[Fetched]) -> dict[Features, tuple[torch.Tensor, Fea
     return found
 
 
-def _lens_of(ranks: list[Fetched]) -> LensChunk | None:
+def lens_of(ranks: list[Fetched]) -> LensChunk | None:
     """The lens the workers computed (tensor-parallel rank 0 of the last pipeline stage)."""
     for rank in ranks:
         if rank.lens is not None:
@@ -35,7 +36,7 @@ def _lens_of(ranks: list[Fetched]) -> LensChunk | None:
     return None
 
 
-def _with_lens(payload: RequestPayload, lens: CheckedLens | None) -> RequestPayload:
+def with_lens(payload: RequestPayload, lens: CheckedLens | None) -> RequestPayload:
     """``payload`` asking the workers for ``lens``."""
     if lens is None:
         return payload
@@ -44,7 +45,9 @@ def _with_lens(payload: RequestPayload, lens: CheckedLens | None) -> RequestPayl
     )
 
 
-def _prompt_lens(lens: CheckedLens, pending: dict[int, tuple[torch.Tensor, torch.Tensor]], n_prompt: int) -> LensResult:
+def lens_at_prompt(
+    lens: CheckedLens, pending: dict[int, tuple[torch.Tensor, torch.Tensor]], n_prompt: int
+) -> LensResult:
     """The lens at the prompt positions asked, out of ``pending`` (those before the prompt's last
     are taken out; the last one also produced the first token and stays for its step)."""
     last = n_prompt - 1
@@ -58,7 +61,7 @@ def _prompt_lens(lens: CheckedLens, pending: dict[int, tuple[torch.Tensor, torch
     return LensResult.stack(steps)
 
 
-def _lens_result(lens: CheckedLens, chunk: LensChunk | None, n_prompt: int, n_generated: int) -> LensResult:
+def lens_result(lens: CheckedLens, chunk: LensChunk | None, n_prompt: int, n_generated: int) -> LensResult:
     """The lens of a generation: at the prompt positions asked and at every position that
     produced one of the ``n_generated`` tokens kept."""
     wanted = sorted({*lens.prompt_positions, *range(n_prompt - 1, n_prompt - 1 + n_generated)})
@@ -81,6 +84,6 @@ def _lens_result(lens: CheckedLens, chunk: LensChunk | None, n_prompt: int, n_ge
     )
 
 
-def _keyed(payload: RequestPayload, keys: dict[str, str]) -> RequestPayload:
+def keyed(payload: RequestPayload, keys: dict[str, str]) -> RequestPayload:
     """``payload`` naming the keys its SAEs are held under in the workers."""
     return dataclasses.replace(payload, sae_keys=keys) if keys else payload

@@ -1,9 +1,11 @@
-"""The vllm backend's model: vLLM's V1 ``AsyncLLM`` serving requests that carry taps.
+"""The vllm backend's model: what a request carries to vLLM's workers and what comes back.
 
-The front end (this module, in the caller's process) validates each request, sends its points
-and steering spec to the workers as plain data in ``SamplingParams.extra_args``, lets vLLM
+:class:`VllmModel` is the engine client (:mod:`._engine`) with the workers' SAEs kept in step
+(:mod:`._sae_sync`). It validates each request, sends its points and steering spec to the workers
+as plain data in ``SamplingParams.extra_args`` (:class:`~._wire.RequestPayload`), lets vLLM
 schedule and batch it with everything else in flight, and afterwards fetches what the workers
-captured for it with ``collective_rpc``.
+captured for it (:class:`~._client.Workers`), joined over tensor-parallel ranks and pipeline
+stages; streams drain their readouts and lens step by step (:mod:`._lens_assembly`).
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ from interp_engine._lens import LensRequest, LensResult, LensTopK
 from interp_engine.tokens import TextPieces
 
 from ._client import Workers
-from ._engine import _is_engine_dead
-from ._lens_assembly import _keyed, _lens_of, _lens_result, _prompt_lens, _readouts_of, _with_lens
+from ._engine import is_engine_dead
+from ._lens_assembly import keyed, lens_at_prompt, lens_of, lens_result, readouts_of, with_lens
 from ._sae_sync import SaeSync
 from ._sites import SITES, merge_ranks
 from ._wire import Fetched, FetchedWire, LensChunk, RequestPayload
@@ -109,7 +111,7 @@ class VllmModel(SaeSync):
         except Exception as exc:
             if self._closed:
                 raise ModelClosed("the model was shut down while this call was in flight") from exc
-            if _is_engine_dead(exc):
+            if is_engine_dead(exc):
                 raise self._engine_died(f"{type(exc).__name__}: {exc}") from exc
             raise BackendError(f"the workers could not return this request's values: {exc}") from exc
         for rank in every:
@@ -134,7 +136,7 @@ class VllmModel(SaeSync):
                 value = value[:, :, :n].permute(1, 0, 2).contiguous()
             values[address] = value
         found = {}
-        computed = _readouts_of(every)
+        computed = readouts_of(every)
         for spec in readouts:
             if spec not in computed:
                 raise BackendError(f"the readout {spec} did not fire for this request")
@@ -142,7 +144,7 @@ class VllmModel(SaeSync):
             if positions.shape[0] < n or not torch.equal(positions[:n], torch.arange(n)):
                 raise BackendError(f"the readout {spec} saw {positions.shape[0]} of the {n} positions of this request")
             found[spec] = readout[:n]
-        return values, found, _lens_of(every)
+        return values, found, lens_of(every)
 
     async def capture(
         self, token_ids: Sequence[int], points: Iterable[Any], *, steering_spec: SteeringSpec | None = None
@@ -157,7 +159,7 @@ class VllmModel(SaeSync):
         try:
             rid = f"interp-{uuid.uuid4().hex}"
             payload = self._payload(rid, resolved, writes, len(ids), len(ids), request.readouts)
-            params = self._sampling(1, SamplingOptions(), extra_args=_keyed(payload, keys).extra_args())
+            params = self._sampling(1, SamplingOptions(), extra_args=keyed(payload, keys).extra_args())
             fetched = False
             try:
                 async for _ in self._outputs(engine, ids, params, rid, rid):
@@ -208,13 +210,11 @@ class VllmModel(SaeSync):
         limit = min(max_tokens + 1, self.info.n_ctx + 1 - n)
         from vllm.sampling_params import RequestOutputKind
 
-        payload = _with_lens(
-            self._payload(rid, resolved, writes, n, n + max_tokens + 1, request.readouts), request.lens
-        )
+        payload = with_lens(self._payload(rid, resolved, writes, n, n + max_tokens + 1, request.readouts), request.lens)
         params = self._sampling(
             limit,
             dataclasses.replace(request.sampling, ignore_eos=True),  # the stop is found here
-            extra_args=_keyed(payload, keys).extra_args(),
+            extra_args=keyed(payload, keys).extra_args(),
             output_kind=RequestOutputKind.DELTA,
         )
         tokens: list[int] = []
@@ -238,7 +238,7 @@ class VllmModel(SaeSync):
                 await self._release(engine, rid)
         results = request.keyed(values, readouts)
         if request.lens is not None:
-            results[request.lens.request] = _lens_result(request.lens, lens, n, keep)
+            results[request.lens.request] = lens_result(request.lens, lens, n, keep)
         return self._completion(tokens[:keep], request.sampling), results
 
     async def generate(
@@ -311,7 +311,7 @@ class VllmModel(SaeSync):
             extra["logprobs"] = n_logprobs
         if writes or drains:
             payload = self._payload(rid, [], writes, len(ids), len(ids) + max_tokens, readouts, stream=True)
-            extra["extra_args"] = _keyed(_with_lens(payload, lens), keys).extra_args()
+            extra["extra_args"] = keyed(with_lens(payload, lens), keys).extra_args()
         params = self._sampling(max_tokens, request.sampling, **extra)
         pieces = TextPieces(self.completion_text)
         # a steered or read request neither reuses cached KV (its taps must run on every prompt
@@ -328,7 +328,7 @@ class VllmModel(SaeSync):
                 if drains and choice.token_ids:
                     await self._drain(engine, rid, pending, lens_pending)
                 if lens is not None and lens.prompt_positions and choice.token_ids and position == len(ids) - 1:
-                    prompt_lens = _prompt_lens(lens, lens_pending, len(ids))
+                    prompt_lens = lens_at_prompt(lens, lens_pending, len(ids))
                 for i, token in enumerate(choice.token_ids):
                     last = output.finished and i == len(choice.token_ids) - 1
                     top: list[tuple[int, float]] = []
@@ -379,15 +379,15 @@ class VllmModel(SaeSync):
         except Exception as exc:
             if self._closed:
                 raise ModelClosed("the model was shut down while this call was in flight") from exc
-            if _is_engine_dead(exc):
+            if is_engine_dead(exc):
                 raise self._engine_died(f"{type(exc).__name__}: {exc}") from exc
             raise BackendError(f"the workers could not return this request's readouts: {exc}") from exc
         for rank in every:
             rank.raise_error()
-        for spec, (positions, readout) in _readouts_of(every).items():
+        for spec, (positions, readout) in readouts_of(every).items():
             for row, p in enumerate(positions.tolist()):
                 pending.setdefault(int(p), {})[spec] = readout[row]
-        lens = _lens_of(every)
+        lens = lens_of(every)
         if lens is not None:
             positions, ids, probs = lens
             for row, p in enumerate(positions.tolist()):

@@ -454,7 +454,7 @@ class StaticTapManager(TapManager):
     def _lens_rows(self, slices: list[Slice]) -> None:
         """The lens layers' rows out of their ``resid_post`` taps (the front end serves the lens
         only at declared ``resid_post`` points): a layer without a tap is decoded as zeros and
-        the request fails (see :meth:`TapManager._lens`)."""
+        the request fails (see :meth:`~._tap_lens.LensTaps._lens`)."""
         for sl in slices:
             if sl.lens_keep is None:
                 continue
