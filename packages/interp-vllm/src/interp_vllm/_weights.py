@@ -112,8 +112,8 @@ def worker_info(taps: Any) -> WeightsHeld:
         held,
         norm=FinalNorm(
             kind=found.kind,
-            eps=found.eps,
-            offset=found.weight_offset,
+            eps=float(found.eps),
+            offset=float(found.weight_offset),
             weight=found.weight is not None,
             bias=found.bias is not None,
         ),
