@@ -156,9 +156,9 @@ async def bytes_per_token(model: Any, prompts: list[list[int]], points: list[Any
     seen: list[int] = []
     fetch = model._fetch_blobs
 
-    async def counting(engine: Any, rid: str) -> list[dict[str, Any]]:
-        blobs: list[dict[str, Any]] = await fetch(engine, rid)
-        seen.append(sum(len(blob.get("values") or b"") for blob in blobs))
+    async def counting(engine: Any, rid: str) -> list[Any]:
+        blobs: list[Any] = await fetch(engine, rid)
+        seen.append(sum(len(blob.values) for blob in blobs))
         return blobs
 
     model._fetch_blobs = counting

@@ -34,7 +34,10 @@ def test_no_module_outside_the_table_names_an_address_kind() -> None:
     model outputs are computed, not located, and are the only names allowed)."""
     derived = {"resid_mid", "attn_scores", "attn_pattern"}
     allowed = derived | {"final_norm", "logits_raw", "logits", "embed", "resid_pre", "resid_post"}
-    for name in ("_worker.py", "_static_worker.py", "_model.py", "_static_model.py"):
+    taps = sorted(p.name for p in SRC.glob("_tap_*.py"))
+    workers = ("_worker.py", "_static_worker.py", "_request_taps.py", "hooks.py", *taps)
+    front = ("_model.py", "_static_model.py", "_engine.py", "_sae_sync.py", "_lens_assembly.py", "_client.py")
+    for name in (*workers, *front):
         tree = ast.parse((SRC / name).read_text())
         strings = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
         named = {s for s in strings if s in KINDS} - allowed

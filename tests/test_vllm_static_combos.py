@@ -9,7 +9,7 @@ point with that one write on Qwen3) captured ``resid_post.1`` 0.58 and 0.78 off 
 steering at all, and steered logits 0.4-0.5 off: torch 2.13's Inductor (CPU) lost the ordering
 between vLLM's ``onednn_mm`` (which writes the MLP's output into a preallocated buffer) and the
 hook's ``hidden + residual`` when it re-derived that read's loop body to fuse it
-(pytorch#185509), and ran the read first. ``_static_worker.keep_inductor_mutation_order``
+(pytorch#185509), and ran the read first. ``_compat.keep_inductor_mutation_order``
 repairs that in every worker before vLLM compiles.
 
 The engines: those two, and on Llama (deferred residual, grouped-query attention) and GPT-2

@@ -55,6 +55,9 @@ class VllmFamily:
     """Whether :attr:`mlp_up`'s output is ``[gate | up]`` (per rank, under tensor parallelism):
     ``mlp_pre`` is its first half and ``mlp_pre_linear`` its second."""
     mlp_down: str | None = "mlp.down_proj"
+    d_mlp: int = 0
+    """The dense MLP's hidden width: the whole (unsharded) input of the first dense layer's
+    :attr:`mlp_down` (0: no dense MLP)."""
     q_norm: str | None = None
     """The q-norm, where the model has one."""
     k_norm: str | None = None

@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
 from torch import fx, nn
 
 from interp_engine import InvalidOption, UnsupportedArchitecture
@@ -418,6 +419,10 @@ def resolve(model: nn.Module, config: Any) -> VllmFamily:
         fields.update(router=moe["router"], experts=moe["experts"])
     kernel = _get(first, fields["attn_kernel"])
     ranks = _tp_size()
+    if dense is not None and fields.get("mlp_down"):
+        layer = next(layer for index, layer in real if index not in moe_layers)
+        with contextlib.suppress(AttributeError):  # no such module: the config's width serves
+            fields["d_mlp"] = _input_width(_get(layer, fields["mlp_down"]), ranks)
     fields["sinks"] = getattr(getattr(kernel, "impl", None), "sinks", None) is not None
     family = VllmFamily(
         name=type(model).__name__,
@@ -447,6 +452,19 @@ def resolve(model: nn.Module, config: Any) -> VllmFamily:
     )
     data = FAMILY_DATA.get(type(model).__name__)
     return replace(family, **data) if data else family
+
+
+def _input_width(module: Any, ranks: int) -> int:
+    """The whole input width of a (row-parallel) linear layer: vLLM's ``input_size``, a plain
+    ``nn.Linear``'s ``in_features``, else its weight's columns on every rank."""
+    for name in ("input_size", "in_features"):
+        value = getattr(module, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return int(weight.shape[1]) * ranks
+    return 0
 
 
 # -- the front end: vLLM's module tree without weights -----------------------------------------------

@@ -218,10 +218,6 @@ class StaticWrites(nn.Module):
         return (self.index[:n] != 0).unsqueeze(-1)
 
     # -- host side, between steps -----------------------------------------------------------
-    @property
-    def free_slots(self) -> int:
-        return len(self._free)
-
     def allocate(self, count: int) -> list[int]:
         if count > len(self._free):
             raise InvalidSteering(f"the write table has {len(self._free)} free slots, {count} are needed")

@@ -49,22 +49,22 @@ from interp_engine import (
 )
 from interp_engine.backend import heads_of, requested_points, write_positions
 
-from ._model import ENGINE_DEFAULTS, VllmModel
+from ._engine import ENGINE_DEFAULTS
+from ._model import VllmModel
 from ._sites import POINT_KINDS as STATIC_POINT_KINDS
 from ._sites import SITES, STATIC_WRITE_KINDS
 from ._static import SaeLayout, plan_writes
-from ._static_worker import CONFIG_KEY
-from ._wire import LensChunk, RequestPayload
-
-DEFAULT_SLOTS = 256
-DEFAULT_SAE_TOP_K = 64
-DEFAULT_SAE_DENSE_MAX = 1024
-STATIC_OPTIONS = (
-    "static_points",
-    "static_writes",
-    "static_write_slots",
-    "static_sae_top_k",
-    "static_sae_dense_max",
+from ._wire import (
+    CONFIG_KEY,
+    DEFAULT_SAE_DENSE_MAX,
+    DEFAULT_SAE_TOP_K,
+    DEFAULT_SLOTS,
+    LensChunk,
+    Ping,
+    RequestPayload,
+    StaticDeclaration,
+    StaticSae,
+    to_wire,
 )
 
 
@@ -176,18 +176,17 @@ class StaticVllmModel(VllmModel):
         extra = args.get("additional_config") or {}
         if not isinstance(extra, dict):
             raise InvalidOption("vllm-static needs additional_config to be a dict (it adds its tap set there)")
-        declared: dict[str, Any] = {
-            "points": [str(a) for a in self.static_points],
-            "writes": [str(a) for a in self.static_writes],
-            "slots": self.static_write_slots + 1,  # slot 0 is the identity
-        }
-        if self.saes:
-            declared["saes"] = self._save_saes()
-            declared["sae_top_k"] = self.static_sae_top_k
-            declared["sae_dense_max"] = self.static_sae_dense_max
-        return {**args, "additional_config": {**extra, CONFIG_KEY: declared}}
+        declared = StaticDeclaration(
+            points=tuple(str(a) for a in self.static_points),
+            writes=tuple(str(a) for a in self.static_writes),
+            slots=self.static_write_slots + 1,  # slot 0 is the identity
+            saes=self._save_saes() if self.saes else {},
+            sae_top_k=self.static_sae_top_k,
+            sae_dense_max=self.static_sae_dense_max,
+        )
+        return {**args, "additional_config": {**extra, CONFIG_KEY: to_wire(declared)}}
 
-    def _save_saes(self) -> dict[str, dict[str, str]]:
+    def _save_saes(self) -> dict[str, StaticSae]:
         """Write each attached SAE into a folder of ours for the workers to load; the config names
         the folder and a digest of the SAE (the compile hash covers what the graph holds)."""
         if self._sae_folder is None:
@@ -199,7 +198,7 @@ class StaticVllmModel(VllmModel):
                 shutil.rmtree(folder)
             sae.save(folder)
             digest = hashlib.sha256(sae.to_bytes()).hexdigest()[:32]
-            entries[name] = {"path": str(folder), "digest": digest}
+            entries[name] = StaticSae(path=str(folder), digest=digest)
         self._compiled_saes = dict(self.saes)
         return entries
 
@@ -302,9 +301,9 @@ class StaticVllmModel(VllmModel):
                     "read them at a later address, or use the vllm backend"
                 )
 
-    def _check_workers(self, pings: list[dict[str, Any]]) -> str | None:
+    def _check_workers(self, pings: list[Ping]) -> str | None:
         problem = super()._check_workers(pings)
-        if problem is None and not all(p.get("static") for p in pings):
+        if problem is None and not all(p.static for p in pings):
             problem = (
                 "the vllm-static taps were not installed before vLLM compiled the model (the "
                 "interp-vllm plugin wraps the model runner's load_model; is a different runner in use?)"

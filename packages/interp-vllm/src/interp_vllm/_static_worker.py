@@ -28,8 +28,8 @@ as the dynamic worker's, ever leave the worker).
 vLLM's deferred residual is handled in-graph: a write on ``resid_pre``/``resid_post`` gives
 ``(where(steered, new_stream, hidden), where(steered, 0, residual))``.
 
-Invariant: :func:`keep_inductor_mutation_order` runs in the worker before vLLM compiles the model
-(here, when the :class:`StaticTapManager` is built). The hooks read tensors that opaque ops wrote
+Invariant: :func:`._compat.keep_inductor_mutation_order` runs in the worker before vLLM compiles
+the model (here, when the :class:`StaticTapManager` is built). The hooks read tensors that opaque ops wrote
 in place (on CPU every vLLM linear is ``onednn_mm(out, ...)`` into a preallocated buffer; the
 ``resid_mid`` stash is our own buffer); without it torch 2.13's Inductor may schedule such a read
 before the write, silently.
@@ -38,7 +38,6 @@ before the write, silently.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from collections import defaultdict
 from collections.abc import Callable
@@ -50,53 +49,21 @@ from torch import nn
 from interp_engine import Address, FeatureWrite, Write, load_sae
 from interp_engine.backend import write_positions
 
-from ._sites import ROUTER_KIND, SITES, HookKey, VllmSite, added_scale, columns, hook_key, owned_heads
+from . import _compat
+from ._request_taps import Hook, RequestTaps, Slice
+from ._sites import ROUTER_KIND, SITES, HookKey, VllmSite, columns, hook_key, owned_heads
 from ._static import SaeLayout, StaticSae, StaticTap, StaticWrites, plan_writes
-from ._wire import Fetched, RequestPayload, compact
-from ._worker import RequestTaps, TapManager, _arg, _get, _Hook, _set_arg, _Slice, arg_slot, forward_pre_hook
+from ._wire import CONFIG_KEY, Fetched, RequestPayload, StaticDeclaration, compact, from_wire
+from ._worker import TapManager
+from .hooks import arg_slot, arg_value, attr_path, forward_pre_hook, set_arg
 
 logger = logging.getLogger(__name__)
 
-CONFIG_KEY = "interp_engine_static"
-"""The ``additional_config`` entry that declares the static taps (part of vLLM's compile hash)."""
 
-
-def keep_inductor_mutation_order() -> None:
-    """Make Inductor keep every read of a buffer after the op that mutated it (pytorch#185509).
-
-    Inductor orders a read of a buffer that an earlier node mutated through the reading node's
-    ``mutation_renames``. In torch 2.13 (fixed upstream by pytorch#185873) a scheduler node that
-    re-derives its loop body (``SchedulerNode._compute_attrs``: the CPU backend does it in
-    ``recompute_size_and_body`` to fuse nodes with different loop ranges) re-extracts its reads
-    under the buffers' original names and re-applies the renames only if it also has fake
-    dependencies. The read then no longer depends on the mutation and can be fused into a kernel
-    that runs before it. In a vllm-static graph on CPU that is the hook's ``hidden + residual``
-    read before ``onednn_mm`` has written ``hidden`` (the MLP's down projection): stale or
-    uninitialised memory in the tap and in every write, with no error. This re-applies the
-    renames whenever the reads are re-derived, as ``refresh_dependencies`` does; idempotent, and
-    harmless where torch already does it."""
-    try:
-        from torch._inductor.scheduler import SchedulerNode
-    except ImportError:  # no Inductor: nothing is compiled
-        return
-    compute = getattr(SchedulerNode, "_compute_attrs", None)
-    if compute is None or getattr(compute, "_interp_keeps_mutation_order", False):
-        return
-
-    @functools.wraps(compute)
-    def _compute_attrs(self: Any, *args: Any, **kwargs: Any) -> None:
-        compute(self, *args, **kwargs)
-        renames = getattr(self, "mutation_renames", None)  # empty (or unset) while the node is built
-        if renames:
-            self.set_read_writes(self.read_writes.rename(renames))
-
-    _compute_attrs._interp_keeps_mutation_order = True  # type: ignore[attr-defined]
-    SchedulerNode._compute_attrs = _compute_attrs  # type: ignore[method-assign]
-
-
-def static_config(runner: Any) -> dict[str, Any] | None:
-    extra = getattr(runner.vllm_config, "additional_config", None)
-    return extra.get(CONFIG_KEY) if isinstance(extra, dict) else None
+def static_config(runner: Any) -> StaticDeclaration | None:
+    """The engine's vllm-static declaration (``None``: a ``vllm`` engine)."""
+    data = _compat.additional_config(runner).get(CONFIG_KEY)
+    return None if data is None else from_wire(StaticDeclaration, data)
 
 
 def _tap(module: nn.Module, name: str) -> StaticTap:
@@ -149,14 +116,13 @@ def _steered(module: nn.Module, names: Names, n: Any) -> torch.Tensor:
 class StaticTapManager(TapManager):
     """The fixed taps of one model runner, and their per-step host work."""
 
-    def __init__(self, runner: Any, config: dict[str, Any]) -> None:
+    def __init__(self, runner: Any, config: StaticDeclaration) -> None:
         super().__init__(runner)
-        self.points = [Address.parse(p) for p in config.get("points", [])]
+        self.points, self.write_addresses = config.addresses()
         # expert indices and weights are routed on the host from the router's logits: tap those
         routed = [Address(ROUTER_KIND, a.layer) for a in self.points if SITES[a.kind].routed is not None]
         self.points += [a for a in dict.fromkeys(routed) if a not in self.points]
-        self.write_addresses = [Address.parse(a) for a in config.get("writes", [])]
-        self.slots = int(config.get("slots", 256))
+        self.slots = config.slots
         self.max_tokens = int(runner.max_num_tokens)
         param = next(self.model.parameters())
         self.dtype, self.device = param.dtype, param.device
@@ -167,18 +133,18 @@ class StaticTapManager(TapManager):
         self.held: dict[str, dict[Address, tuple[list[int], torch.Tensor, torch.Tensor]]] = {}
         self.failed: dict[str, str] = {}
         # SAEs compiled in: loaded from the folders the front end wrote, one StaticSae each
-        self.sae_top_k = int(config.get("sae_top_k", 64))
-        self.sae_dense_max = int(config.get("sae_dense_max", 0))
+        self.sae_top_k = config.sae_top_k
+        self.sae_dense_max = config.sae_dense_max
         self.sae_modules: dict[str, StaticSae] = {}
         self.sae_names: dict[Address, list[str]] = defaultdict(list)
         n_layers = len(self.layers)
-        for name, entry in (config.get("saes") or {}).items():
-            sae = load_sae(entry["path"]).to(device=self.device)
+        for name, entry in config.saes.items():
+            sae = load_sae(entry.path).to(device=self.device)
             self.saes[name] = sae
             self.sae_names[sae.address.resolve(n_layers)].append(name)
         # per request: per SAE, the feature and value clamped at each position (-1: none)
         self.clamps: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
-        keep_inductor_mutation_order()  # before warm-up compiles the graph with the hooks in it
+        _compat.keep_inductor_mutation_order()  # before warm-up compiles the graph with the hooks in it
         self._install_static()
 
     # -- installation (before compilation) ------------------------------------------------
@@ -281,25 +247,25 @@ class StaticTapManager(TapManager):
         mid = Address("resid_mid", layer)
         stash = mid in self.points or mid in self.write_addresses
         if stash:
-            self._new_tap(_get(block, attn_path), "interp_stash", self.d_model)
+            self._new_tap(attr_path(block, attn_path), "interp_stash", self.d_model)
         hidden_at, residual_at = self.family.hidden_arg, self.family.residual_arg
         writes = _writes(names)
         batched = self.family.batched
 
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            hidden = _arg(args, kwargs, *hidden_at)
-            residual = _arg(args, kwargs, *residual_at) if residual_at is not None else None
+            hidden = arg_value(args, kwargs, *hidden_at)
+            residual = arg_value(args, kwargs, *residual_at) if residual_at is not None else None
             stream = hidden if residual is None else hidden + residual
             new = _chain_rows(module, names, stream, batched)
             if stash:
-                _tap(_get(module, attn_path), "interp_stash")(new[0] if batched else new)
+                _tap(attr_path(module, attn_path), "interp_stash")(new[0] if batched else new)
             if not writes:
                 return None
             if residual is None or residual_at is None:
-                return _set_arg(args, kwargs, *hidden_at, new)
+                return set_arg(args, kwargs, *hidden_at, new)
             mask = _steered(module, names, new.shape[0])
-            args, kwargs = _set_arg(args, kwargs, *hidden_at, torch.where(mask, new, hidden))
-            return _set_arg(args, kwargs, *residual_at, torch.where(mask, 0.0, residual))
+            args, kwargs = set_arg(args, kwargs, *hidden_at, torch.where(mask, new, hidden))
+            return set_arg(args, kwargs, *residual_at, torch.where(mask, 0.0, residual))
 
         return hook
 
@@ -347,12 +313,12 @@ class StaticTapManager(TapManager):
 
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             for (index, name), names in steps:
-                args, kwargs = _set_arg(
-                    args, kwargs, index, name, _chain_rows(module, names, _arg(args, kwargs, index, name), batched)
+                args, kwargs = set_arg(
+                    args, kwargs, index, name, _chain_rows(module, names, arg_value(args, kwargs, index, name), batched)
                 )
             if qk:
-                _tap(module, "interp_q")(_arg(args, kwargs, 0, "query"))
-                _tap(module, "interp_k")(_arg(args, kwargs, 1, "key"))
+                _tap(module, "interp_q")(arg_value(args, kwargs, 0, "query"))
+                _tap(module, "interp_k")(arg_value(args, kwargs, 1, "key"))
             return (args, kwargs) if writes else None
 
         return hook
@@ -360,13 +326,10 @@ class StaticTapManager(TapManager):
     def _output_hook(
         self, module: nn.Module, layer: int, addresses: list[Address], batched: bool = False
     ) -> Callable[..., Any]:
-        # (column block, scale) -> names: the gate / up halves; a sublayer's output as added to the residual
-        parts: dict[tuple[tuple[int, int] | None, float], Names] = {}
+        parts: dict[tuple[int, int] | None, Names] = {}  # column block -> names (gate / up halves)
         for a in addresses:
-            site = SITES[a.kind]
-            if not site.derived:
-                key = (columns(site, self.family), added_scale(site, self.family))
-                parts.setdefault(key, []).append(self._names(module, a))
+            if not SITES[a.kind].derived:
+                parts.setdefault(columns(SITES[a.kind], self.family), []).append(self._names(module, a))
         mid_names = [self._names(module, a) for a in addresses if SITES[a.kind].derived]  # resid_mid
         out_writes = any(_writes(names) for names in parts.values())
         mid_writes = _writes(mid_names)
@@ -377,12 +340,7 @@ class StaticTapManager(TapManager):
             if batched:  # [1, tokens, ...]: work on the rows
                 value = value[0]
             new = value
-            for (cols, factor), names in parts.items():
-                if cols is None and factor != 1.0:  # read and written as added; handed back unscaled
-                    added = _chain(module, names, new * factor)
-                    if _writes(names):
-                        new = added / factor
-                    continue
+            for cols, names in parts.items():
                 if cols is None:
                     new = _chain(module, names, new)
                     continue
@@ -493,10 +451,10 @@ class StaticTapManager(TapManager):
             self._lens(slices)
         return output
 
-    def _lens_rows(self, slices: list[_Slice]) -> None:
+    def _lens_rows(self, slices: list[Slice]) -> None:
         """The lens layers' rows out of their ``resid_post`` taps (the front end serves the lens
         only at declared ``resid_post`` points): a layer without a tap is decoded as zeros and
-        the request fails (see :meth:`TapManager._lens`)."""
+        the request fails (see :meth:`~._tap_lens.LensTaps._lens`)."""
         for sl in slices:
             if sl.lens_keep is None:
                 continue
@@ -508,8 +466,8 @@ class StaticTapManager(TapManager):
                 rows = tap.buffer[sl.start : sl.end]
                 sl.lens_rows[index] = rows[sl.lens_keep.to(rows.device)]
 
-    def _fill_indices(self, slices: list[_Slice]) -> None:
-        steering: dict[Address, list[tuple[_Slice, torch.Tensor, torch.Tensor]]] = {}
+    def _fill_indices(self, slices: list[Slice]) -> None:
+        steering: dict[Address, list[tuple[Slice, torch.Tensor, torch.Tensor]]] = {}
         for sl in slices:
             for address, (_, slot_of, combo) in self.held.get(sl.taps.rid, {}).items():
                 steering.setdefault(address, []).append((sl, slot_of, combo))
@@ -548,8 +506,8 @@ class StaticTapManager(TapManager):
             device = module.clamp_on.device
             module.set_clamps((on.to(device), features.clamp_min(0).to(device), values.to(device)))
 
-    def _read(self, slices: list[_Slice], output: Any) -> None:
-        hook = _Hook()
+    def _read(self, slices: list[Slice], output: Any) -> None:
+        hook = Hook()
         if self.rank == 0:  # the SAEs' rows are whole on every rank
             self._readouts(slices)
         for sl in slices:
@@ -567,7 +525,7 @@ class StaticTapManager(TapManager):
                     logits = tap.buffer[sl.start : sl.end]
                     self._record_routing(
                         self.route(address.layer or 0, logits, logits),
-                        [_Slice(sl.taps, 0, sl.end - sl.start, sl.positions)],
+                        [Slice(sl.taps, 0, sl.end - sl.start, sl.positions)],
                         address,
                     )
                 else:
@@ -578,10 +536,10 @@ class StaticTapManager(TapManager):
         if hook.members:
             self._read_output(output, hook)
 
-    def _readouts(self, slices: list[_Slice]) -> None:
+    def _readouts(self, slices: list[Slice]) -> None:
         """This step's readouts, out of the SAEs' buffers: per SAE, one read of every reading
         request's rows and each distinct readout once, then each request's rows of it."""
-        readers: dict[str, list[tuple[_Slice, torch.Tensor]]] = defaultdict(list)
+        readers: dict[str, list[tuple[Slice, torch.Tensor]]] = defaultdict(list)
         for sl in slices:
             keep = sl.positions >= sl.taps.first_readout
             if not sl.taps.readouts_at or not bool(keep.any()):

@@ -1,19 +1,30 @@
 """The ``vllm.general_plugins`` entry point: loaded in every vLLM process, workers included.
 
-It wraps the V1 model runner's ``_model_forward`` (the CPU runner inherits it) so each forward
-runs with the taps of the requests in that step, and its ``_update_states`` so the taps learn
-which requests vLLM finished or aborted; it wraps ``load_model`` (the GPU runner's and the
-CPU runner's own) so a vllm-static engine gets its fixed taps before vLLM compiles the model,
-and adds the RPC methods the front end calls through ``collective_rpc``. Safe to call more than
-once.
+It wraps the V1 model runner (:func:`._compat.patch_runner`) so each forward runs with the taps
+of the requests in that step, the taps learn which requests vLLM finished or aborted, and a
+vllm-static engine gets its fixed taps right after the model is loaded (before vLLM compiles
+it); and it adds the RPC methods the front end calls through ``collective_rpc``, one per name of
+:data:`._wire.RPC_NAMES` (:data:`WORKER_RPCS`). Safe to call more than once.
+
+A runner whose shape the patches do not expect is left unpatched (vLLM serves plain requests as
+ever); the workers' ping then carries the :class:`~._compat.IncompatibleVersion` message, which
+the front end raises.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
-PATCHED = "_interp_engine_patched"
+from . import _compat
+from . import _wire as wire
+
+logger = logging.getLogger(__name__)
+
+_INCOMPATIBLE: list[str] = []
+"""Why this process's runner could not be patched (empty: it was, or it was never tried)."""
 
 
 def _taps(runner: Any) -> Any:
@@ -25,55 +36,54 @@ def _taps(runner: Any) -> Any:
     return taps
 
 
+def _forward(runner: Any, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return _taps(runner).run(forward, args, kwargs)
+
+
+def _finished(runner: Any, req_ids: Any) -> None:
+    _taps(runner).finished(req_ids)
+
+
 def _after_load(runner: Any) -> None:
     """Install a vllm-static engine's taps right after the model is loaded (before compiling)."""
     from ._static_worker import StaticTapManager, static_config
 
-    _pipeline_buffers(runner)
+    _compat.pipeline_buffers(runner)
 
     config = static_config(runner)
     if config is not None:
         runner._interp_taps = StaticTapManager(runner, config)
 
 
-def _pipeline_buffers(runner: Any) -> None:
-    """Allocate the buffers a pipeline stage after the first receives the previous stage's
-    hidden states in. vLLM allocates them in its warm-up forward, which its CPU worker skips
-    for an uncompiled model (``enforce_eager``): the first step would then fail."""
-    if getattr(runner, "intermediate_tensors", True) is not None:
-        return
-    try:
-        from vllm.distributed import get_pp_group
-
-        first = get_pp_group().is_first_rank
-    except Exception:  # not distributed
-        return
-    make = getattr(runner.model, "make_empty_intermediate_tensors", None)
-    if first or make is None:
-        return
-    runner.intermediate_tensors = make(
-        batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device
-    )
-
-
-def interp_ping(self: Any) -> dict[str, Any]:
-    """Which runner serves this worker, and whether it carries the taps."""
+def interp_ping(self: Any) -> Any:
+    """Which runner serves this worker, and whether it carries the taps (a :class:`~._wire.Ping`)."""
     runner = self.model_runner
+    if _INCOMPATIBLE or not _compat.runner_is_patched(runner):
+        return wire.to_wire(
+            wire.Ping(
+                runner=type(runner).__qualname__,
+                patched=False,
+                v2_runner_env=os.environ.get("VLLM_USE_V2_MODEL_RUNNER"),
+                incompatible=_INCOMPATIBLE[0] if _INCOMPATIBLE else None,
+            )
+        )
     taps = _taps(runner)
-    return {
-        "runner": type(runner).__qualname__,
-        "patched": bool(getattr(type(runner), PATCHED, False)),
-        "static": _is_static(taps),
-        "rank": taps.rank,
-        "tp_size": taps.tp_size,
-        "lacks": sorted(taps.family.lacks()) if taps.family is not None else None,
-        "unsupported": getattr(taps, "unsupported", None),
-        "pp_rank": getattr(taps, "pp_rank", 0),
-        "pp_size": getattr(taps, "pp_size", 1),
-        "layers": list(getattr(taps, "owned", ())),
-        # what picked the runner in this worker (a Ray worker on another node has its own env)
-        "v2_runner_env": os.environ.get("VLLM_USE_V2_MODEL_RUNNER"),
-    }
+    return wire.to_wire(
+        wire.Ping(
+            runner=type(runner).__qualname__,
+            patched=True,
+            static=_is_static(taps),
+            rank=taps.rank,
+            tp_size=taps.tp_size,
+            lacks=tuple(sorted(taps.family.lacks())) if taps.family is not None else None,
+            unsupported=getattr(taps, "unsupported", None),
+            pp_rank=getattr(taps, "pp_rank", 0),
+            pp_size=getattr(taps, "pp_size", 1),
+            layers=tuple(getattr(taps, "owned", ())),
+            # what picked the runner in this worker (a Ray worker on another node has its own env)
+            v2_runner_env=os.environ.get("VLLM_USE_V2_MODEL_RUNNER"),
+        )
+    )
 
 
 def _is_static(taps: Any) -> bool:
@@ -82,17 +92,17 @@ def _is_static(taps: Any) -> bool:
     return isinstance(taps, StaticTapManager)
 
 
-def interp_fetch_many(self: Any, rids: list[str]) -> list[dict[str, Any]]:
-    """Finished requests' captured values (``Fetched.encode()`` each): one engine-core round
-    trip for every request the front end is waiting on."""
+def interp_fetch_many(self: Any, rids: list[str]) -> list[Any]:
+    """Finished requests' captured values (a :class:`~._wire.FetchedWire` each): one
+    engine-core round trip for every request the front end is waiting on."""
     taps = _taps(self.model_runner)
-    return [taps.fetch(rid).encode() for rid in rids]
+    return [wire.to_wire(taps.fetch(rid).encode()) for rid in rids]
 
 
-def interp_drain_many(self: Any, rids: list[str]) -> list[dict[str, Any]]:
-    """Streaming requests' readouts so far (``Fetched.encode()`` each), dropped from the worker."""
+def interp_drain_many(self: Any, rids: list[str]) -> list[Any]:
+    """Streaming requests' readouts so far (a :class:`~._wire.FetchedWire` each), dropped from the worker."""
     taps = _taps(self.model_runner)
-    return [taps.drain(rid).encode() for rid in rids]
+    return [wire.to_wire(taps.drain(rid).encode()) for rid in rids]
 
 
 def interp_attach(self: Any, name: str, blob: bytes) -> None:
@@ -111,27 +121,23 @@ def interp_release(self: Any, rid: str) -> None:
 
 def interp_decode(self: Any, data: bytes) -> bytes:
     """Final norm + unembedding of residuals sent as safetensors bytes."""
-    from ._wire import pack, unpack
-
-    residuals = unpack(data)["residuals"]
-    logits = _taps(self.model_runner).decode(residuals)
-    return pack({} if logits is None else {"logits": logits})  # nothing from a stage before the last
+    logits = _taps(self.model_runner).decode(wire.unpack_residuals(data))
+    return wire.pack_logits(logits)  # nothing from a stage before the last
 
 
-def interp_weight_info(self: Any) -> dict[str, Any]:
-    """What this worker's pipeline stage holds of the weights (``interp_vllm._weights``)."""
+def interp_weight_info(self: Any) -> Any:
+    """What this worker's pipeline stage holds of the weights (a :class:`~._wire.WeightsHeld`)."""
     from ._weights import worker_info
 
-    return worker_info(_taps(self.model_runner))
+    return wire.to_wire(worker_info(_taps(self.model_runner)))
 
 
 def interp_weight(self: Any, name: str, layer: int | None, vocab: list[int] | None) -> bytes:
     """This worker's shard of a weight the front end checked, as safetensors bytes (empty where
     its stage does not hold it)."""
     from ._weights import worker_weight
-    from ._wire import pack
 
-    return pack(worker_weight(_taps(self.model_runner), name, layer, vocab))
+    return wire.pack(worker_weight(_taps(self.model_runner), name, layer, vocab))
 
 
 def interp_stats(self: Any) -> dict[str, int]:
@@ -139,75 +145,30 @@ def interp_stats(self: Any) -> dict[str, int]:
     return dict(_taps(self.model_runner).stats())
 
 
-def _runner_classes(base: Any) -> list[Any]:
-    """The GPU runner and the CPU runner, which overrides ``load_model`` without calling it."""
-    classes = [base]
-    try:
-        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
-    except Exception:  # a CUDA build without the CPU runner
-        return classes
-    return [*classes, CPUModelRunner]
-
-
-def _wrap_load_model(runner_class: Any) -> None:
-    original = runner_class.__dict__.get("load_model")
-    if original is None:
-        return
-
-    def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(self, *args, **kwargs)
-        _after_load(self)
-        return result
-
-    runner_class.load_model = load_model
-
-
-def _wrap_update_states(runner_class: Any) -> None:
-    """Tell the taps which requests vLLM finished (or aborted) before the runner drops them."""
-    original = runner_class._update_states
-
-    def _update_states(self: Any, scheduler_output: Any) -> Any:
-        finished = getattr(scheduler_output, "finished_req_ids", None)
-        if finished:
-            _taps(self).finished(finished)
-        return original(self, scheduler_output)
-
-    runner_class._update_states = _update_states
-
-
-_RPCS = (
-    interp_ping,
-    interp_fetch_many,
-    interp_drain_many,
-    interp_attach,
-    interp_detach,
-    interp_release,
-    interp_decode,
-    interp_weight_info,
-    interp_weight,
-    interp_stats,
-)
+WORKER_RPCS: dict[str, Callable[..., Any]] = {
+    wire.PING: interp_ping,
+    wire.FETCH_MANY: interp_fetch_many,
+    wire.DRAIN_MANY: interp_drain_many,
+    wire.ATTACH: interp_attach,
+    wire.DETACH: interp_detach,
+    wire.RELEASE: interp_release,
+    wire.DECODE: interp_decode,
+    wire.WEIGHT_INFO: interp_weight_info,
+    wire.WEIGHT: interp_weight,
+    wire.STATS: interp_stats,
+}
+"""The worker's method for each RPC name of the wire."""
 
 
 def register() -> None:
-    """Patch vLLM's V1 model runner and worker base (idempotent)."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    from vllm.v1.worker.worker_base import WorkerBase
-
-    if getattr(GPUModelRunner, PATCHED, False):
-        return
-    original = GPUModelRunner._model_forward
-
-    def _model_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
-        return _taps(self).run(lambda *a, **k: original(self, *a, **k), args, kwargs)
-
-    GPUModelRunner._model_forward = _model_forward  # type: ignore[method-assign]
-    _wrap_update_states(GPUModelRunner)
-    for runner_class in _runner_classes(GPUModelRunner):
-        _wrap_load_model(runner_class)
-    setattr(GPUModelRunner, PATCHED, True)
-    for rpc in _RPCS:
-        setattr(WorkerBase, rpc.__name__, rpc)
+    """Patch vLLM's V1 model runner and add the RPC methods to its worker base (idempotent)."""
+    try:
+        _compat.patch_runner(_forward, _finished, _after_load)
+    except _compat.IncompatibleVersion as exc:
+        if not _INCOMPATIBLE:
+            logger.error("interp-engine: the model runner is left unpatched: %s", exc)
+            _INCOMPATIBLE.append(str(exc))
+    _compat.add_worker_methods(WORKER_RPCS.items())
 
 
-__all__ = ["register"]
+__all__ = ["WORKER_RPCS", "register"]

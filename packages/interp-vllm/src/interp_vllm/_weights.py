@@ -9,9 +9,10 @@ Each worker answers for what its pipeline stage holds and sends its tensor-paral
   input columns of its heads (``weight [d_model, heads_here * d_head]``), joined by rank order;
   ``b_O`` is not split (rank 0's is the one added);
 - the final norm (last stage) is replicated; its kind, ``eps`` and weight offset are probed from
-  the module (:func:`interp_engine.analysis._weights.probe_norm`), as on eager.
+  the module (:func:`interp_engine._weights.probe_norm`), as on eager.
 
-Everything crosses the process boundary as safetensors bytes (``_wire.pack``), float32.
+What a stage holds crosses the process boundary as a ``_wire.WeightsHeld``, the weights as
+safetensors bytes (``_wire.pack``), float32.
 """
 
 from __future__ import annotations
@@ -19,22 +20,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 import torch
 
 from interp_engine import BackendError, ModelInfo, UnsupportedArchitecture
 from interp_engine.backend import WEIGHT_NAMES, WeightInfo, norm_parameters, probe_norm
 
+from ._wire import FinalNorm, WeightsHeld
+from .hooks import attr_path, copy_rows
+
 _VOCAB_WEIGHTS = ("W_E", "W_U", "b_U")
-
-
-def _get(root: Any, path: str) -> Any:
-    for part in path.split("."):
-        root = getattr(root, part)
-    return root
-
-
-def _copy(value: torch.Tensor) -> torch.Tensor:
-    return value.detach().to("cpu", torch.float32, copy=True)
 
 
 def _vocab_size(taps: Any) -> int:
@@ -60,11 +55,11 @@ def input_embedding(taps: Any) -> Any:
 
 
 def _unembedding(taps: Any) -> Any:
-    return _get(taps.model, taps.family.unembed) if taps.last_stage and taps.family.unembed else None
+    return attr_path(taps.model, taps.family.unembed) if taps.last_stage and taps.family.unembed else None
 
 
 def _output_projection(taps: Any, layer: int) -> Any:
-    return _get(taps.layers[layer], taps.family.attn_o_proj)
+    return attr_path(taps.layers[layer], taps.family.attn_o_proj)
 
 
 def _bias(module: Any) -> torch.Tensor | None:
@@ -72,28 +67,31 @@ def _bias(module: Any) -> torch.Tensor | None:
     return bias if isinstance(bias, torch.Tensor) else None
 
 
-def worker_info(taps: Any) -> dict[str, Any]:
-    """What this worker's stage holds of the weights (plain data for ``interp_weight_info``)."""
+def worker_info(taps: Any) -> WeightsHeld:
+    """What this worker's stage holds of the weights (``interp_weight_info``'s answer)."""
     param = next(taps.model.parameters())
-    out: dict[str, Any] = {
-        "pp_rank": taps.pp_rank,
-        "rank": taps.rank,
-        "dtype": str(param.dtype).removeprefix("torch."),
-        "embed": input_embedding(taps) is not None,
-        "o_bias": all(_bias(_output_projection(taps, layer)) is not None for layer in taps.owned),
-    }
+    held = WeightsHeld(
+        pp_rank=taps.pp_rank,
+        rank=taps.rank,
+        dtype=str(param.dtype).removeprefix("torch."),
+        embed=input_embedding(taps) is not None,
+        o_bias=all(_bias(_output_projection(taps, layer)) is not None for layer in taps.owned),
+    )
     unembed = _unembedding(taps)
     if unembed is None:
-        return out
+        return held
     embed = input_embedding(taps)
-    out["tied"] = None if embed is None else getattr(unembed, "weight", None) is getattr(embed, "weight", None)
-    out["unembed_bias"] = _bias(unembed) is not None
     processor = getattr(taps.model, "logits_processor", None)
     scale = getattr(processor, "scale", 1.0)
     cap = getattr(processor, "soft_cap", None)
-    out["logit_scale"] = float(scale) if isinstance(scale, (int, float)) else 1.0
-    out["softcap"] = float(cap) if isinstance(cap, (int, float)) and cap else None
-    norm = _get(taps.model, taps.family.final_norm)
+    held = msgspec.structs.replace(
+        held,
+        tied=None if embed is None else getattr(unembed, "weight", None) is getattr(embed, "weight", None),
+        unembed_bias=_bias(unembed) is not None,
+        logit_scale=float(scale) if isinstance(scale, (int, float)) else 1.0,
+        softcap=float(cap) if isinstance(cap, (int, float)) and cap else None,
+    )
+    norm = attr_path(taps.model, taps.family.final_norm)
     found = probe_norm(  # its own forward, not a call: the taps' hooks on the norm never see the probe
         norm.forward,
         norm,
@@ -103,19 +101,23 @@ def worker_info(taps: Any) -> dict[str, Any]:
         config=taps.runner.model_config.hf_config,
     )
     if found is None:
-        out["norm_error"] = (
-            f"the final norm {type(norm).__name__} computes neither a LayerNorm nor an RMSNorm (with or without "
-            "a 1 + w weight): its weights cannot be described"
+        return msgspec.structs.replace(
+            held,
+            norm_error=(
+                f"the final norm {type(norm).__name__} computes neither a LayerNorm nor an RMSNorm (with or "
+                "without a 1 + w weight): its weights cannot be described"
+            ),
         )
-        return out
-    out["norm"] = {
-        "kind": found.kind,
-        "eps": found.eps,
-        "offset": found.weight_offset,
-        "weight": found.weight is not None,
-        "bias": found.bias is not None,
-    }
-    return out
+    return msgspec.structs.replace(
+        held,
+        norm=FinalNorm(
+            kind=found.kind,
+            eps=float(found.eps),
+            offset=float(found.weight_offset),
+            weight=found.weight is not None,
+            bias=found.bias is not None,
+        ),
+    )
 
 
 def worker_weight(taps: Any, name: str, layer: int | None, vocab: list[int] | None) -> dict[str, torch.Tensor]:
@@ -135,11 +137,11 @@ def worker_weight(taps: Any, name: str, layer: int | None, vocab: list[int] | No
         if name in ("ln_final.w", "ln_final.b"):
             if not taps.last_stage:
                 return {}
-            weight, bias = norm_parameters(_get(taps.model, taps.family.final_norm))
+            weight, bias = norm_parameters(attr_path(taps.model, taps.family.final_norm))
             value = weight if name == "ln_final.w" else bias
             if value is None:
                 raise BackendError(f"the final norm has no {name}")
-            return {"values": _copy(value)}
+            return {"values": copy_rows(value)}
         if layer is None or layer not in taps.owned:
             return {}
         projection = _output_projection(taps, layer)
@@ -147,9 +149,9 @@ def worker_weight(taps: Any, name: str, layer: int | None, vocab: list[int] | No
             bias = _bias(projection)
             if bias is None:
                 raise BackendError(f"the output projection of layer {layer} has no bias")
-            return {"values": _copy(bias)}
+            return {"values": copy_rows(bias)}
         matrix = linear_matrix(projection)  # [this rank's heads * d_head, d_model]
-        return {"values": _copy(matrix.reshape(-1, taps.d_head, matrix.shape[1]))}
+        return {"values": copy_rows(matrix.reshape(-1, taps.d_head, matrix.shape[1]))}
 
 
 def linear_matrix(module: Any) -> torch.Tensor:
@@ -184,53 +186,45 @@ def _vocab_rows(module: Any, table: torch.Tensor, vocab: list[int] | None) -> di
         held = [(i, v - start) for i, v in enumerate(vocab) if start <= v < end]
         positions = torch.tensor([i for i, _ in held], dtype=torch.long)
         local = torch.tensor([j for _, j in held], dtype=torch.long)
-    return {"positions": positions, "values": _copy(table[local.to(table.device)])}
+    return {"positions": positions, "values": copy_rows(table[local.to(table.device)])}
 
 
 # -- the front end ---------------------------------------------------------------------------------
 
 
-def merge_info(
-    answers: Sequence[dict[str, Any]],
-    first: Sequence[int],
-    last: Sequence[int],
-    config: Any,
-    residual_multiplier: float = 1.0,
-) -> WeightInfo:
+def merge_info(answers: Sequence[WeightsHeld], first: Sequence[int], last: Sequence[int], config: Any) -> WeightInfo:
     """One :class:`WeightInfo` from the workers' answers (``first``/``last``: the indices of the
-    first and last pipeline stages' workers; ``residual_multiplier``: the family's multiplier of the
-    attention's contribution, :attr:`~interp_vllm._families.VllmFamily.attn_scale`)."""
+    first and last pipeline stages' workers)."""
     head = answers[last[0]]
-    if head.get("norm_error"):
-        raise UnsupportedArchitecture(str(head["norm_error"]))
-    norm = head.get("norm")
-    if not isinstance(norm, dict):
+    if head.norm_error:
+        raise UnsupportedArchitecture(head.norm_error)
+    norm = head.norm
+    if norm is None:
         raise BackendError("the last pipeline stage did not describe its final norm")
     names = {"W_U", "W_O"}
-    if answers[first[0]].get("embed"):
+    if answers[first[0]].embed:
         names.add("W_E")
-    if head.get("unembed_bias"):
+    if head.unembed_bias:
         names.add("b_U")
-    if all(a.get("o_bias") for a in answers):
+    if all(a.o_bias for a in answers):
         names.add("b_O")
-    if norm["weight"]:
+    if norm.weight:
         names.add("ln_final.w")
-    if norm["bias"]:
+    if norm.bias:
         names.add("ln_final.b")
-    tied = head.get("tied")
+    tied = head.tied
     if tied is None:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         tied = bool(getattr(text, "tie_word_embeddings", False))
     return WeightInfo(
         names=tuple(n for n in WEIGHT_NAMES if n in names),
-        norm=norm["kind"],
-        norm_eps=float(norm["eps"]),
-        norm_weight_offset=float(norm["offset"]),
+        norm=norm.kind,
+        norm_eps=float(norm.eps),
+        norm_weight_offset=float(norm.offset),
         tied=bool(tied),
-        logit_scale=float(head.get("logit_scale", 1.0)),
-        logit_softcap=head.get("softcap"),
-        dtype=str(head.get("dtype", "float32")),
-        residual_multiplier=float(residual_multiplier),
+        logit_scale=float(head.logit_scale),
+        logit_softcap=head.softcap,
+        dtype=head.dtype,
     )
 
 

@@ -1,29 +1,196 @@
-"""What crosses the process boundary between the front end and vLLM's workers.
+"""Everything that crosses the process boundary between the front end and vLLM's workers.
 
-The front end and the workers import only these types; nothing else knows a key or a layout:
+The front end and the workers import only these types and names; nothing else knows a key, a
+layout or an RPC's name:
 
+- the RPCs themselves (:data:`RPC_NAMES`): the workers register their methods under these
+  names (``_vllm_entry``) and the front end calls them through :class:`~._client.Workers`;
 - :class:`RequestPayload` travels in ``SamplingParams.extra_args[PAYLOAD_KEY]`` with each request
   (plain data: vLLM serialises it with the request);
-- :class:`Fetched` is one rank's captured values for one request, returned by the
-  ``interp_fetch_many`` RPC as plain data (``{"error": str | None, "values": safetensors bytes}``);
-- :func:`pack` / :func:`unpack` carry tensors through ``collective_rpc`` (which does not return
-  tensors as tensors, but does return bytes).
+- :class:`StaticDeclaration` is a vllm-static engine's tap set, in vLLM's ``additional_config``
+  under :data:`CONFIG_KEY` (part of vLLM's compile-cache key); its defaults are the backend's;
+- :class:`Ping` (``interp_ping``), :class:`WeightsHeld` (``interp_weight_info``) and
+  :data:`WorkerStats` (``interp_stats``) are what a worker says about itself;
+- :class:`Fetched` is one rank's captured values for one request (``interp_fetch_many`` and
+  ``interp_drain_many``), carried as :class:`FetchedWire`;
+- :func:`pack` / :func:`unpack` carry tensors (``interp_decode``, ``interp_weight``).
+
+The structured answers are msgspec structs (as vLLM's own ``v1/engine`` messages are) that cross
+``collective_rpc`` as plain data (:func:`to_wire` / :func:`from_wire`): vLLM's executors
+(multiprocessing, Ray) all carry dicts, lists, strings, numbers and bytes, and a test or tool
+reading an answer sees plain data.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, TypeVar
 
+import msgspec
 import torch
 
 from interp_engine import Address, BackendError, FeatureReadout, Features, FeatureWrite, SteeringSpec, Write
 
 PAYLOAD_KEY = "interp_engine"
+"""The ``SamplingParams.extra_args`` entry that carries a request's payload."""
+CONFIG_KEY = "interp_engine_static"
+"""The ``additional_config`` entry that declares a vllm-static engine's taps."""
 LensChunk = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 """The logit lens at some positions: ``(positions [n], ids [n, n_layers, k], probs [n, n_layers, k])``."""
-"""The ``SamplingParams.extra_args`` entry that carries a request's payload."""
+
+# -- the RPCs ------------------------------------------------------------------------------------
+PING = "interp_ping"
+"""-> :class:`Ping`: which runner serves the worker, and whether it carries the taps."""
+FETCH_MANY = "interp_fetch_many"
+"""``(rids)`` -> a :class:`FetchedWire` per request: finished requests' values (then forgotten)."""
+DRAIN_MANY = "interp_drain_many"
+"""``(rids)`` -> a :class:`FetchedWire` per request: streaming requests' readouts and lens so far."""
+ATTACH = "interp_attach"
+"""``(key, Sae.to_bytes())``: hold an SAE or probe under ``key``."""
+DETACH = "interp_detach"
+"""``(key)``: drop the SAE held under ``key``."""
+RELEASE = "interp_release"
+"""``(rid)``: forget a request's values (cancelled or failed requests)."""
+DECODE = "interp_decode"
+"""``(pack_residuals(...))`` -> :func:`pack`'d logits (empty from a stage before the last)."""
+WEIGHT_INFO = "interp_weight_info"
+"""-> :class:`WeightsHeld`: what the worker's pipeline stage holds of the weights."""
+WEIGHT = "interp_weight"
+"""``(name, layer, vocab)`` -> :func:`pack`'d shard of a weight (empty where the stage lacks it)."""
+STATS = "interp_stats"
+"""-> :data:`WorkerStats`."""
+RPC_NAMES = (PING, FETCH_MANY, DRAIN_MANY, ATTACH, DETACH, RELEASE, DECODE, WEIGHT_INFO, WEIGHT, STATS)
+
+_T = TypeVar("_T")
+
+
+def to_wire(value: msgspec.Struct) -> Any:
+    """A struct as the plain data ``collective_rpc`` and ``additional_config`` carry (bytes stay bytes)."""
+    return msgspec.to_builtins(value, builtin_types=(bytes,))
+
+
+def from_wire(kind: type[_T], data: Any) -> _T:
+    """What :func:`to_wire` wrote, checked against ``kind`` (a typed error for a malformed answer)."""
+    return msgspec.convert(data, kind)
+
+
+# -- the vllm-static declaration ---------------------------------------------------------------------
+DEFAULT_SLOTS = 256
+"""Steering slots per write address (``static_write_slots``)."""
+DEFAULT_SAE_TOP_K = 64
+"""Top features an in-graph SAE keeps per token (``static_sae_top_k``)."""
+DEFAULT_SAE_DENSE_MAX = 1024
+"""Dictionaries up to this wide keep every feature in-graph (``static_sae_dense_max``)."""
+
+
+class StaticSae(msgspec.Struct, frozen=True):
+    """An SAE compiled into a vllm-static engine: the folder it was saved to, and a digest of it
+    (so the compile hash covers what the graph holds)."""
+
+    path: str
+    digest: str
+
+
+class StaticDeclaration(msgspec.Struct, frozen=True):
+    """A vllm-static engine's taps, fixed before vLLM compiles the model."""
+
+    points: tuple[str, ...] = ()
+    """Capture points (addresses, as strings)."""
+    writes: tuple[str, ...] = ()
+    """Write points."""
+    slots: int = DEFAULT_SLOTS + 1
+    """Rows of each write table: the steering slots and row 0, the identity."""
+    saes: dict[str, StaticSae] = {}
+    """SAEs compiled in, by name."""
+    sae_top_k: int = DEFAULT_SAE_TOP_K
+    sae_dense_max: int = DEFAULT_SAE_DENSE_MAX
+
+    def addresses(self) -> tuple[list[Address], list[Address]]:
+        """The capture and write points as addresses."""
+        return [Address.parse(p) for p in self.points], [Address.parse(a) for a in self.writes]
+
+
+# -- what a worker says about itself ---------------------------------------------------------------
+
+
+class Ping(msgspec.Struct, frozen=True):
+    """A worker's answer to ``interp_ping``."""
+
+    runner: str
+    """The model runner's class."""
+    patched: bool
+    """Whether the runner's class carries the taps' wrappers."""
+    static: bool = False
+    """Whether the taps are vllm-static's, installed before compilation."""
+    rank: int = 0
+    tp_size: int = 1
+    lacks: tuple[str, ...] | None = None
+    """The kinds the worker's resolved family lacks (``None``: no family)."""
+    unsupported: str | None = None
+    """Why the worker has no taps for this model (``None``: it has)."""
+    pp_rank: int = 0
+    pp_size: int = 1
+    layers: tuple[int, ...] = ()
+    """The layers this worker's pipeline stage holds."""
+    v2_runner_env: str | None = None
+    """``VLLM_USE_V2_MODEL_RUNNER`` as this worker saw it (a Ray worker has its own environment)."""
+    incompatible: str | None = None
+    """Why the runner could not be patched (``_compat.IncompatibleVersion``), if it could not."""
+
+
+class FinalNorm(msgspec.Struct, frozen=True):
+    """The final norm as probed in the worker."""
+
+    kind: Literal["layernorm", "rmsnorm", "none"]
+    eps: float
+    offset: float
+    weight: bool
+    bias: bool
+
+
+class WeightsHeld(msgspec.Struct, frozen=True):
+    """What a worker's pipeline stage holds of the weights (``interp_weight_info``); the
+    unembedding's and the final norm's fields are set on the last stage only."""
+
+    pp_rank: int
+    rank: int
+    dtype: str
+    embed: bool
+    """The stage holds the input embedding."""
+    o_bias: bool
+    """Every layer of the stage has an output-projection bias."""
+    tied: bool | None = None
+    """The unembedding is the input embedding (``None``: the stage cannot tell)."""
+    unembed_bias: bool = False
+    logit_scale: float = 1.0
+    softcap: float | None = None
+    norm: FinalNorm | None = None
+    norm_error: str | None = None
+    """Why the final norm cannot be described (then ``norm`` is ``None``)."""
+
+
+WorkerStats = dict[str, int]
+"""A worker's counters (``interp_stats``): live requests and SAEs held (leak checks), where its
+time goes, and vLLM's and Dynamo's compilation counters (open-ended: a mapping, by name)."""
+
+
+def pack_residuals(residuals: torch.Tensor) -> bytes:
+    """Residuals ``[n, d_model]`` for ``interp_decode``."""
+    return pack({"residuals": residuals})
+
+
+def unpack_residuals(data: bytes) -> torch.Tensor:
+    return unpack(data)["residuals"]
+
+
+def pack_logits(logits: torch.Tensor | None) -> bytes:
+    """``interp_decode``'s answer (empty from a stage that holds no unembedding)."""
+    return pack({} if logits is None else {"logits": logits})
+
+
+def unpack_logits(data: bytes) -> torch.Tensor | None:
+    return unpack(data).get("logits")
 
 
 def pack(tensors: Mapping[str, torch.Tensor]) -> bytes:
@@ -123,6 +290,14 @@ class RequestPayload:
         return None if data is None else cls.decode(data)
 
     @classmethod
+    def awaits_fetch_of(cls, params: Any) -> bool:
+        """Whether the payload a request's ``SamplingParams`` carry asks for values back (points,
+        readouts or a lens), read without decoding the rest: it answers for a payload that
+        :meth:`decode` refused too (that request's error waits for its fetch)."""
+        data = (getattr(params, "extra_args", None) or {}).get(PAYLOAD_KEY) or {}
+        return bool(data.get("points") or data.get("readouts") or data.get("lens"))
+
+    @classmethod
     def rid_of(cls, params: Any) -> str | None:
         """Only the id (cheap: the workers ask this of every request in every step)."""
         data = (getattr(params, "extra_args", None) or {}).get(PAYLOAD_KEY)
@@ -150,28 +325,47 @@ def merge_lens(chunks: list[LensChunk]) -> LensChunk | None:
     return positions[last], ids[keep], probs[keep]
 
 
-def _lens_bytes(lens: LensChunk) -> dict[str, Any]:
+class LensWire(msgspec.Struct, frozen=True):
     """A lens chunk as plain data: positions as ints, ids (int16 or int32) and float32
-    probabilities as little-endian bytes."""
-    positions, ids, probs = lens
-    return {
-        "positions": positions.tolist(),
-        "shape": list(ids.shape[1:]),
-        "wide": ids.dtype != torch.int16,
-        "ids": ids.contiguous().numpy().astype("<i4" if ids.dtype != torch.int16 else "<i2").tobytes(),
-        "probs": probs.contiguous().numpy().astype("<f4").tobytes(),
-    }
+    probabilities as little-endian bytes (sent every step of a stream: no per-tensor header)."""
+
+    positions: list[int]
+    shape: list[int]
+    """``[n_layers, k]``."""
+    wide: bool
+    """The ids are int32 (else int16)."""
+    ids: bytes
+    probs: bytes
+
+    @classmethod
+    def of(cls, lens: LensChunk) -> LensWire:
+        positions, ids, probs = lens
+        wide = ids.dtype != torch.int16
+        return cls(
+            positions=positions.tolist(),
+            shape=list(ids.shape[1:]),
+            wide=wide,
+            ids=ids.contiguous().numpy().astype("<i4" if wide else "<i2").tobytes(),
+            probs=probs.contiguous().numpy().astype("<f4").tobytes(),
+        )
+
+    def tensors(self) -> LensChunk:
+        """The chunk (ids widened to int64)."""
+        import numpy as np
+
+        positions = torch.tensor(self.positions, dtype=torch.long)
+        shape = (len(positions), *(int(n) for n in self.shape))
+        ids = np.frombuffer(self.ids, dtype="<i4" if self.wide else "<i2").reshape(shape)
+        probs = np.frombuffer(self.probs, dtype="<f4").reshape(shape)
+        return positions, torch.from_numpy(ids.astype(np.int64)), torch.from_numpy(probs.astype(np.float32))
 
 
-def _lens_tensors(data: Mapping[str, Any]) -> LensChunk:
-    """What :func:`_lens_bytes` wrote (ids widened to int64)."""
-    import numpy as np
+class FetchedWire(msgspec.Struct, frozen=True):
+    """:class:`Fetched` as it crosses ``collective_rpc``: its tensors as safetensors bytes."""
 
-    positions = torch.tensor(data["positions"], dtype=torch.long)
-    shape = (len(positions), *(int(n) for n in data["shape"]))
-    ids = np.frombuffer(data["ids"], dtype="<i4" if data["wide"] else "<i2").reshape(shape)
-    probs = np.frombuffer(data["probs"], dtype="<f4").reshape(shape)
-    return positions, torch.from_numpy(ids.astype(np.int64)), torch.from_numpy(probs.astype(np.float32))
+    error: str | None = None
+    values: bytes = b""
+    lens: LensWire | None = None
 
 
 def compact(readout: FeatureReadout, dtype: str, d_sae: int) -> FeatureReadout:
@@ -199,7 +393,8 @@ class Fetched:
     readouts: Mapping[Features, tuple[torch.Tensor, FeatureReadout]] = field(default_factory=dict)
     lens: LensChunk | None = None
 
-    def encode(self) -> dict[str, Any]:
+    def encode(self) -> FetchedWire:
+        """What crosses ``collective_rpc`` (as :func:`to_wire`'s plain data)."""
         tensors: dict[str, torch.Tensor] = {}
         for address, (positions, values) in self.values.items():
             tensors[f"positions/{address}"] = positions.contiguous()
@@ -207,14 +402,12 @@ class Fetched:
         for spec, (positions, readout) in self.readouts.items():
             tensors[f"rpositions/{spec}"] = positions.to(torch.int32).contiguous()
             tensors.update(readout.tensors(f"readout/{spec}"))
-        data: dict[str, Any] = {"error": self.error, "values": pack(tensors)}
-        if self.lens is not None:  # sent every step of a stream: raw bytes, no per-tensor header
-            data["lens"] = _lens_bytes(self.lens)
-        return data
+        lens = None if self.lens is None else LensWire.of(self.lens)
+        return FetchedWire(self.error, pack(tensors), lens)
 
     @classmethod
-    def decode(cls, data: Mapping[str, Any]) -> Fetched:
-        tensors = unpack(data.get("values") or b"")
+    def decode(cls, wire: FetchedWire) -> Fetched:
+        tensors = unpack(wire.values)
         values = {
             Address.parse(key.partition("/")[2]): (tensors[key], tensors[f"values/{key.partition('/')[2]}"])
             for key in tensors
@@ -226,8 +419,8 @@ class Fetched:
                 name = key.partition("/")[2]
                 readout = FeatureReadout.from_tensors(tensors, f"readout/{name}")
                 readouts[Features.parse(name)] = (tensors[key].long(), readout)
-        lens = _lens_tensors(data["lens"]) if data.get("lens") is not None else None
-        return cls(values, data.get("error"), readouts, lens)
+        lens = None if wire.lens is None else wire.lens.tensors()
+        return cls(values, wire.error, readouts, lens)
 
     def raise_error(self) -> None:
         if self.error is not None:

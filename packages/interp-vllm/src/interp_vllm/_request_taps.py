@@ -1,0 +1,172 @@
+"""A request's state in a worker: its taps over its whole life, and its rows in one step.
+
+:class:`RequestTaps` is built once per request from its :class:`~._wire.RequestPayload` (writes
+resolved over the whole sequence, SAEs by the names the request uses); each step it is cut to a
+:class:`Slice` (its rows of the flattened batch), and each hook gathers the slices that read or
+write its addresses in a :class:`Hook`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from interp_engine import Address, BackendError, FeatureReadout, Features, FeatureWrite, Sae, UnknownSae, Write
+from interp_engine.backend import write_positions
+
+from ._sites import SITES, VllmSite
+from ._wire import LensChunk, RequestPayload
+
+LocalWrite = tuple[Write, torch.Tensor, torch.Tensor | None]
+"""This rank's part of a write, with its vector and target on the value's device and dtype."""
+
+
+@dataclass
+class WriteTable:
+    """One write, resolved over the request's whole sequence."""
+
+    write: Write | FeatureWrite
+    mask: torch.Tensor  # [n_total] bool: positions the write touches
+    row: torch.Tensor  # [n_total] long: the (per-position) vector and target row for each touched position
+    local: dict[tuple[int, torch.device, torch.dtype], LocalWrite | None] = field(default_factory=dict)
+
+
+class RequestTaps:
+    """One request's points, writes, readouts and captured values, for its whole life in the worker."""
+
+    def __init__(self, payload: RequestPayload, saes: dict[str, Sae] | None = None) -> None:
+        self.payload = payload
+        self.rid = payload.rid
+        self.points = list(payload.points)
+        self.n_prompt = payload.n_prompt
+        self.n_total = payload.n_total
+        # the SAEs by the names the request uses, each the one it was checked with (held by
+        # reference: a detach or re-attach in the worker does not reach an admitted request)
+        self.saes: dict[str, Sae] = {}
+        self.readouts_at: dict[Address, list[Features]] = defaultdict(list)
+        for spec in payload.readouts:
+            self.saes[spec.sae] = held_sae(saes, spec.sae, payload.sae_keys)
+            self.readouts_at[self.saes[spec.sae].address].append(spec)
+        for write in payload.writes:
+            if isinstance(write, FeatureWrite):
+                self.saes[write.sae] = held_sae(saes, write.sae, payload.sae_keys)
+        # the logit lens: per lens layer's resid_post, the rows of the positions it reads (every
+        # position from the prompt's last on, and the prompt positions asked) are decoded after
+        # the forward; only their top-k ids and probabilities are kept
+        self.lens_at = {Address("resid_post", layer): i for i, layer in enumerate(payload.lens_layers)}
+        self.lens_k = payload.lens_top_k
+        self.lens_prompt = torch.tensor(sorted(payload.lens_positions), dtype=torch.long)
+        self.lens_values: list[LensChunk] = []
+        # the front end fetches (or releases) what a request captured or read; the others are
+        # forgotten when vLLM finishes them
+        self.awaits_fetch = bool(payload.points or payload.readouts or payload.lens_layers)
+        self.readout_values: dict[Features, list[tuple[torch.Tensor, FeatureReadout]]] = defaultdict(list)
+        self.first_readout = payload.n_prompt - 1 if payload.stream else 0
+        self.writes: dict[Address, list[WriteTable]] = defaultdict(list)
+        for write in payload.writes:
+            positions = write_positions(write, self.n_prompt, self.n_total)
+            mask = torch.zeros(self.n_total, dtype=torch.bool)
+            row = torch.zeros(self.n_total, dtype=torch.long)
+            index = torch.tensor([p for p in positions if p < self.n_total], dtype=torch.long)
+            mask[index] = True
+            row[index] = torch.arange(len(index))
+            if write.address is None:  # the front end binds feature writes
+                raise BackendError(f"an unbound feature write reached the worker: {write!r}")
+            self.writes[write.address].append(WriteTable(write, mask, row))
+        self.values: dict[Address, list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
+        self.keys: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # layer -> (positions, keys, step)
+        self.steps = 0
+
+    def addresses(self) -> set[Address]:
+        return set(self.points) | set(self.writes) | set(self.readouts_at) | set(self.lens_at)
+
+    def serves(self, address: Address) -> bool:
+        """Whether the request reads or writes ``address`` besides its lens."""
+        return address in self.points or address in self.writes or address in self.readouts_at
+
+    def lens_keep(self, positions: torch.Tensor) -> torch.Tensor:
+        """Which of ``positions`` the lens reads."""
+        keep = positions >= self.n_prompt - 1
+        if len(self.lens_prompt):
+            keep |= torch.isin(positions, self.lens_prompt)
+        return keep
+
+
+def held_sae(saes: dict[str, Sae] | None, name: str, keys: Mapping[str, str] | None = None) -> Sae:
+    """The SAE this worker holds for ``name``: under the request's key for it, or under the name
+    (the front end sends it before any request names it)."""
+    key = (keys or {}).get(name, name)
+    if saes is None or key not in saes:
+        raise UnknownSae(
+            f"this vLLM worker holds no SAE named {name!r} (key {key!r})", name=name, valid=list(saes or ())
+        )
+    return saes[key]
+
+
+@dataclass(eq=False)  # compared by identity
+class Slice:
+    """A request's rows in this step's flattened batch."""
+
+    taps: RequestTaps
+    start: int
+    end: int
+    positions: torch.Tensor  # [end - start] absolute positions, on the CPU
+    stash: dict[int, torch.Tensor] = field(default_factory=dict)
+    lens_keep: torch.Tensor | None = None  # [end - start] bool: rows the lens reads this step
+    lens_rows: dict[int, torch.Tensor] = field(default_factory=dict)  # lens layer index -> its kept rows
+
+
+@dataclass
+class Hook:
+    """Everything one hook does this step: per address, the requests that read or write it."""
+
+    members: dict[Address, list[Slice]] = field(default_factory=lambda: defaultdict(list))
+    stash_for: list[Slice] = field(default_factory=list)  # resid_mid needs this layer's resid_pre
+
+    def add(self, address: Address, sl: Slice) -> None:
+        if sl not in self.members[address]:
+            self.members[address].append(sl)
+
+    def ordered(self) -> list[tuple[Address, VllmSite, list[Slice]]]:
+        """The hook's addresses in the order their values are computed (the site table's)."""
+        order = {kind: i for i, kind in enumerate(SITES)}
+        return [
+            (address, SITES[address.kind], members)
+            for address, members in sorted(self.members.items(), key=lambda kv: order[kv[0].kind])
+        ]
+
+
+def merged_readouts(taps: RequestTaps) -> dict[Features, tuple[torch.Tensor, FeatureReadout]]:
+    """Each readout's chunks in position order (a recomputed position keeps its last value)."""
+    out = {}
+    for spec, chunks in taps.readout_values.items():
+        positions = torch.cat([p for p, _ in chunks])
+        parts = [r for _, r in chunks]
+        values = torch.cat([r.values for r in parts])
+        ids = None if parts[0].ids is None else torch.cat([r.ids for r in parts if r.ids is not None])
+        errors = [r.error_norm for r in parts if r.error_norm is not None]
+        error = torch.cat(errors) if len(errors) == len(parts) else None
+        order = torch.argsort(positions, stable=True)
+        positions = positions[order]
+        last = torch.ones_like(positions, dtype=torch.bool)
+        last[:-1] = positions[1:] != positions[:-1]
+        keep = order[last]
+        out[spec] = (
+            positions[last],
+            FeatureReadout(values[keep], None if ids is None else ids[keep], None if error is None else error[keep]),
+        )
+    return out
+
+
+def touched_rows(sl: Slice, table: WriteTable) -> torch.Tensor | None:
+    """The rows of ``sl`` (within the step's batch) that ``table``'s write touches, or ``None``."""
+    positions = sl.positions
+    inside = positions < sl.taps.n_total
+    picked = inside.clone()
+    picked[inside] = table.mask[positions[inside]]
+    if not bool(picked.any()):
+        return None
+    return torch.nonzero(picked).flatten()

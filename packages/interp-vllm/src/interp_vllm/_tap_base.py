@@ -1,0 +1,111 @@
+"""What every tap manager of a model runner holds: the model, where its parts live, and the state
+of the requests in flight.
+
+The structure comes from the site table's family (:func:`~._resolve.resolve`); this worker's
+place in vLLM's tensor- and pipeline-parallel groups decides which heads, columns and layers its
+hooks see. Requests' states live in ``requests`` until the front end fetches or releases them;
+``failed`` holds the error of a request whose taps raised here (reported at its fetch, while the
+engine and the rest of the batch go on).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from interp_engine import Address, BackendError, Sae
+
+from . import _compat
+from ._families import VllmFamily
+from ._request_taps import RequestTaps, Slice
+from ._resolve import resolve
+from ._sites import SITES, HookKey, VllmSite
+from ._static import SaeMath
+from .hooks import attr_path, owned_layers, pp_position, tp_position
+
+logger = logging.getLogger("interp_vllm._worker")
+
+
+class TapBase:
+    """The model runner's model and family, this worker's ranks, and the requests' states."""
+
+    def __init__(self, runner: Any) -> None:
+        _compat.check_runner(runner)
+        self.runner = runner
+        self.model: nn.Module = runner.get_model()
+        self.family: VllmFamily = resolve(self.model, runner.model_config.hf_config)
+        self.layers = attr_path(self.model, self.family.layers)
+        self.rank, self.tp_size = tp_position()
+        # under pipeline parallelism this stage holds some layers (and the last stage the final
+        # norm and the unembedding): hooks go only where the layer lives, reads come from there
+        self.pp_rank, self.pp_size = pp_position()
+        self.owned = owned_layers(self.layers)
+        self.last_stage = self.pp_rank == self.pp_size - 1
+        if not self.owned:
+            raise BackendError(f"pipeline stage {self.pp_rank} of {self.pp_size} holds none of the model's layers")
+        config = runner.model_config.hf_config
+        self.n_heads = int(config.num_attention_heads)
+        # the config's count where it names one (key/value heads replicated over more ranks than
+        # there are heads), else the kernels' (Falcon's multi-query attention: num_kv_heads)
+        self.n_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.family.n_kv_heads)
+        self.d_head = int(attr_path(self.layers[self.owned[0]], self.family.attn_kernel).head_size)
+        self.requests: dict[str, RequestTaps] = {}
+        self.step_tokens = 0  # rows of the flattened batch in the current step
+        # ids already fetched or released: a step scheduled before an abort landed must not
+        # bring their state back
+        self.retired: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # where the worker's time goes (nanoseconds), reported by stats(): the whole of each
+        # forward call with taps, the forward alone (SAE readouts and feature clamps in it:
+        # sae_ns), and answering fetches
+        self.timing = {
+            "steps": 0,
+            "step_ns": 0,
+            "forward_ns": 0,
+            "sae_ns": 0,
+            "lens_ns": 0,
+            "fetch_ns": 0,
+            "fetches": 0,
+        }
+        # requests whose taps raised in this worker: the error, reported at their fetch (the
+        # hook gave the forward its values back unchanged, so the engine and the rest of the
+        # batch go on)
+        self.failed: dict[str, str] = {}
+        # SAEs and probes the front end attached, on the model's device (interp_attach)
+        self.saes: dict[str, Sae] = {}
+        self._sae_math: dict[tuple[int, str], tuple[Sae, SaeMath]] = {}  # batched encoders, per SAE
+
+    def total_heads(self, site: VllmSite) -> int:
+        return self.n_kv_heads if site.shard == "kv_heads" else self.n_heads
+
+    def owns(self, address: Address) -> bool:
+        """Whether ``address`` is computed on this pipeline stage (the model's output kinds on
+        the last stage, the others where their layer lives; ``embed`` with layer 0)."""
+        if SITES[address.kind].where == "model_out":
+            return self.last_stage
+        return (address.layer or 0) in self.owned
+
+    def module(self, key: HookKey) -> nn.Module:
+        """The module a hook attaches to."""
+        _, attr, layer = key
+        block: nn.Module = self.layers[layer]
+        if attr is None:
+            return block
+        module: nn.Module = attr_path(block, getattr(self.family, attr))
+        return module
+
+    def _timed_forward(self, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        began = time.perf_counter_ns()
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            self.timing["forward_ns"] += time.perf_counter_ns() - began
+
+    def _fail(self, slices: list[Slice], exc: Exception) -> None:
+        for sl in slices:
+            self.failed.setdefault(sl.taps.rid, f"a tap failed in vLLM's worker: {type(exc).__name__}: {exc}")
+        logger.warning("interp-engine: a tap failed for %d request(s): %s", len(slices), exc, exc_info=True)

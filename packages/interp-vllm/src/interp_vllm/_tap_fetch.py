@@ -1,0 +1,107 @@
+"""What leaves the worker: a request's values once it is done (``fetch``), a stream's readouts and
+lens so far (``drain``), releases, the bookkeeping counters and the decode of residuals."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from interp_engine import Address
+
+from ._request_taps import merged_readouts
+from ._tap_base import TapBase
+from ._wire import Fetched, merge_lens
+from .hooks import attr_path
+
+
+class FetchTaps(TapBase):
+    """Answers to the front end's fetch, drain, release, stats and decode."""
+
+    # -- after the request ------------------------------------------------------------------
+    def fetch(self, rid: str) -> Fetched:
+        """A request's values, ordered by position (a recomputed position keeps its last
+        value); then forget it."""
+        began = time.perf_counter_ns()
+        try:
+            error = self.failed.pop(rid, None)
+            values = self._collect(rid)
+            return values if error is None else Fetched(error=error)
+        finally:
+            self.timing["fetches"] += 1
+            self.timing["fetch_ns"] += time.perf_counter_ns() - began
+
+    def _collect(self, rid: str) -> Fetched:
+        taps = self.requests.pop(rid, None)
+        self._retire(rid)
+        if taps is None:
+            return Fetched()
+        out: dict[Address, tuple[torch.Tensor, torch.Tensor]] = {}
+        for address, chunks in taps.values.items():
+            positions = torch.cat([p for p, _ in chunks])
+            if address.info.width == "heads x keys":  # pad the key axis: probabilities 0, scores -inf
+                fill = float("-inf") if address.kind == "attn_scores" else 0.0
+                width = max(v.shape[-1] for _, v in chunks)
+                values = torch.cat(
+                    [torch.nn.functional.pad(v, (0, width - v.shape[-1]), value=fill) for _, v in chunks]
+                )
+            else:
+                values = torch.cat([v for _, v in chunks])
+            order = torch.argsort(positions, stable=True)
+            positions, values = positions[order], values[order]
+            last = torch.ones_like(positions, dtype=torch.bool)
+            last[:-1] = positions[1:] != positions[:-1]
+            out[address] = (positions[last], values[last])
+        return Fetched(out, readouts=merged_readouts(taps), lens=merge_lens(taps.lens_values))
+
+    def drain(self, rid: str) -> Fetched:
+        """A streaming request's readouts so far (then dropped here); the request lives on."""
+        error = self.failed.get(rid)
+        if error is not None:
+            return Fetched(error=error)
+        taps = self.requests.get(rid)
+        if taps is None:
+            return Fetched()
+        merged = merged_readouts(taps)
+        taps.readout_values.clear()
+        lens = merge_lens(taps.lens_values)
+        taps.lens_values.clear()
+        return Fetched(readouts=merged, lens=lens)
+
+    def release(self, rid: str) -> None:
+        self.failed.pop(rid, None)
+        self.requests.pop(rid, None)
+        self._retire(rid)
+
+    def _retire(self, rid: str) -> None:
+        self.retired[rid] = None
+        while len(self.retired) > 4096:
+            self.retired.popitem(last=False)
+
+    def stats(self) -> dict[str, int]:
+        """How many requests hold state in this worker and how many SAEs it holds (for leak
+        checks), and vLLM's and Dynamo's compilation counters (for recompilation checks)."""
+        out = {"live_requests": len(self.requests), "saes": len(self.saes), **self.timing}
+        try:
+            from vllm.compilation.counter import compilation_counter
+
+            out.update({f"vllm_{k}": int(v) for k, v in vars(compilation_counter).items() if isinstance(v, int)})
+        except ImportError:  # pragma: no cover - vLLM without the compilation package
+            pass
+        from torch._dynamo.utils import counters
+
+        out["dynamo_unique_graphs"] = int(counters["stats"]["unique_graphs"])
+        out["dynamo_calls_captured"] = int(counters["stats"]["calls_captured"])
+        return out
+
+    def decode(self, residuals: torch.Tensor) -> torch.Tensor | None:
+        """Final norm + the served unembedding (gathered over tensor-parallel ranks); ``None`` on
+        a pipeline stage before the last, which holds neither."""
+        if not self.last_stage:
+            return None
+        param = next(self.model.parameters())
+        norm = attr_path(self.model, self.family.final_norm)
+        with torch.inference_mode():
+            x = residuals.to(device=param.device, dtype=param.dtype)
+            logits: torch.Tensor = self.model.compute_logits(norm(x))  # type: ignore[operator]
+        return logits.to("cpu", torch.float32)
