@@ -29,8 +29,9 @@ from interp_engine import (
     run_with_cache,
     weights,
 )
+from interp_testkit.suite import PROMPT, hf_oracle, rel_diff, tiny_model_path
 
-from ..conftest import PROMPT, eager_model, hf_oracle, rel_diff, tiny_model_path
+from ..support.engines import eager_model
 
 ANSWER, WRONG = 5, 7
 HF_PARTS: dict[str, tuple[str, str, str, bool]] = {

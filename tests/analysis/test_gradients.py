@@ -33,8 +33,9 @@ from interp_engine import (
     run_with_gradients,
     sync_model,
 )
+from interp_testkit.suite import PROMPT, hf_oracle, rel_diff
 
-from ..conftest import PROMPT, eager_model, hf_oracle, rel_diff
+from ..support.engines import eager_model
 
 TOL = 1e-4
 FAMILIES = ("gpt2", "llama")

@@ -35,7 +35,7 @@ from interp_engine import (
 )
 from interp_engine._shipped import resolve_sae
 
-from ..conftest import eager_model
+from ..support.engines import eager_model
 
 TEXT = "The capital of France is"
 PROB_TOL = 1e-5

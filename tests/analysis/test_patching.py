@@ -24,8 +24,9 @@ from interp_engine import (
     run_with_cache,
     sync_model,
 )
+from interp_testkit.suite import hf_oracle, rel_diff, vllm_model_path
 
-from ..conftest import eager_model, hf_oracle, rel_diff, vllm_model_path
+from ..support.engines import eager_model
 
 TOL = 1e-4
 CLEAN = [5, 17, 42, 9, 33, 61, 8, 12]

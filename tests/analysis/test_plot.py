@@ -20,7 +20,7 @@ from interp_engine import FeatureReadout, InvalidActivations, Labelled, load_mod
 from interp_engine import plot as plots
 from interp_engine.cli import _demo, _views
 
-from ..cli.test_cli import interp, is_png
+from ..support.cli import interp, is_png
 
 matplotlib.use("Agg")
 

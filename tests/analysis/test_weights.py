@@ -7,8 +7,6 @@ checked in test_vllm_weights.py and beside the engines of test_vllm_families/sta
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 
@@ -26,83 +24,10 @@ from interp_engine import (
     tiny_model_path,
     weights,
 )
+from interp_testkit.suite import hf_oracle
 
-from ..conftest import eager_model, hf_oracle
-
-HF_NAMES: dict[str, dict[str, Any]] = {
-    # embed, unembed, output projection (per layer), whether it is a Conv1D ([in, out]), final norm
-    "gpt2": {
-        "embed": "transformer.wte",
-        "unembed": "lm_head",
-        "o": "transformer.h.{}.attn.c_proj",
-        "conv1d": True,
-        "norm": "transformer.ln_f",
-        "kind": "layernorm",
-        "tied": True,
-    },
-    "llama": {
-        "embed": "model.embed_tokens",
-        "unembed": "lm_head",
-        "o": "model.layers.{}.self_attn.o_proj",
-        "norm": "model.norm",
-        "kind": "rmsnorm",
-    },
-    "gpt_neox": {
-        "embed": "gpt_neox.embed_in",
-        "unembed": "lm_head",
-        "o": "gpt_neox.layers.{}.attention.dense",
-        "norm": "gpt_neox.final_layer_norm",
-        "kind": "layernorm",
-    },
-    "phi3": {
-        "embed": "model.embed_tokens",
-        "unembed": "lm_head",
-        "o": "model.layers.{}.self_attn.o_proj",
-        "norm": "model.norm",
-        "kind": "rmsnorm",
-    },
-    "falcon": {
-        "embed": "transformer.word_embeddings",
-        "unembed": "lm_head",
-        "o": "transformer.h.{}.self_attention.dense",
-        "norm": "transformer.ln_f",
-        "kind": "layernorm",
-        "tied": True,
-    },
-    "gemma2": {
-        "embed": "model.embed_tokens",
-        "unembed": "lm_head",
-        "o": "model.layers.{}.self_attn.o_proj",
-        "norm": "model.norm",
-        "kind": "rmsnorm",
-        "offset": 1.0,
-        "tied": True,
-        "softcap": 30.0,
-    },
-    "phi": {
-        "embed": "model.embed_tokens",
-        "unembed": "lm_head",
-        "o": "model.layers.{}.self_attn.dense",
-        "norm": "model.final_layernorm",
-        "kind": "layernorm",
-    },
-    "cohere": {
-        "embed": "model.embed_tokens",
-        "unembed": "lm_head",
-        "o": "model.layers.{}.self_attn.o_proj",
-        "norm": "model.norm",
-        "kind": "layernorm",
-        "tied": True,
-        "scale": 0.0625,
-    },
-}
-
-
-def _module(hf: Any, path: str) -> Any:
-    module = hf
-    for part in path.split("."):
-        module = getattr(module, part)
-    return module
+from ..support.engines import eager_model
+from ..support.weights import HF_NAMES, _module
 
 
 def hf_weights(family: str, layer: int) -> dict[str, torch.Tensor]:

@@ -14,12 +14,13 @@ import torch
 from safetensors import safe_open
 
 from interp_engine import Address, Cache, load_model, run_with_cache, sync_model
-from interp_engine.cli import _capture, _common, main
+from interp_engine.cli import _capture, _common
 from interp_engine.cli._common import show_token
+from interp_testkit.suite import tiny_model_path
 
-from ..conftest import eager_model, tiny_model_path
+from ..support.cli import interp, is_png, our_lines
+from ..support.engines import eager_model
 
-PNG = b"\x89PNG\r\n\x1a\n"
 PROMPTS = ["The quick brown fox", "jumps over the lazy dog because it can", "Hello", "a b c d e", "one two"]
 
 
@@ -31,25 +32,6 @@ def model_path() -> str:
 @pytest.fixture(scope="module")
 def sync() -> Any:
     return sync_model(eager_model("gpt2"))
-
-
-def interp(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    """Run ``main`` in process: (exit status, stdout, stderr)."""
-    try:
-        status = main(list(argv))
-    except SystemExit as exc:  # argparse: --help and usage errors
-        status = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return status, out, err
-
-
-def our_lines(err: str) -> list[str]:
-    """The stderr lines the command wrote (the backend's own weight-loading bar aside)."""
-    return [line for line in err.splitlines() if line.startswith("interp")]
-
-
-def is_png(path: pathlib.Path) -> bool:
-    return path.is_file() and path.read_bytes()[:8] == PNG
 
 
 def test_installed_entry_point_runs_in_a_subprocess() -> None:

@@ -29,9 +29,9 @@ from interp_engine import (
 )
 from interp_engine.cli import _common, main
 from interp_engine.cli._common import show_token
+from interp_testkit.suite import tiny_model_path
 
-from ..conftest import tiny_model_path
-from .test_cli import PNG, interp, is_png, our_lines
+from ..support.cli import PNG, interp, is_png, our_lines
 
 README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 MODEL = "interp:tiny"

@@ -14,9 +14,9 @@ import torch
 from interp_engine import Features, Sae, load_model, load_sae, run_with_cache, sync_model
 from interp_engine.cli import _common
 
-from ..server.test_server import Server
-from ..server.test_server_sae import tiny_sae
-from .test_cli import interp, our_lines
+from ..support.cli import interp, our_lines
+from ..support.saes import tiny_sae
+from ..support.servers import LiveServer
 
 MODEL = "interp:tiny"
 PROMPTS = ["The capital of France is", "Paris", "The capital of Germany is Berlin"]  # 5, 1 and 6 tokens
@@ -55,7 +55,7 @@ def test_serve_attaches_its_saes_before_the_engine_is_built(
     # what run() does with them: the app's lifespan loads the model with the SAEs attached
     options = {k: v for k, v in kwargs.items() if k not in ("host", "port")}
     app = interp_engine.server.create_app(model, saes=saes, **options)
-    with Server(app) as running, httpx.Client(base_url=running.url, timeout=60) as client:
+    with LiveServer(app, run_config=False) as running, httpx.Client(base_url=running.url, timeout=60) as client:
         listed = client.get("/v1/model").json()["saes"]
         assert [(s["name"], s["address"], s["d_sae"]) for s in listed] == [
             ("res", "resid_post.1", 512),

@@ -36,8 +36,9 @@ from interp_engine import (
     load_model,
     sync_model,
 )
+from interp_testkit.suite import tiny_model_path, vllm_model_path
 
-from ..conftest import eager_model, tiny_model_path, vllm_model_path
+from ..support.engines import eager_model
 
 BACKENDS = [
     "eager",

@@ -36,8 +36,9 @@ from interp_engine import (
 )
 from interp_engine.chat import build_chat_tokens, span_positions
 from interp_testkit.chat_templates import CHAT_TEMPLATES, LLAMA3, chat_tokenizer
+from interp_testkit.suite import tiny_model_path
 
-from ..conftest import eager_model, tiny_model_path
+from ..support.engines import eager_model
 
 SYSTEM = {"role": "system", "content": "You are a careful assistant."}
 USER = {"role": "user", "content": " What is the capital of France? "}

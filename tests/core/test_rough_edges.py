@@ -39,7 +39,7 @@ from interp_engine import (
 from interp_engine._plugins import local_model
 from interp_engine.cli import join_negative_lists
 
-from ..cli.test_cli import interp, our_lines
+from ..support.cli import interp, our_lines
 
 TEXT = "The capital of France is"
 N_LAYERS = 4  # interp:tiny
@@ -347,7 +347,7 @@ def test_a_served_cache_file_with_negative_layers_loads(model: Any, ids: list[in
 
     from interp_engine.server import create_app
 
-    from .._live_server import LiveServer
+    from ..support.servers import LiveServer
 
     with LiveServer(create_app(model)) as server, httpx.Client(base_url=server.url, timeout=60) as client:
         request = {"token_ids": ids, "points": ["resid_post.-1", "resid_post.3", "embed"], "format": "safetensors"}

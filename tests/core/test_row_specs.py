@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from interp_engine import InvalidSteering, SteeringSpec, Write, run_with_cache
+from interp_testkit.suite import hf_oracle, rel_diff
 
-from ..conftest import eager_model, hf_oracle, rel_diff
+from ..support.engines import eager_model
 
 ROWS = [[5, 17, 42, 9, 33, 61, 8, 12], [7, 3, 99, 12], [5, 17, 42, 9, 33, 61]]
 

@@ -29,8 +29,9 @@ from interp_engine import (
     run_with_cache,
     sync_model,
 )
+from interp_testkit.suite import ALL_FAMILIES, PROMPT, VLLM_ENGINE_ARGS, hf_oracle, rel_diff, vllm_model_path
 
-from ..conftest import ALL_FAMILIES, PROMPT, VLLM_ENGINE_ARGS, eager_model, hf_oracle, rel_diff, vllm_model_path
+from ..support.engines import eager_model
 
 TOL = 1e-4
 OPS = ("cap", "rescale", "norm_add", "swap")
@@ -506,8 +507,7 @@ def test_the_server_takes_every_op_and_answers_bad_values_with_a_typed_4xx() -> 
     from fastapi.testclient import TestClient
 
     from interp_engine.server import create_app
-
-    from ..conftest import tiny_model_path
+    from interp_testkit.suite import tiny_model_path
 
     direct = sync_model(eager_model("gpt2"))
     d, d_head = direct.info.d_model, direct.info.d_head

@@ -36,8 +36,7 @@ from interp_engine import (
     sync_model,
     tiny_model_path,
 )
-
-from ..conftest import ROOT
+from interp_testkit.suite import ROOT
 
 SCRIPTS = ROOT / "packages" / "interp-core" / "scripts"
 FRANCE = "The capital of France is"

@@ -27,8 +27,7 @@ from safetensors import safe_open
 import interp_engine
 from interp_engine import Sae, UnsupportedSae, load_model, load_sae, run_with_cache
 from interp_engine._shipped import resolve_sae, shipped_saes
-
-from ..conftest import ROOT
+from interp_testkit.suite import ROOT
 
 SCRIPTS = ROOT / "packages" / "interp-core" / "scripts"
 FRESH_SEED = 2024  # the corpus is seed 5, the training script's held-out text seed 1005

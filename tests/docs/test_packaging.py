@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-from ..conftest import ROOT, hf_for, rel_diff, vllm_model_path
+from interp_testkit.suite import ROOT, hf_for, rel_diff, vllm_model_path
 
 PACKAGES = ROOT / "packages"
 VLLM_SRC = PACKAGES / "interp-vllm" / "src"

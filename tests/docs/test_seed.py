@@ -40,8 +40,9 @@ from interp_engine import (
     run_with_cache,
     sync_model,
 )
+from interp_testkit.suite import MODELS, PROMPT, hf_oracle, rel_diff, tiny_model_path
 
-from ..conftest import MODELS, PROMPT, eager_model, hf_oracle, rel_diff, tiny_model_path
+from ..support.engines import eager_model
 
 TOL = 1e-4
 SEED_LAYERS = 12

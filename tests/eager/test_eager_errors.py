@@ -38,8 +38,9 @@ from interp_engine import (
     run_with_cache,
     sync_model,
 )
+from interp_testkit.suite import PROMPT, hf_oracle, rel_diff, tiny_model_path
 
-from ..conftest import PROMPT, eager_model, hf_oracle, rel_diff, tiny_model_path
+from ..support.engines import eager_model
 
 FAMILY = "gpt2"
 CHECK = Address("resid_post", 1)

@@ -1,6 +1,6 @@
 """The eager backend's breadth sweep: model types it resolves from their module tree, against HF.
 
-For each model type of ``conftest.SWEEP_FAMILIES`` (tiny random-weight models from
+For each model type of ``interp_testkit.suite.SWEEP_FAMILIES`` (tiny random-weight models from
 ``interp_testkit``): every address the loaded model serves, at the first, second and last layer,
 equals HF's own intermediate read by hooks written here from this file's own table of where each
 model keeps its parts (:data:`WHERE`; no code shared with the backend); the residual identities
@@ -10,7 +10,7 @@ returns, and steering ``router_logits`` reroutes exactly like the same edit made
 
 Each model type's outcome is written to ``.cache/family-results/eager/<model_type>.json`` by the
 last test of this module (:func:`test_result_file`), once every check of that type has passed.
-Every model type's tiny default config resolves; ``conftest.REFUSED_VARIANTS`` are config variants
+Every model type's tiny default config resolves; ``interp_testkit.suite.REFUSED_VARIANTS`` are config variants
 refused with an ``UnsupportedArchitecture`` that says why.
 """
 
@@ -37,18 +37,18 @@ from interp_engine import (
     run_with_cache,
     sync_model,
 )
-
-from ..conftest import (
+from interp_testkit.suite import (
     ALL_FAMILIES,
     REFUSED_VARIANTS,
     ROOT,
     SWEEP_FAMILIES,
     SWEEP_MOE,
-    eager_model,
     hf_oracle,
     rel_diff,
     tiny_model_path,
 )
+
+from ..support.engines import eager_model
 
 TOL = 1e-4
 RESULTS = ROOT / ".cache" / "family-results" / "eager"
@@ -1253,7 +1253,7 @@ REFUSAL = {
     "bloom": "the output of its attention BloomAttention is none of its projections' outputs",
     "granite": "its GraniteDecoderLayer output is not its input plus its attention's and MLP's outputs",
 }
-"""Why each of ``conftest.REFUSED_VARIANTS`` is refused (every tiny default config resolves)."""
+"""Why each of ``interp_testkit.suite.REFUSED_VARIANTS`` is refused (every tiny default config resolves)."""
 
 
 @pytest.mark.parametrize("family", sorted(REFUSED_VARIANTS))

@@ -30,8 +30,9 @@ from interp_engine import (
     run_with_cache,
     sync_model,
 )
+from interp_testkit.suite import ALL_FAMILIES, PROMPT, hf_oracle, rel_diff
 
-from ..conftest import ALL_FAMILIES, PROMPT, eager_model, hf_oracle, rel_diff
+from ..support.engines import eager_model
 
 TOL = 1e-4
 LAYER = 1

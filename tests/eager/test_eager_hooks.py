@@ -9,8 +9,9 @@ import torch
 from torch import nn
 
 from interp_engine import Address, run_with_cache
+from interp_testkit.suite import PROMPT
 
-from ..conftest import PROMPT, eager_model
+from ..support.engines import eager_model
 
 
 def _hooked_modules(root: nn.Module) -> list[str]:

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from interp_engine import Address, capture_attention, run_with_cache, sync_model
+from interp_testkit.suite import ALL_FAMILIES, PROMPT, hf_oracle, rel_diff
 
-from ..conftest import ALL_FAMILIES, PROMPT, eager_model, hf_oracle, rel_diff
+from ..support.engines import eager_model
 
 TOL = 1e-4
 

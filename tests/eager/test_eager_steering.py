@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from interp_engine import Address, SteeringSpec, Write, capture_generation, run_with_cache, sync_model
+from interp_testkit.suite import PROMPT, hf_oracle, rel_diff
 
-from ..conftest import PROMPT, eager_model, hf_oracle, rel_diff
+from ..support.engines import eager_model
 
 TOL = 1e-4
 FAMILIES = ("gpt2", "llama", "gpt_neox", "gemma2", "opt")

@@ -36,8 +36,9 @@ from interp_engine import (
     run_with_cache,
     sync_model,
 )
+from interp_testkit.suite import MODELS, PROMPT, hf_oracle, rel_diff, tiny_model_path
 
-from ..conftest import MODELS, PROMPT, eager_model, hf_oracle, rel_diff, tiny_model_path
+from ..support.engines import eager_model
 
 POINTS = [Address("resid_post", 0), Address("mlp_post", 1), Address("resid_post", -1)]
 PROMPTS = [

@@ -15,8 +15,9 @@ from interp_engine import (
     run_with_cache,
     sync_model,
 )
+from interp_testkit.suite import PROMPT
 
-from ..conftest import PROMPT, eager_model
+from ..support.engines import eager_model
 
 MAPPED = [
     ("blocks.5.hook_resid_pre", Address("resid_pre", 5)),

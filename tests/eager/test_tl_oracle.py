@@ -26,8 +26,9 @@ import torch
 
 from interp_engine import KindNotInFamily, run_with_cache
 from interp_engine._tl_names import TL_MODEL_LEVEL, TL_PER_LAYER
+from interp_testkit.suite import ALL_FAMILIES, PROMPT, SWEEP_FAMILIES, rel_diff, tiny_model_path
 
-from ..conftest import ALL_FAMILIES, PROMPT, SWEEP_FAMILIES, eager_model, rel_diff, tiny_model_path
+from ..support.engines import eager_model
 
 TOL = 1e-4
 DIFFERS = 1e-3
@@ -36,7 +37,7 @@ DIFFERS = 1e-3
 NOT_IN_TRANSFORMERLENS = {"stablelm": "StableLmForCausalLM"}
 """Families whose architecture TransformerLens's HookedTransformer does not implement."""
 SWEEP_IN_TRANSFORMERLENS = ("apertus", "bloom", "gpt_neo", "gpt_oss", "mixtral", "olmo3", "olmoe")
-"""Model types of the eager breadth sweep (``conftest.SWEEP_FAMILIES``) that TransformerLens builds from
+"""Model types of the eager breadth sweep (``interp_testkit.suite.SWEEP_FAMILIES``) that TransformerLens builds from
 a local checkpoint's config (the sweep's others: its ``convert_hf_model_config`` has no branch for
 them, or, OLMo's, only a hub-name one)."""
 TL_FAMILIES = tuple(f for f in ALL_FAMILIES if f not in NOT_IN_TRANSFORMERLENS) + SWEEP_IN_TRANSFORMERLENS

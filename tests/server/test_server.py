@@ -28,50 +28,21 @@ import torch
 
 from interp_engine import Address, Cache, InvalidOption, SteeringSpec, Write, load_model, sync_model
 from interp_engine.server import ServerLimits, create_app
+from interp_testkit.suite import PROMPT, hf_for, rel_diff, tiny_model_path
 
-from ..conftest import PROMPT, eager_model, hf_for, rel_diff, tiny_model_path
+from ..support.engines import eager_model
+from ..support.servers import LiveServer, sse, tensor
 
 TOL = 1e-4
 FAMILY = "gpt2"
 LIMITS = ServerLimits(max_body_bytes=256 * 1024, max_activation_values=50_000, max_new_tokens=64)
 
 
-class Server:
-    """A uvicorn server on a free loopback port, run by a background thread."""
-
-    def __init__(self, app: Any) -> None:
-        import uvicorn
-
-        self.app = app
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self) -> Server:
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            assert self.thread.is_alive(), "the server failed to start"
-            assert time.monotonic() < deadline, "the server did not start within 60 s"
-            time.sleep(0.05)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-        assert not self.thread.is_alive(), "the server did not stop"
-        self.sock.close()
-
-
 @pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
+def server() -> Iterator[LiveServer]:
     """The server as ``interp serve`` runs it: the app's lifespan loads the model from its path."""
     app = create_app(tiny_model_path(FAMILY), backend="eager", limits=LIMITS)
-    with Server(app) as running:
+    with LiveServer(app, run_config=False) as running:
         model = app.state.served.model
         assert model is not None and model.backend == "eager"
         yield running
@@ -82,7 +53,7 @@ def server() -> Iterator[Server]:
 
 
 @pytest.fixture(scope="module")
-def client(server: Server) -> Iterator[httpx.Client]:
+def client(server: LiveServer) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=server.url, timeout=60) as c:
         yield c
 
@@ -102,29 +73,9 @@ def hf_run(ids: list[int]) -> Any:
         return oracle()(torch.tensor([ids]), output_hidden_states=True, output_attentions=True)
 
 
-def tensor(encoded: dict[str, Any]) -> torch.Tensor:
-    assert encoded["dtype"] == "float32"
-    raw = base64.b64decode(encoded["data"])
-    return torch.from_numpy(np.frombuffer(raw, dtype="<f4").copy()).reshape(encoded["shape"])
-
-
 def encoded(value: torch.Tensor) -> dict[str, Any]:
     raw = value.detach().float().contiguous().numpy().astype("<f4").tobytes()
     return {"dtype": "float32", "shape": list(value.shape), "data": base64.b64encode(raw).decode()}
-
-
-def sse(response: httpx.Response) -> Iterator[tuple[str, Any]]:
-    """``(event, data)`` pairs of a server-sent event stream."""
-    event, data = "message", []
-    for line in response.iter_lines():
-        if not line:
-            if data:
-                yield event, json.loads("\n".join(data))
-            event, data = "message", []
-        elif line.startswith("event:"):
-            event = line[6:].strip()
-        elif line.startswith("data:"):
-            data.append(line[5:].strip())
 
 
 def steering(seed: int, layer: int = 0, scale: float = 4.0) -> SteeringSpec:
@@ -392,7 +343,7 @@ def test_decode_residuals_is_the_logit_lens(client: httpx.Client, direct: Any) -
 # -- concurrency ----------------------------------------------------------------------------------
 
 
-async def test_32_concurrent_requests_equal_their_solo_runs(server: Server) -> None:
+async def test_32_concurrent_requests_equal_their_solo_runs(server: LiveServer) -> None:
     model = eager_model(FAMILY)
     prompts = [PROMPT, "The capital of France is", "Hello world", "one two three four five six seven"]
     specs = [None, steering(3), steering(4, layer=2, scale=-2.0), steering(5, layer=1)]
@@ -596,7 +547,7 @@ class TrackedModel:
 def test_client_disconnect_mid_stream_closes_the_model_stream() -> None:
     tracked = TrackedModel(eager_model(FAMILY))
     app = create_app(tracked)  # a model object: served, not shut down by the server
-    with Server(app) as running, httpx.Client(base_url=running.url, timeout=60) as client:
+    with LiveServer(app, run_config=False) as running, httpx.Client(base_url=running.url, timeout=60) as client:
         request = {"text": "Hello", "max_tokens": 100, "ignore_eos": True, "stream": True, "n_logprobs": 2}
         with client.stream("POST", "/v1/generate", json=request) as response:
             events = sse(response)
@@ -639,7 +590,10 @@ def test_a_closed_model_is_503_and_misuse_is_refused() -> None:
         create_app(model, backend="eager")
     with pytest.raises(ValueError, match="max_points"):
         ServerLimits(max_points=0)
-    with Server(create_app(model)) as running, httpx.Client(base_url=running.url, timeout=60) as client:
+    with (
+        LiveServer(create_app(model), run_config=False) as running,
+        httpx.Client(base_url=running.url, timeout=60) as client,
+    ):
         assert client.post("/v1/capture", json={"token_ids": [1, 2], "points": ["embed"]}).status_code == 200
         sync_model(model).shutdown()  # its owner shuts it down under the server
         response = client.post("/v1/capture", json={"token_ids": [1, 2], "points": ["embed"]})

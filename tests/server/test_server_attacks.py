@@ -28,7 +28,7 @@ from interp_engine import load_model
 from interp_engine.cli import main as interp_main
 from interp_engine.server import LOOPBACK_HOSTS, ServerLimits, create_app
 
-from .._live_server import LiveServer, is_error_body, read_all
+from ..support.servers import LiveServer, is_error_body, read_all
 
 KEY = "test-key-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -7,14 +7,12 @@ while the server keeps serving."""
 
 from __future__ import annotations
 
-import base64
 import json
 import random
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import numpy as np
 import openai
 import pytest
 import torch
@@ -31,8 +29,8 @@ from interp_engine import (
 from interp_engine.server import ServerLimits, create_app
 from interp_testkit.chat_templates import ROLE_TAG_TEMPLATE, SAMPLE_CONVERSATION
 
-from .._live_server import LiveServer, is_error_body
-from ..conftest import eager_model
+from ..support.engines import eager_model
+from ..support.servers import LiveServer, is_error_body, sse, tensor
 
 TEMPLATE = ROLE_TAG_TEMPLATE  # given as the template override
 MESSAGES = SAMPLE_CONVERSATION
@@ -61,25 +59,6 @@ def chat_of(direct: Any, messages: list[dict[str, Any]] = MESSAGES, **options: A
 def body(**fields: Any) -> dict[str, Any]:
     """A request with the test chat (and its template) as the prompt."""
     return {"messages": MESSAGES, "chat_template": TEMPLATE, **fields}
-
-
-def tensor(encoded: dict[str, Any]) -> torch.Tensor:
-    raw = base64.b64decode(encoded["data"])
-    return torch.from_numpy(np.frombuffer(raw, dtype="<f4").copy()).reshape(encoded["shape"])
-
-
-def sse(response: httpx.Response) -> list[tuple[str, Any]]:
-    out, event, data = [], "message", []
-    for line in response.iter_lines():
-        if not line:
-            if data:
-                out.append((event, json.loads("\n".join(data))))
-            event, data = "message", []
-        elif line.startswith("event:"):
-            event = line[6:].strip()
-        elif line.startswith("data:"):
-            data.append(line[5:].strip())
-    return out
 
 
 def spans_json(chat: Any) -> dict[str, Any]:
@@ -178,7 +157,7 @@ def test_generate_and_capture_generation_with_messages(client: httpx.Client, dir
     )
     # streamed: the spans ride on the first token event
     with client.stream("POST", "/v1/generate", json=body(max_tokens=5, stream=True)) as response:
-        events = sse(response)
+        events = list(sse(response))
     tokens = [data for name, data in events if name == "token"]
     assert [t["token_id"] for t in tokens] == expected.token_ids
     assert tokens[0]["chat"] == spans_json(chat) and all("chat" not in t for t in tokens[1:])
@@ -257,7 +236,7 @@ def test_the_lens_streams_with_each_token(client: httpx.Client, direct: Any) -> 
     request = {"text": "The capital of France is", "max_tokens": 6, "stream": True, "lens": lens}
     with client.stream("POST", "/v1/generate", json=request) as response:
         assert response.status_code == 200
-        events = sse(response)
+        events = list(sse(response))
     tokens = [data for name, data in events if name == "token"]
     prompt = direct.to_tokens("The capital of France is")[0].tolist()
     generated = [t["token_id"] for t in tokens]

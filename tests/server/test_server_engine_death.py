@@ -16,9 +16,9 @@ import pytest
 
 from interp_engine import ModelBase
 from interp_engine.server import ServerLimits, create_app
+from interp_testkit.suite import PROMPT, vllm_model_path
 
-from .._live_server import LiveServer
-from ..conftest import PROMPT, vllm_model_path
+from ..support.servers import LiveServer
 
 FAMILY = "qwen2"
 

@@ -26,7 +26,7 @@ import pytest
 from interp_engine import InterpError, SteeringSpec
 from interp_engine.server import ServerLimits, create_app
 
-from .._live_server import LiveServer, is_error_body
+from ..support.servers import LiveServer, is_error_body
 
 SEED = int(os.environ.get("INTERP_FUZZ_SEED", "20261201"))
 CASES = int(os.environ.get("INTERP_FUZZ_CASES", "4000"))

@@ -5,11 +5,9 @@ directly."""
 
 from __future__ import annotations
 
-import base64
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import openai
 import pytest
 import torch
@@ -17,7 +15,7 @@ import torch
 from interp_engine import Address, SteeringSpec, Write
 from interp_engine.server import create_app
 
-from .._live_server import LiveServer
+from ..support.servers import LiveServer, tensor
 
 KEY = "openai-test-key-42"
 PROMPT = "The capital of France is"
@@ -38,11 +36,6 @@ def client(server: LiveServer) -> Iterator[openai.OpenAI]:
 def ids_of(direct: Any) -> list[int]:
     ids: list[int] = direct.to_tokens(PROMPT)[0].tolist()
     return ids
-
-
-def tensor(encoded: dict[str, Any]) -> torch.Tensor:
-    raw = base64.b64decode(encoded["data"])
-    return torch.from_numpy(np.frombuffer(raw, dtype="<f4").copy()).reshape(encoded["shape"])
 
 
 def test_a_greedy_completion_equals_the_model(client: openai.OpenAI, direct: Any) -> None:

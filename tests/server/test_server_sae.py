@@ -30,22 +30,14 @@ from interp_engine import (
     sync_model,
 )
 from interp_engine.server import ServerLimits, create_app
+from interp_testkit.suite import rel_diff
 
-from ..conftest import rel_diff
-from .test_server import Server, sse, tensor
+from ..support.saes import tiny_sae
+from ..support.servers import LiveServer, sse, tensor
 
 LIMITS = ServerLimits(max_activation_values=50_000, max_new_tokens=64)
 PROMPT = "The capital of France is"
 D_MODEL, D_SAE, K = 128, 512, 8
-
-
-def tiny_sae(seed: int = 0, hook: str = "blocks.1.hook_resid_post") -> Sae:
-    """A random TopK SAE over a 128-wide residual stream (interp:tiny's d_model)."""
-    gen = torch.Generator().manual_seed(seed)
-    w_enc = torch.randn(D_MODEL, D_SAE, generator=gen) * 0.1
-    w_dec = torch.randn(D_SAE, D_MODEL, generator=gen) * 0.1
-    b_enc = torch.randn(D_SAE, generator=gen) * 0.01
-    return Sae("topk", w_enc, b_enc, w_dec, torch.zeros(D_MODEL), hook, k=K)
 
 
 def readout(data: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -81,7 +73,7 @@ def direct(sae: Sae) -> Any:
 @pytest.fixture(scope="module")
 def client(sae: Sae) -> Iterator[httpx.Client]:
     app = create_app("interp:tiny", backend="eager", limits=LIMITS, saes={"res": sae})
-    with Server(app) as running, httpx.Client(base_url=running.url, timeout=60) as c:
+    with LiveServer(app, run_config=False) as running, httpx.Client(base_url=running.url, timeout=60) as c:
         yield c
 
 
@@ -350,7 +342,10 @@ def test_the_models_own_sae_errors_are_4xx_naming_the_field(sae: Sae) -> None:
         (steer({"sae": "nope", "feature": 1}), "UnknownSae", "steering"),
         (steer({"sae": "res", "feature": 700}), "InvalidFeatures", "steering"),
     ]
-    with Server(create_app(Wrapped(model))) as running, httpx.Client(base_url=running.url, timeout=60) as client:
+    with (
+        LiveServer(create_app(Wrapped(model)), run_config=False) as running,
+        httpx.Client(base_url=running.url, timeout=60) as client,
+    ):
         assert client.get("/v1/model").json()["saes"] == []  # it cannot see them
         for body, error, field in bad:
             response = client.post("/v1/capture", json={**CAPTURE, **body})

@@ -14,16 +14,16 @@ import pytest
 import torch
 
 from interp_engine.server import ServerLimits, create_app
+from interp_testkit.suite import PROMPT, hf_for, rel_diff, vllm_model_path
 
-from ..conftest import PROMPT, hf_for, rel_diff, vllm_model_path
-from .test_server import Server, tensor
+from ..support.servers import LiveServer, tensor
 
 TOL = 1e-4
 FAMILY = "qwen2"
 
 
 @pytest.fixture(scope="module")
-def served() -> Iterator[tuple[Server, Any]]:
+def served() -> Iterator[tuple[LiveServer, Any]]:
     app = create_app(
         vllm_model_path(FAMILY),
         backend="vllm-static",
@@ -31,11 +31,11 @@ def served() -> Iterator[tuple[Server, Any]]:
         static_points=["resid_post.1", "logits"],
         static_writes=["resid_post.1"],
     )
-    with Server(app) as running:
+    with LiveServer(app, run_config=False) as running:
         yield running, app
 
 
-def test_concurrent_steered_and_unsteered_http_requests_equal_their_solo_runs(served: tuple[Server, Any]) -> None:
+def test_concurrent_steered_and_unsteered_http_requests_equal_their_solo_runs(served: tuple[LiveServer, Any]) -> None:
     server, _ = served
     with httpx.Client(base_url=server.url, timeout=120) as client:
         info = client.get("/v1/model").json()
@@ -75,7 +75,7 @@ def test_concurrent_steered_and_unsteered_http_requests_equal_their_solo_runs(se
         assert undeclared.status_code == 400 and undeclared.json()["error"] == "UndeclaredAddress"
 
 
-def test_a_disconnect_mid_stream_aborts_the_engine_request(served: tuple[Server, Any]) -> None:
+def test_a_disconnect_mid_stream_aborts_the_engine_request(served: tuple[LiveServer, Any]) -> None:
     server, app = served
     engine = app.state.served.model._engine
     aborted: list[Any] = []

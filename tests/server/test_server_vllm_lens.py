@@ -13,10 +13,11 @@ import torch
 
 from interp_engine import LensRequest, SteeringSpec, Write, load_model, sync_model
 from interp_engine.server import create_app
+from interp_testkit.chat_templates import ROLE_TAG_TEMPLATE as TEMPLATE
+from interp_testkit.chat_templates import SAMPLE_CONVERSATION as MESSAGES
+from interp_testkit.suite import VLLM_ENGINE_ARGS, vllm_model_path
 
-from .._live_server import LiveServer
-from ..conftest import VLLM_ENGINE_ARGS, vllm_model_path
-from .test_server_chat import MESSAGES, TEMPLATE, sse
+from ..support.servers import LiveServer, sse
 
 FAMILY = "llama"  # 3 layers
 PROB_TOL = 1e-5
@@ -49,7 +50,7 @@ def test_a_steered_chat_stream_carries_the_lens_equal_to_eager(served: LiveServe
         assert client.get("/v1/model").json()["info"]["d_model"] == d_model
         with client.stream("POST", "/v1/generate", json=body) as response:
             assert response.status_code == 200, response.read()
-            events = sse(response)
+            events = list(sse(response))
         bad = client.post("/v1/generate", json={**body, "lens": {"layers": [0], "positions": "tool"}})
         assert bad.status_code == 400 and bad.json()["field"] == "lens.positions"
     tokens = [data for name, data in events if name == "token"]

@@ -18,8 +18,7 @@ from interp_engine import (
     run_with_cache,
 )
 from interp_testkit.chat_templates import LLAMA3
-
-from ..conftest import vllm_model_path
+from interp_testkit.suite import vllm_model_path
 
 MESSAGES = [
     {"role": "system", "content": "You are a careful assistant."},

@@ -38,9 +38,9 @@ from interp_engine import (
     run_with_cache,
     sync_model,
 )
+from interp_testkit.suite import PROMPT, hf_for, rel_diff, vllm_model_path
 
-from .. import _procs
-from ..conftest import PROMPT, hf_for, rel_diff, vllm_model_path
+from ..support import procs as _procs
 
 FAMILY = "gpt2"
 CHECK = Address("resid_post", 1)

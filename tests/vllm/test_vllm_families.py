@@ -38,8 +38,7 @@ from interp_engine import (
     sync_model,
     weights,
 )
-
-from ..conftest import PROMPT, ROOT, hf_for, rel_diff, vllm_model_path
+from interp_testkit.suite import PROMPT, ROOT, hf_for, rel_diff, vllm_model_path
 
 TOL = 1e-4
 FAMILIES = ("gpt_neox", "gemma2", "gemma3_text", "phi3", "olmo2", "mixtral")

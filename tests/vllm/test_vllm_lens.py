@@ -34,18 +34,17 @@ from interp_engine import (
     UnsupportedOperation,
     Write,
     capture_generation,
-    lens_top_k,
     load_model,
     sync_model,
 )
 from interp_engine._base import CheckedLens
+from interp_testkit.suite import LONG, PROMPT, rel_diff, vllm_model_path
 
-from ..conftest import PROMPT, assert_no_leaks, rel_diff, vllm_model_path
+from ..support.engines import assert_no_leaks
+from ..support.lens import assert_same_lens, check_against, decoded_lens
 
 FAMILY = "llama"  # 3 layers, a 512-token vocabulary; its shared engine prefills in chunks of 64 tokens
 N_LAYERS = 3
-PROB_TOL = 1e-5  # the issue's bound on probabilities
-LONG = [(13 * i + 7) % 512 for i in range(150)]  # > 64 tokens: chunked prefill
 SAE_NAME = "tvlens-res"
 
 
@@ -58,33 +57,6 @@ def eager_twin() -> Any:
 @pytest.fixture(scope="module")
 def llama(vllm_engines: Any) -> Any:
     return vllm_engines(FAMILY)
-
-
-def assert_same_lens(
-    ids: torch.Tensor, probs: torch.Tensor, ref_ids: torch.Tensor, ref_probs: torch.Tensor, what: str = ""
-) -> None:
-    """Equal top-k ids (two near-equal probabilities may swap, nothing else) and probabilities
-    within :data:`PROB_TOL` slot by slot."""
-    assert ids.shape == ref_ids.shape and probs.shape == ref_probs.shape, what
-    assert ids.dtype == torch.int64 and probs.dtype == torch.float32, what
-    assert float((probs - ref_probs).abs().max()) <= PROB_TOL, f"{what}: probabilities differ"
-    for where in (ids != ref_ids).nonzero().tolist():
-        # a different id only where its probability ties the expected one (a swap of near-equals)
-        got = float(ref_probs[tuple(where)])
-        assert abs(float(probs[tuple(where)]) - got) <= PROB_TOL, f"{what}: ids differ at {where} without a tie"
-    assert int((ids != ref_ids).sum()) <= 2, f"{what}: ids differ"
-
-
-def decoded_lens(facade: Any, acts: Any, layers: tuple[int, ...], k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``lens_top_k(decode_residuals(resid_post))`` of a capture: ``[n_layers, n_positions, k]``."""
-    stacked = torch.stack([acts[Address("resid_post", layer)] for layer in layers])
-    logits = facade.decode_residuals(stacked)
-    return lens_top_k(logits, k)
-
-
-def check_against(result: LensResult, ref: tuple[torch.Tensor, torch.Tensor], what: str) -> None:
-    cols = list(result.positions)
-    assert_same_lens(result.ids, result.probs, ref[0][:, cols], ref[1][:, cols], what)
 
 
 # -- 1. the stream's lens equals the decoded resid_post of the same tokens, and eager ----------

@@ -39,9 +39,9 @@ from interp_engine import (
     run_with_cache,
     sync_model,
 )
+from interp_testkit.suite import MODELS, PROMPT, hf_for, rel_diff, vllm_model_path
 
-from .. import _procs
-from ..conftest import MODELS, PROMPT, hf_for, rel_diff, vllm_model_path
+from ..support import procs as _procs
 
 TOL = 1e-4
 SEED_LAYERS = 12

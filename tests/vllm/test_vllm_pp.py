@@ -38,14 +38,14 @@ from interp_engine import (
     weights,
 )
 from interp_engine._readouts import read_features
+from interp_testkit.suite import LONG, MODELS, PROMPT, VLLM_SHAPE, hf_for, rel_diff
 
-from ..conftest import MODELS, PROMPT, VLLM_SHAPE, hf_for, rel_diff, started_engine
-from .test_vllm_sae import assert_close_readout, assert_same_readout, make_sae
+from ..support.engines import started_engine
+from ..support.readouts import assert_close_readout, assert_same_readout, make_sae
 
 TOL = 1e-4
 N_LAYERS = 4
 VOCAB = 512
-LONG = [(13 * i + 7) % VOCAB for i in range(150)]  # > 64 tokens: chunked prefill
 ENGINE = {"max_num_batched_tokens": 64}
 
 
@@ -266,7 +266,7 @@ def test_pp2_generation_equals_pp1(pp: tuple[Any, Any]) -> None:
 def test_pp2_lens_on_the_last_stage_equals_pp1(pp: tuple[Any, Any]) -> None:
     """The logit lens at the last stage's layers is computed there (its final norm and
     unembedding); a lens layer of an earlier stage is refused, naming tensor parallelism."""
-    from .test_vllm_lens import assert_same_lens
+    from ..support.lens import assert_same_lens
 
     one, two = pp
     for ids in (_ids(one), LONG[:70]):

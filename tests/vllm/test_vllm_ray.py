@@ -34,14 +34,14 @@ import torch
 
 from interp_engine import Address, Features, SteeringSpec, Write
 from interp_engine._readouts import read_features
+from interp_testkit.suite import LONG, PROMPT, hf_for, rel_diff, vllm_model_path
 
-from .. import _procs
-from ..conftest import PROMPT, hf_for, rel_diff, started_engine, vllm_model_path
-from .test_vllm_sae import assert_close_readout, assert_same_readout, make_sae
+from ..support import procs as _procs
+from ..support.engines import started_engine
+from ..support.readouts import assert_close_readout, assert_same_readout, make_sae
 
 TOL = 1e-4
 N_LAYERS, VOCAB = 3, 512
-LONG = [(13 * i + 7) % VOCAB for i in range(150)]  # > 64 tokens: chunked prefill
 ENGINE = {"tensor_parallel_size": 2, "max_num_batched_tokens": 64}
 CLUSTER_ENV = {
     "INTERP_TESTKIT_RAY_CPU": "1",  # the test-only platform: CPU workers on logical GPUs

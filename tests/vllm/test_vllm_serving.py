@@ -20,8 +20,7 @@ from interp_engine import (
     generate_stream,
     run_with_cache,
 )
-
-from ..conftest import PROMPT, hf_for, rel_diff, vllm_model_path
+from interp_testkit.suite import PROMPT, hf_for, rel_diff, vllm_model_path
 
 TOL = 1e-4
 PROMPTS = [

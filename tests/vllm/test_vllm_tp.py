@@ -18,13 +18,11 @@ import pytest
 import torch
 
 from interp_engine import Address, InvalidSteering, SteeringSpec, Write
-
-from ..conftest import PROMPT, hf_for, rel_diff, vllm_model_path
+from interp_testkit.suite import LONG, PROMPT, hf_for, rel_diff, vllm_model_path
 
 FAMILY = "llama"
 TOL = 1e-4
 N_LAYERS, D_MODEL, D_MLP, N_HEADS, VOCAB = 3, 128, 384, 4, 512
-LONG = [(13 * i + 7) % VOCAB for i in range(150)]  # > 64 tokens: chunked prefill
 
 RESIDUAL_POINTS = [
     Address("embed"),
@@ -37,16 +35,6 @@ SHARDED_POINTS = [
     *(Address("mlp_post", layer) for layer in range(N_LAYERS)),
     *(Address("attn_pattern", layer) for layer in range(N_LAYERS)),
 ]
-
-
-@pytest.fixture(scope="module")
-def tp(vllm_engines: Any) -> tuple[Any, Any]:
-    """The session's TP=1 and TP=2 llama engines (never shut down here)."""
-    one = vllm_engines(FAMILY)
-    two = vllm_engines(FAMILY, tensor_parallel_size=2)
-    assert one.model.tp_size == 1
-    assert two.model.tp_size == 2, "the engine did not start two tensor-parallel workers"
-    return one, two
 
 
 def width(address: Address) -> int:

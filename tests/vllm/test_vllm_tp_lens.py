@@ -14,12 +14,10 @@ from typing import Any
 import torch
 
 from interp_engine import Address, LensRequest, LensResult, SteeringSpec, Write
+from interp_testkit.suite import LONG, PROMPT
 
-from ..conftest import PROMPT, assert_no_leaks
-from .test_vllm_lens import LONG, assert_same_lens, check_against, decoded_lens
-from .test_vllm_tp import tp
-
-__all__ = ["tp"]  # the fixture, imported for this module
+from ..support.engines import assert_no_leaks
+from ..support.lens import assert_same_lens, check_against, decoded_lens
 
 
 def test_tp2_lens_equals_tp1_and_the_decoded_resid_post(tp: tuple[Any, Any]) -> None:

@@ -11,25 +11,21 @@ import pytest
 
 from interp_engine import Address, Features, FeatureWrite, InvalidFeatures, SteeringSpec
 from interp_engine._readouts import read_features
+from interp_testkit.suite import LONG, PROMPT, rel_diff
 
-from ..conftest import PROMPT, rel_diff
-from .test_vllm_sae import (
+from ..support.readouts import (
     ATTN,
     HOOK_Z,
-    LONG,
     MLP,
     PREFIX,
     RES,
     TOL,
     assert_close_readout,
     assert_same_readout,
-    attached,
     busiest_feature,
     make_sae,
     readouts_for,
 )
-
-__all__ = ["attached"]  # the fixture, imported for this module
 
 
 @pytest.fixture(scope="module")

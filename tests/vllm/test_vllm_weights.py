@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from interp_engine import Address, LayerOutOfRange, UnknownWeight, load_model, logit_attribution, sync_model, weights
+from interp_testkit.suite import PROMPT, vllm_model_path
 
-from ..analysis.test_weights import HF_NAMES, _module
-from ..conftest import PROMPT, hf_for, vllm_model_path
+from ..support.weights import hf_parameters
 
 ANSWER, WRONG = 5, 7
 ENGINES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -25,27 +25,6 @@ ENGINES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("llama", {}),
     "llama-tp2": ("llama", {"tensor_parallel_size": 2}),
 }
-
-
-def hf_parameters(family: str, layer: int) -> dict[str, torch.Tensor]:
-    hf = hf_for(vllm_model_path(family))
-    names = HF_NAMES[family]
-    config = hf.config
-    heads, d_model = int(config.num_attention_heads), int(config.hidden_size)
-    o = _module(hf, names["o"].format(layer))
-    matrix = o.weight if names.get("conv1d") else o.weight.T
-    norm = _module(hf, names["norm"])
-    out = {
-        "W_E": _module(hf, names["embed"]).weight,
-        "W_U": _module(hf, names["unembed"]).weight.T,
-        "W_O": matrix.reshape(heads, -1, d_model),
-        "ln_final.w": norm.weight,
-    }
-    if o.bias is not None:
-        out["b_O"] = o.bias
-    if getattr(norm, "bias", None) is not None:
-        out["ln_final.b"] = norm.bias
-    return {name: value.detach() for name, value in out.items()}
 
 
 @pytest.fixture(scope="module")

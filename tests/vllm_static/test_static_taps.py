@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from interp_engine import Address, InvalidSteering, SteeringSpec, Write, sync_model
+from interp_testkit.suite import PROMPT, hf_for, rel_diff, tiny_model_path
 from interp_vllm._static import StaticTap, StaticWrites, compose, plan_writes
 
-from ..conftest import PROMPT, eager_model, hf_for, rel_diff, tiny_model_path
+from ..support.engines import eager_model
 
 MAX_TOKENS = 64
 

@@ -36,43 +36,14 @@ from interp_engine import (
     sync_model,
     weights,
 )
+from interp_testkit.suite import LONG as LONG_IDS
+from interp_testkit.suite import PROMPT, VLLM_ENGINE_ARGS, hf_for, rel_diff, vllm_model_path
 
-from ..conftest import PROMPT, VLLM_ENGINE_ARGS, hf_for, rel_diff, vllm_model_path
-from ..vllm.test_vllm_lens import LONG as LONG_IDS
-from ..vllm.test_vllm_lens import assert_same_lens, check_against, decoded_lens
-from ..vllm.test_vllm_weights import hf_parameters
+from ..support.lens import assert_same_lens, check_against, decoded_lens
+from ..support.static import POINTS, WRITES
+from ..support.weights import hf_parameters
 
 TOL = 1e-4
-POINTS = [
-    "embed",
-    "resid_pre.1",
-    "resid_mid.1",
-    "resid_post.0",
-    "resid_post.1",
-    "resid_post.2",
-    "attn_out.1",
-    "mlp_out.2",
-    "mlp_post.0",
-    "attn_pattern.1",
-    "attn_q.1",
-    "attn_k.1",
-    "attn_v.0",
-    "attn_z.1",
-    "attn_z.2",
-    "final_norm",
-    "logits",
-]
-WRITES = [
-    "embed",
-    "resid_pre.1",
-    "resid_mid.1",
-    "resid_post.1",
-    "attn_out.1",
-    "mlp_out.2",
-    "mlp_post.0",
-    "attn_v.0",
-    "attn_z.1",
-]
 LONG = " ".join(["the quick brown fox jumps over the lazy dog"] * 12)  # > 64 tokens: chunked prefill
 
 

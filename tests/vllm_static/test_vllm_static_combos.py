@@ -42,8 +42,7 @@ import torch
 from torch import nn
 
 from interp_engine import Address, SteeringSpec, Write, load_model, sync_model
-
-from ..conftest import MODELS, PROMPT, hf_for, rel_diff, vllm_model_path
+from interp_testkit.suite import MODELS, PROMPT, hf_for, rel_diff, vllm_model_path
 
 TOL = 1e-4
 N_LAYERS = 3

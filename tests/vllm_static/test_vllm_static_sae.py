@@ -14,7 +14,6 @@ the same SAEs attached under this module's names) and against the same edit writ
 from __future__ import annotations
 
 import asyncio
-import functools
 import pathlib
 from collections.abc import Iterator
 from typing import Any
@@ -28,7 +27,6 @@ from interp_engine import (
     FeatureWrite,
     InvalidFeatures,
     InvalidSteering,
-    Probe,
     Sae,
     StaticConfigError,
     SteeringSpec,
@@ -38,25 +36,14 @@ from interp_engine import (
     load_model,
     sync_model,
 )
-from interp_engine._address import as_address
 from interp_engine._readouts import read_features
+from interp_testkit.suite import LONG, PROMPT, VLLM_ENGINE_ARGS, rel_diff, vllm_model_path
 
-from ..conftest import PROMPT, VLLM_ENGINE_ARGS, rel_diff, vllm_model_path
+from ..support.static import DENSE_MAX, JUMP, PREFIX, PROBE, RELU, SAE_POINTS, TOP_K, TOPK, saes
 
 TOL = 1e-4  # across backends and batching (float32 summation order)
 SAME = 1e-5  # a readout against the host's read of the very activations the request captured
 F16 = 2e-3  # float16 values on the wire (relative)
-TOP_K, DENSE_MAX = 16, 256
-PREFIX = "tvss"  # this module's attachment names (the dynamic engine is the session's shared one)
-TOPK, RELU, JUMP, PROBE = (f"{PREFIX}-{n}" for n in ("topk", "relu", "jump", "probe"))
-# name -> (architecture, hook, d_sae, extra constructor arguments)
-SPECS: dict[str, tuple[str, str, int, dict[str, Any]]] = {
-    TOPK: ("topk", "blocks.1.hook_resid_post", 512, {"k": 8}),
-    RELU: ("standard", "blocks.1.hook_mlp_out", 200, {"apply_b_dec_to_input": True}),
-    JUMP: ("jumprelu", "blocks.2.hook_resid_pre", 384, {"normalize_activations": "layer_norm"}),
-}
-POINTS = ["resid_post.1", "mlp_out.1", "resid_pre.2", "attn_z.0", "resid_post.2", "logits"]
-LONG = [(13 * i + 7) % 512 for i in range(150)]  # > 64 tokens: chunked prefill
 READOUTS = [
     Features(TOPK, 16),
     Features(TOPK, 4, dtype="float16"),
@@ -70,39 +57,6 @@ READOUTS = [
 ]
 
 
-@functools.cache
-def saes() -> dict[str, Sae]:
-    """Random SAEs scaled to the checkpoint's activations (pre-activations about N(0, 1))."""
-    eager = sync_model(load_model(vllm_model_path("llama"), backend="eager"))
-    try:
-        ids = eager.to_tokens(PROMPT)[0].tolist()
-        out: dict[str, Sae] = {}
-        for seed, (name, (arch, hook, d_sae, extra)) in enumerate(SPECS.items()):
-            address = as_address(hook)
-            rows = eager.capture(ids, [address])[address].flatten(1).float()
-            d_in, norm = rows.shape[-1], float(rows.norm(dim=-1).mean())
-            gen = torch.Generator().manual_seed(seed)
-            if arch == "jumprelu":
-                extra = {**extra, "threshold": torch.rand(d_sae, generator=gen) * 0.4 + 0.1}
-                norm = d_in**0.5  # layer-normed inputs
-            out[name] = Sae(
-                arch,
-                torch.randn(d_in, d_sae, generator=gen) / norm,
-                torch.randn(d_sae, generator=gen) * 0.1,
-                torch.randn(d_sae, d_in, generator=gen) * float(rows.norm(dim=-1).mean()) / (4 * d_in**0.5),
-                torch.randn(d_in, generator=gen) * 0.05,
-                hook,
-                **extra,
-            )
-        z = eager.capture(ids, ["attn_z.0"])[Address("attn_z", 0)].flatten(1)
-        gen = torch.Generator().manual_seed(9)
-        w = torch.randn(6, z.shape[-1], generator=gen) / float(z.norm(dim=-1).mean())
-        out[PROBE] = Probe(w, torch.randn(6, generator=gen), activation="sigmoid", address="blocks.0.attn.hook_z")
-        return out
-    finally:
-        eager.shutdown()
-
-
 @pytest.fixture(scope="module")
 def engines(vllm_engines: Any) -> Iterator[tuple[Any, Any]]:
     """(the static engine, the shared dynamic llama engine), both with this module's SAEs."""
@@ -110,7 +64,7 @@ def engines(vllm_engines: Any) -> Iterator[tuple[Any, Any]]:
     model = load_model(
         vllm_model_path("llama"),
         backend="vllm-static",
-        static_points=POINTS,
+        static_points=SAE_POINTS,
         static_writes=["resid_post.1"],
         static_sae_top_k=TOP_K,
         static_sae_dense_max=DENSE_MAX,
@@ -165,7 +119,7 @@ def _activations(values: dict[Any, Any], spec: Features) -> torch.Tensor:
 
 def test_readouts_equal_the_host_encoding_of_the_captured_activations(engines: Any) -> None:
     static, _ = engines
-    points = [*POINTS[:4], *READOUTS]
+    points = [*SAE_POINTS[:4], *READOUTS]
     for ids in (_ids(static), LONG):
         got = static.capture(ids, points)
         for spec in READOUTS:
