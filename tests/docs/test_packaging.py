@@ -31,7 +31,7 @@ _STUB = """\
 import os, traceback
 with open({marker!r}, "a") as f:
     f.write(f"pid {{os.getpid()}}:\\n" + "".join(traceback.format_stack()) + "\\n")
-raise ImportError("interp_eager is not installed here (tests/test_packaging.py)")
+raise ImportError("interp_eager is not installed here (tests/docs/test_packaging.py)")
 """
 
 _CHILD = """\

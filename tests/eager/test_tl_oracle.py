@@ -10,7 +10,7 @@ the relation written next to the case in ``_relation`` (the test checks that it 
 equality, so a differing alias cannot pass by accident). README "Checked against TransformerLens
 itself" lists the differences.
 
-Run alone: ``.venv/bin/python -m pytest -q tests/test_tl_oracle.py``.
+Run alone: ``.venv/bin/python -m pytest -q tests/eager/test_tl_oracle.py``.
 """
 
 from __future__ import annotations

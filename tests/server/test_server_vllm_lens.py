@@ -1,6 +1,6 @@
 """The HTTP server over a vLLM engine: a streamed chat generation steered at a span-named position
 with the logit lens in every event, equal to the eager backend on the same checkpoint called
-directly (the lens within 1e-5, as tests/test_vllm_lens.py checks the engine's own)."""
+directly (the lens within 1e-5, as tests/vllm/test_vllm_lens.py checks the engine's own)."""
 
 from __future__ import annotations
 

@@ -76,14 +76,14 @@ class EnginePool:
 
     def release(self, keep: Callable[[dict[str, Any]], bool]) -> None:
         gone = [key for key in self.started if not keep(dict(key[1]))]
-        _shutdown([self.started.pop(key) for key in gone])
+        shutdown_all([self.started.pop(key) for key in gone])
 
     def close(self) -> None:
-        _shutdown(list(self.started.values()))
+        shutdown_all(list(self.started.values()))
         self.started.clear()
 
 
-def _shutdown(facades: list[Any]) -> None:
+def shutdown_all(facades: list[Any]) -> None:
     """Shut ``facades`` down side by side: each waits seconds for its engine core to exit."""
     if not facades:
         return

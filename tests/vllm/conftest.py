@@ -1,5 +1,7 @@
 """Fixtures of the vllm backend's tests: the session's shared engines with the readout SAEs
-attached, and the TP=1/TP=2 llama pair."""
+attached, and the TP=1/TP=2 llama pair. The session's tensor-parallel engines are shut down when
+this folder ends (two workers each: they would hold that memory while later folders start their
+own engines); the single-worker ones stay for the folders that compare against them."""
 
 from __future__ import annotations
 
@@ -8,7 +10,14 @@ from typing import Any
 
 import pytest
 
+from ..support.engines import EnginePool
 from ..support.readouts import PREFIX, attach_all, eager_twin, saes_for
+
+
+@pytest.fixture(scope="package", autouse=True)
+def _release_tensor_parallel_engines(engine_pool: EnginePool) -> Iterator[None]:
+    yield
+    engine_pool.release(keep=lambda args: args.get("tensor_parallel_size", 1) == 1)
 
 
 @pytest.fixture(scope="module")

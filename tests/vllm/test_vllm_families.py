@@ -11,7 +11,7 @@ down when that family's tests finish. Each (family, backend) that passes writes
 ``.cache/family-results/<backend>/<model_type>.json`` (for the README's table).
 
 The sweep over every other model type vLLM runs here is marked ``sweep`` (deselected by default;
-``pytest -m sweep tests/test_vllm_families.py``).
+``pytest -m sweep tests/vllm/test_vllm_families.py``).
 """
 
 from __future__ import annotations
@@ -372,7 +372,7 @@ def test_resolution_from_vllms_module_tree() -> None:
         resolve("bitnet")  # an extra norm (attn_sub_norm) inside the attention, names the module
 
 
-# -- the sweep: every other model type, not in CI (pytest -m sweep tests/test_vllm_families.py) --------
+# -- the sweep: every other model type, not in CI (pytest -m sweep tests/vllm/test_vllm_families.py) --------
 
 
 def _sweep_types() -> list[str]:

@@ -5,7 +5,7 @@ reads are kept by the layer's hook, decoded after the forward in one batch throu
 final norm and unembedding, and only the top-k ids and probabilities leave the worker. The
 oracle is :func:`~interp_engine._lens.lens_top_k` of ``decode_residuals`` on the ``resid_post``
 the very same request captured (``capture_generation``), and the eager backend's lens on the
-same checkpoint. TP=2: tests/test_vllm_tp_lens.py (it reuses test_vllm_tp's engines).
+same checkpoint. TP=2: tests/vllm/test_vllm_tp_lens.py (it reuses test_vllm_tp's engines).
 """
 
 from __future__ import annotations
@@ -304,7 +304,7 @@ def test_pipeline_parallelism_serves_the_lens_on_the_last_stage_only() -> None:
 
 # -- 4. vllm-static: the lens at declared resid_post layers ------------------------------------
 # (its equality with the decoded resid_post and the vllm backend runs on test_vllm_static's
-# engine: tests/test_vllm_static.py::test_static_lens_equals_decoded_resid_post_and_the_vllm_backend)
+# engine: tests/vllm_static/test_vllm_static.py::test_static_lens_equals_decoded_resid_post_and_the_vllm_backend)
 def test_static_lens_at_an_undeclared_layer_is_refused_before_any_engine() -> None:
     model = load_model(
         vllm_model_path(FAMILY), backend="vllm-static", static_points=["resid_post.0", "resid_post.2", "logits"]

@@ -5,7 +5,7 @@ The seed's snippets (``shared/seed/000_a942dfcd25f444cd.txt``, "Async and server
 ``resid_post.10``, so they run on a 12-layer tiny gpt2 (``seed_path``); the FastAPI example serves
 the tiny 3-layer qwen2. Numbers are checked against the same checkpoint in plain ``transformers``.
 Every engine started here is shut down here, and its child processes must then be gone and
-reaped (``tests/_procs.py``).
+reaped (``tests/support/procs.py``).
 """
 
 from __future__ import annotations

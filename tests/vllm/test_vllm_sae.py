@@ -6,7 +6,7 @@ applied to the activations the very same request captured, and the eager backend
 checkpoint. Feature writes are checked against the same edit written by hand as a plain
 :class:`Write`. The SAEs are random (standard, JumpReLU, TopK, a hook_z one at ``attn_z``),
 scaled to the model's activations so that about half the features fire; they are attached under
-names unique to this module (the engines are the session's shared ones).
+names unique to them (``support.readouts``; the engines are the session's shared ones).
 """
 
 from __future__ import annotations
@@ -240,8 +240,7 @@ def test_probes_and_transcoders(attached: Any) -> None:
                     model.detach_sae(name)
 
 
-# -- 2. tensor parallelism: tests/test_vllm_tp_sae.py (it runs after the vllm-static modules, with
-# test_vllm_tp's engines: a TP=2 engine started here would hold its memory through them)
+# -- 2. tensor parallelism: tests/vllm/test_vllm_tp_sae.py (on the TP=1/TP=2 llama pair)
 
 
 # -- 3. streaming readouts ---------------------------------------------------------------------

@@ -2,8 +2,8 @@
 
 Every rank keeps the lens layers' rows (the residual stream is whole on each) and joins one
 batched final norm + served unembedding per step (a collective: the vocabulary is sharded and
-gathered); rank 0 keeps the top-k. Runs on test_vllm_tp's engines (the session's TP=1 and TP=2
-llama engines), after the vllm-static modules, as tests/test_vllm_tp_sae.py does.
+gathered); rank 0 keeps the top-k. Runs on the session's TP=1 and TP=2 llama engines (the ``tp``
+fixture of ``tests/vllm/conftest.py``), as tests/vllm/test_vllm_tp.py does.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """SAE readouts and feature clamps under tensor parallelism (TP=2 equals TP=1), and SAEs at
-addresses tensor parallelism splits refused. The helpers and SAEs are test_vllm_sae's; the
-engines are test_vllm_tp's llama TP=1/TP=2 pair (this module sorts after the vllm-static ones,
-so the TP=2 engine is not holding memory while they start theirs)."""
+addresses tensor parallelism splits refused. The helpers and SAEs are test_vllm_sae's
+(``support.readouts``); the engines are the session's llama TP=1/TP=2 pair, as in test_vllm_tp."""
 
 from __future__ import annotations
 

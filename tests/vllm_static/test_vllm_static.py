@@ -1,10 +1,10 @@
 """The vllm-static backend on vLLM's compiled path (``enforce_eager=False``): taps and writes
 declared before the engine exists and traced into the compiled graph.
 
-Three compiled engines, one per way of declaring: llama with ``static_points=[...]`` at load (and
-only 4 steering slots, with chunked prefill over 64-token steps), qwen2 with ``"auto"`` bound by
-``configure_static`` before warm-up, gpt2 with ``"auto"`` never bound (the default set).
-Results are checked against HF and the dynamic ``vllm`` backend.
+Three compiled engines (the folder's, from its conftest), one per way of declaring: llama with
+``static_points=[...]`` at load (and only 4 steering slots, with chunked prefill over 64-token
+steps), qwen2 with ``"auto"`` bound by ``configure_static`` before warm-up, gpt2 with ``"auto"``
+never bound (the default set). Results are checked against HF and the dynamic ``vllm`` backend.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -33,11 +32,10 @@ from interp_engine import (
     load_model,
     logit_attribution,
     run_with_cache,
-    sync_model,
     weights,
 )
 from interp_testkit.suite import LONG as LONG_IDS
-from interp_testkit.suite import PROMPT, VLLM_ENGINE_ARGS, hf_for, rel_diff, vllm_model_path
+from interp_testkit.suite import PROMPT, hf_for, rel_diff, vllm_model_path
 
 from ..support.lens import assert_same_lens, check_against, decoded_lens
 from ..support.static import POINTS, WRITES
@@ -45,30 +43,6 @@ from ..support.weights import hf_parameters
 
 TOL = 1e-4
 LONG = " ".join(["the quick brown fox jumps over the lazy dog"] * 12)  # > 64 tokens: chunked prefill
-
-
-@pytest.fixture(scope="module")
-def static_engines() -> Iterator[dict[str, Any]]:
-    engines: dict[str, Any] = {}
-    llama = load_model(
-        vllm_model_path("llama"),
-        backend="vllm-static",
-        static_points=POINTS,
-        static_writes=WRITES,
-        static_write_slots=4,
-        **VLLM_ENGINE_ARGS["llama"],
-    )
-    qwen2 = load_model(vllm_model_path("qwen2"), backend="vllm-static", static_points="auto")
-    qwen2.configure_static(POINTS, static_writes=WRITES)
-    gpt2 = load_model(vllm_model_path("gpt2"), backend="vllm-static")
-    try:
-        for name, model in (("llama", llama), ("qwen2", qwen2), ("gpt2", gpt2)):
-            engines[name] = sync_model(model)
-            engines[name].warmup()
-        yield engines
-    finally:
-        for facade in engines.values():
-            facade.shutdown()
 
 
 def _ids(facade: Any, text: str = PROMPT) -> list[int]:
