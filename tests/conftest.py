@@ -1,5 +1,5 @@
-"""Fixtures every test folder shares: the tiny models' paths, ``interp:tiny`` on eager, and the
-session's pool of started vLLM engines.
+"""Fixtures every test folder shares: ``interp:tiny`` on eager, and the session's pool of started
+vLLM engines.
 
 The helpers behind them are importable from the dev-only ``interp_testkit`` package
 (``interp_testkit.suite``: tiny models, the HF oracle, family lists, ``rel_diff``) and from
@@ -10,13 +10,10 @@ The helpers behind them are importable from the dev-only ``interp_testkit`` pack
 from __future__ import annotations
 
 import os
-import pathlib
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-
-from interp_testkit.suite import tiny_model_path
 
 from .support.engines import EnginePool
 
@@ -34,16 +31,6 @@ def direct() -> Iterator[Any]:
     model = sync_model(load_model("interp:tiny", backend="eager"))
     yield model
     model.shutdown()
-
-
-@pytest.fixture(scope="session")
-def gpt2_path() -> pathlib.Path:
-    return tiny_model_path("gpt2")
-
-
-@pytest.fixture(scope="session")
-def llama_path() -> pathlib.Path:
-    return tiny_model_path("llama")
 
 
 @pytest.fixture(scope="session")

@@ -53,12 +53,6 @@ def server() -> Iterator[LiveServer]:
 
 
 @pytest.fixture(scope="module")
-def client(server: LiveServer) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=60) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def direct() -> Any:
     """The same checkpoint's eager model, called directly (sync facade)."""
     return sync_model(eager_model(FAMILY))

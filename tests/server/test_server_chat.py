@@ -45,12 +45,6 @@ def server() -> Iterator[LiveServer]:
         yield running
 
 
-@pytest.fixture(scope="module")
-def client(server: LiveServer) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=60) as c:
-        yield c
-
-
 def chat_of(direct: Any, messages: list[dict[str, Any]] = MESSAGES, **options: Any) -> Any:
     options.setdefault("template", TEMPLATE)
     return direct.chat_tokens(messages, **options)

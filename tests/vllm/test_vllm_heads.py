@@ -17,10 +17,10 @@ import torch
 from torch import nn
 
 from interp_engine import Address, SteeringSpec, Write
-from interp_testkit.suite import PROMPT, hf_for, rel_diff, vllm_model_path
+from interp_testkit.suite import PROMPT, VLLM_FAMILIES, hf_for, rel_diff, vllm_model_path
 
 TOL = 1e-4
-FAMILIES = ("gpt2", "llama", "qwen2", "qwen3")
+FAMILIES = VLLM_FAMILIES
 
 # per family: the HF attention module of a layer, its output projection, and where values come from
 _HF = {

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from interp_engine import Address, SteeringSpec, Write, load_model, sync_model
-from interp_testkit.suite import PROMPT, hf_for, rel_diff, vllm_model_path
+from interp_testkit.suite import PROMPT, VLLM_FAMILIES, hf_for, rel_diff, vllm_model_path
 
 TOL = 1e-4
-FAMILIES = ("gpt2", "llama", "qwen2", "qwen3")
+FAMILIES = VLLM_FAMILIES
 
 pytestmark = pytest.mark.parametrize("family", FAMILIES)
 

@@ -18,10 +18,10 @@ import torch
 from torch import nn
 
 from interp_engine import Address, KindNotInFamily, SteeringSpec, Write
-from interp_testkit.suite import PROMPT, hf_for, rel_diff, vllm_model_path
+from interp_testkit.suite import PROMPT, VLLM_FAMILIES, hf_for, rel_diff, vllm_model_path
 
 TOL = 1e-4
-FAMILIES = ("gpt2", "llama", "qwen2", "qwen3", "gemma2", "gemma3_text")
+FAMILIES = (*VLLM_FAMILIES, "gemma2", "gemma3_text")
 
 # per family: the decoder layers, and per kind the module (relative to a layer) and which of its
 # tensors holds the value: "in" (first input, or the hidden_states keyword) or "out" (its output)

@@ -23,6 +23,8 @@ MODELS = ROOT / ".cache" / "test-models"
 REQUIRED_FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gpt_neox", "opt", "phi")
 EXTRA_FAMILIES = ("gemma3_text", "gptj", "olmo2", "phi3", "stablelm")
 ALL_FAMILIES = REQUIRED_FAMILIES + EXTRA_FAMILIES
+VLLM_FAMILIES = ("gpt2", "llama", "qwen2", "qwen3")
+"""The families every vLLM backend test covers (each is one of the session's shared engines)."""
 SWEEP_DENSE = (
     "apertus",
     "arcee",
