@@ -1,7 +1,7 @@
-"""The declarations of the vllm-static engines of ``tests/vllm_static``: the taps and writes of the
-llama and qwen2 engines its conftest shares, and the SAEs test_vllm_static_sae compiles into its
-llama engine (a TopK SAE at ``resid_post.1``, a ReLU SAE at ``mlp_out.1``, a JumpReLU SAE with
-layer-norm input normalisation at ``resid_pre.2`` and a sigmoid probe on ``attn_z.0``)."""
+"""The declarations of the vllm-static engines ``tests/vllm_static`` shares (its conftest starts
+them, once per folder): the llama engine's taps and writes, and the SAEs compiled into its graph
+(a TopK SAE at ``resid_post.1``, a ReLU SAE at ``mlp_out.1``, a JumpReLU SAE with layer-norm
+input normalisation at ``resid_pre.2`` and a sigmoid probe on ``attn_z.0``)."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ WRITES = [
     "attn_z.1",
 ]
 
-# the SAEs of test_vllm_static_sae, compiled into its llama engine
+# the SAEs of test_vllm_static_sae, compiled into the llama engine
 TOP_K, DENSE_MAX = 16, 256
 PREFIX = "tvss"  # the SAEs' attachment names (on the session's dynamic llama engine too)
 TOPK, RELU, JUMP, PROBE = (f"{PREFIX}-{n}" for n in ("topk", "relu", "jump", "probe"))

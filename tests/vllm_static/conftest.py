@@ -2,8 +2,10 @@
 the folder's last test ends (a compiled engine start is about a minute on 2 cores).
 
 ``static_engines[name]``: the llama engine (``static_points=[...]`` at load, 4 steering slots,
-chunked prefill over 64-token steps), qwen2 (``"auto"`` bound by ``configure_static`` before
-warm-up) and gpt2 (``"auto"`` never bound: the default set).
+chunked prefill over 64-token steps, and the SAEs of ``support.static`` compiled in), qwen2
+(``"auto"`` bound by ``configure_static`` before warm-up) and gpt2 (``"auto"`` never bound: the
+default set). One engine serves every module whose declaration it covers: the llama engine's
+taps are test_vllm_static's and test_vllm_static_sae's together.
 """
 
 from __future__ import annotations
@@ -17,18 +19,24 @@ from interp_engine import load_model, sync_model
 from interp_testkit.suite import VLLM_ENGINE_ARGS, vllm_model_path
 
 from ..support.engines import shutdown_all
-from ..support.static import POINTS, WRITES
+from ..support.static import DENSE_MAX, JUMP, POINTS, PROBE, RELU, SAE_POINTS, TOP_K, TOPK, WRITES, saes
 
 
 def _llama() -> Any:
-    return load_model(
+    attached = saes()
+    model = load_model(
         vllm_model_path("llama"),
         backend="vllm-static",
-        static_points=POINTS,
+        static_points=[*POINTS, *(p for p in SAE_POINTS if p not in POINTS)],
         static_writes=WRITES,
         static_write_slots=4,
+        static_sae_top_k=TOP_K,
+        static_sae_dense_max=DENSE_MAX,
+        saes={name: attached[name] for name in (TOPK, RELU, JUMP)},
         **VLLM_ENGINE_ARGS["llama"],
     )
+    model.attach_sae(PROBE, attached[PROBE])  # before the build: compiled in too
+    return model
 
 
 def _qwen2() -> Any:

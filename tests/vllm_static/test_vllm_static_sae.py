@@ -1,14 +1,15 @@
 """SAE readouts and feature clamps compiled into vllm-static's graph.
 
-One compiled llama engine (chunked prefill over 64-token steps) built with four SAEs attached
-before the build (three through ``load_model(..., saes=...)``, one with ``attach_sae`` before
-``warmup()``): a TopK SAE at ``resid_post.1`` (its top-k kept whole), a ReLU SAE at
+The folder's compiled llama engine (its conftest; chunked prefill over 64-token steps, the taps
+test_vllm_static uses too) built with four SAEs attached before the build (three through
+``load_model(..., saes=...)``, one with ``attach_sae`` before ``warmup()``): a TopK SAE at
+``resid_post.1`` (its top-k kept whole), a ReLU SAE at
 ``mlp_out.1`` (small enough to keep every feature: ``ids=`` and dense readouts), a JumpReLU SAE
 with layer-norm input normalisation at ``resid_pre.2`` (only its top 16 kept) and a sigmoid
 probe on ``attn_z.0`` (hook_z). The oracle for readouts is
 :func:`~interp_engine._readouts.read_features` on the activations the same request captured;
 clamps are checked against the dynamic ``vllm`` backend (the session's shared llama engine, with
-the same SAEs attached under this module's names) and against the same edit written by hand.
+the same SAEs attached under their names) and against the same edit written by hand.
 """
 
 from __future__ import annotations
@@ -34,12 +35,11 @@ from interp_engine import (
     UnknownSae,
     Write,
     load_model,
-    sync_model,
 )
 from interp_engine._readouts import read_features
-from interp_testkit.suite import LONG, PROMPT, VLLM_ENGINE_ARGS, rel_diff, vllm_model_path
+from interp_testkit.suite import LONG, PROMPT, rel_diff, vllm_model_path
 
-from ..support.static import DENSE_MAX, JUMP, PREFIX, PROBE, RELU, SAE_POINTS, TOP_K, TOPK, saes
+from ..support.static import JUMP, PREFIX, PROBE, RELU, SAE_POINTS, TOPK, saes
 
 TOL = 1e-4  # across backends and batching (float32 summation order)
 SAME = 1e-5  # a readout against the host's read of the very activations the request captured
@@ -58,31 +58,18 @@ READOUTS = [
 
 
 @pytest.fixture(scope="module")
-def engines(vllm_engines: Any) -> Iterator[tuple[Any, Any]]:
-    """(the static engine, the shared dynamic llama engine), both with this module's SAEs."""
+def engines(static_engines: Any, vllm_engines: Any) -> Iterator[tuple[Any, Any]]:
+    """(the folder's static llama engine, the shared dynamic llama engine), both with the SAEs."""
     attached = saes()
-    model = load_model(
-        vllm_model_path("llama"),
-        backend="vllm-static",
-        static_points=SAE_POINTS,
-        static_writes=["resid_post.1"],
-        static_sae_top_k=TOP_K,
-        static_sae_dense_max=DENSE_MAX,
-        saes={name: attached[name] for name in (TOPK, RELU, JUMP)},
-        **VLLM_ENGINE_ARGS["llama"],
-    )
-    model.attach_sae(PROBE, attached[PROBE])  # before the build: compiled in too
-    static = sync_model(model)
+    static = static_engines["llama"]
     dynamic = vllm_engines("llama")
     try:
-        static.warmup()
         for name, sae in attached.items():
             if name in dynamic.saes:
                 dynamic.detach_sae(name)
             dynamic.attach_sae(name, sae)
         yield static, dynamic
     finally:
-        static.shutdown()
         for name in attached:
             if name in dynamic.saes:
                 dynamic.detach_sae(name)
