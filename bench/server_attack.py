@@ -30,8 +30,8 @@ import psutil
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from tests.test_server_attacks import CASES  # noqa: E402  (the attack table of the tests)
-from tests.test_server_fuzz import _body, _mutate, _raw  # noqa: E402
+from tests.server.test_server_attacks import CASES  # noqa: E402  (the attack table of the tests)
+from tests.server.test_server_fuzz import _body, _mutate, _raw  # noqa: E402
 
 KEY = "bench-key-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -1,6 +1,6 @@
 """Render the README's table of model types from what the family tests recorded.
 
-The family tests (``tests/test_eager_families.py``, ``tests/test_vllm_families.py`` and the
+The family tests (``tests/eager/test_eager_families.py``, ``tests/vllm/test_vllm_families.py`` and the
 sweep of every model type, ``pytest -m sweep`` on the vLLM family tests) write one JSON per model type and backend to
 ``.cache/family-results/<backend>/<model_type>.json``::
 

@@ -24,7 +24,8 @@ The helpers a backend calls while it serves a checked request:
 
 - **what a family serves**: :data:`KINDS` (one row per kind: its ``needs`` and why it may be
   ``missing``), :data:`Need` / :data:`NEEDS`, :func:`lacking` (the kinds a family with these
-  needs cannot serve), :func:`needing`, :func:`missing_reason`;
+  needs cannot serve), :func:`requirements` (a kind's needs, implied ones included: :data:`IMPLIED`),
+  :func:`needing`, :func:`missing_reason`;
 - **positions and heads of a write**: :func:`write_positions`, :func:`heads_of`,
   :func:`requested_points`;
 - **the write algebra**: :meth:`Write.apply` for one write, :class:`Pipeline` for several writes
@@ -50,12 +51,14 @@ from typing import TYPE_CHECKING
 
 from ._lazy import lazy_attributes
 from .addresses._kinds import (
+    IMPLIED,
     KINDS,
     NEEDS,
     Need,
     lacking,
     missing_reason,
     needing,
+    requirements,
 )
 from .hookspecs import (
     hookimpl,
@@ -178,6 +181,7 @@ __getattr__, __dir__ = lazy_attributes(globals(), _LAZY)
 
 __all__ = [
     "ELEMENTWISE_OPS",
+    "IMPLIED",
     "KINDS",
     "NEEDS",
     "PIPELINE_TABLES",
@@ -226,6 +230,7 @@ __all__ = [
     "probe_norm",
     "read_features",
     "requested_points",
+    "requirements",
     "run_stages",
     "select_features",
     "write_positions",

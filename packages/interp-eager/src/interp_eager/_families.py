@@ -223,7 +223,7 @@ VERIFIED_MODEL_TYPES: tuple[str, ...] = (
     "xglm",
 )
 """The ``model_type`` values the test suite verifies against HF on this backend
-(``tests/test_eager_families.py``); named in error messages, never consulted by resolution."""
+(``tests/eager/test_eager_families.py``); named in error messages, never consulted by resolution."""
 
 
 def verified_model_types() -> list[str]:

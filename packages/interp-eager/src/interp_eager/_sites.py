@@ -9,11 +9,11 @@ the forward's own result (``result``: ``logits``); a per-head view of the tensor
 ``resid_mid`` is ``derived``: the hook plan adds ``resid_pre`` to what the attention sublayer
 adds (:meth:`Architecture.residual_after_attention`).
 
-What a loaded model serves follows from the rows and the kind facts of :mod:`interp_eager._kinds`:
-a kind is served where the model has every feature it needs (:data:`FEATURES` tells, from the
-resolved family and the loaded modules), refused with the feature's reason otherwise, and, for a
-feature only some layers have (mixture-of-experts and dense layers mixed), served on those layers
-and refused on the others. A new kind on the eager backend is one :class:`EagerSite` row.
+What a loaded model serves follows from the rows and the core's kind rows (each kind's needs,
+:func:`interp_engine.backend.requirements`): a kind is served where the model has every need
+(:data:`FEATURES` tells, from the resolved family and the loaded modules), refused with the
+need's reason otherwise, and, for a need only some layers have (mixture-of-experts and dense
+layers mixed), served on those layers and refused on the others. A new kind on the eager backend is one :class:`EagerSite` row.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import torch
 from torch import nn
 
 from interp_engine import KINDS, Address, KindNotInFamily, UnsupportedAddress
+from interp_engine.backend import Need, requirements
 
 from ._families import Family, QkNormLayout, QkvLayout
-from ._kinds import NEEDS
 from ._tree import linear_io
 
 
@@ -243,7 +243,7 @@ _ATTENTION_QK = (
 
 @dataclass(frozen=True)
 class FeatureCheck:
-    """How the eager backend tells whether a loaded model has a :data:`~interp_eager._kinds.Feature`."""
+    """How the eager backend tells whether a loaded model has a :data:`~interp_engine.backend.Need`."""
 
     has: Callable[[Architecture, str | None], bool]
     """Given the model and the module path the kind's row names (``None``: none)."""
@@ -258,15 +258,18 @@ class FeatureCheck:
     """Whether the feature is the row's module being in every layer (read through it then)."""
 
 
-FEATURES: dict[str, FeatureCheck] = {
+FEATURES: dict[Need, FeatureCheck] = {
+    "attn_pre_norm": FeatureCheck(lambda arch, path: True),
+    "mlp_pre_norm": FeatureCheck(lambda arch, path: True),
     "q_norm": FeatureCheck(lambda arch, path: arch.in_every_layer(path), module=True),
     "k_norm": FeatureCheck(lambda arch, path: arch.in_every_layer(path), module=True),
-    "sandwich_norms": FeatureCheck(lambda arch, path: arch.in_every_layer(path), module=True),
-    "mid_residual": FeatureCheck(
+    "attn_post_norm": FeatureCheck(lambda arch, path: arch.in_every_layer(path), module=True),
+    "mlp_post_norm": FeatureCheck(lambda arch, path: arch.in_every_layer(path), module=True),
+    "resid_mid": FeatureCheck(
         lambda arch, path: not arch.post_norm,
         "it normalises the residual after each block (post-LN); read attn_out or resid_post",
     ),
-    "sink_free_attention": FeatureCheck(
+    "key_softmax": FeatureCheck(
         lambda arch, path: not arch.family.attention_sinks,
         "its attention also normalises over a learned sink logit per head, so no scores over the "
         "keys alone are what its softmax sees; read attn_pattern",
@@ -287,11 +290,13 @@ FEATURES: dict[str, FeatureCheck] = {
     ),
     "gated_mlp": FeatureCheck(lambda arch, path: arch.family.mlp_pre_linear is not None),
 }
-"""Each feature a kind may need (:data:`~interp_eager._kinds.NEEDS`), as the eager backend checks it."""
+"""How the eager backend checks each need of the core's kind rows (a kind's
+:func:`~interp_engine.backend.requirements`; every family has the pre-norms it reads ``attn_in``
+and ``mlp_in`` after)."""
 
 
 def _needs(kind: str) -> list[FeatureCheck]:
-    return [FEATURES[feature] for feature in NEEDS.get(kind, ())]
+    return [FEATURES[need] for need in requirements(kind)] if kind in KINDS else []
 
 
 class Architecture:

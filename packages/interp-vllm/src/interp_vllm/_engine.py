@@ -443,7 +443,9 @@ class EngineClient(TokenizerMixin, ModelBase):
         as the workers serve them."""
         if self._weight_info is None:
             answers = await self._weight_rpc(lambda workers: workers.weight_info())
-            self._weight_info = merge_info(answers, self._stages[0][1], self._stages[-1][1], self.config)
+            self._weight_info = merge_info(
+                answers, self._stages[0][1], self._stages[-1][1], self.config, self.family.attn_scale
+            )
         return self._weight_info
 
     async def weight(self, name: str, layer: int | None = None, *, vocab: Sequence[int] | None = None) -> torch.Tensor:

@@ -51,7 +51,7 @@ from interp_engine.backend import write_positions
 
 from . import _compat
 from ._request_taps import Hook, RequestTaps, Slice
-from ._sites import ROUTER_KIND, SITES, HookKey, VllmSite, columns, hook_key, owned_heads
+from ._sites import ROUTER_KIND, SITES, HookKey, VllmSite, added_scale, columns, hook_key, owned_heads
 from ._static import SaeLayout, StaticSae, StaticTap, StaticWrites, plan_writes
 from ._wire import CONFIG_KEY, Fetched, RequestPayload, StaticDeclaration, compact, from_wire
 from ._worker import TapManager
@@ -326,10 +326,13 @@ class StaticTapManager(TapManager):
     def _output_hook(
         self, module: nn.Module, layer: int, addresses: list[Address], batched: bool = False
     ) -> Callable[..., Any]:
-        parts: dict[tuple[int, int] | None, Names] = {}  # column block -> names (gate / up halves)
+        # (column block, scale) -> names: the gate / up halves; a sublayer's output as added to the residual
+        parts: dict[tuple[tuple[int, int] | None, float], Names] = {}
         for a in addresses:
-            if not SITES[a.kind].derived:
-                parts.setdefault(columns(SITES[a.kind], self.family), []).append(self._names(module, a))
+            site = SITES[a.kind]
+            if not site.derived:
+                key = (columns(site, self.family), added_scale(site, self.family))
+                parts.setdefault(key, []).append(self._names(module, a))
         mid_names = [self._names(module, a) for a in addresses if SITES[a.kind].derived]  # resid_mid
         out_writes = any(_writes(names) for names in parts.values())
         mid_writes = _writes(mid_names)
@@ -340,7 +343,12 @@ class StaticTapManager(TapManager):
             if batched:  # [1, tokens, ...]: work on the rows
                 value = value[0]
             new = value
-            for cols, names in parts.items():
+            for (cols, factor), names in parts.items():
+                if cols is None and factor != 1.0:  # read and written as added; handed back unscaled
+                    added = _chain(module, names, new * factor)
+                    if _writes(names):
+                        new = added / factor
+                    continue
                 if cols is None:
                     new = _chain(module, names, new)
                     continue

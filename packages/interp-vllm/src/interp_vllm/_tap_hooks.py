@@ -22,7 +22,7 @@ from torch import nn
 from interp_engine import Address, BackendError, FeatureWrite, Write
 
 from ._request_taps import Hook, LocalWrite, Slice, WriteTable, touched_rows
-from ._sites import SITES, HookKey, VllmSite, columns, local_write
+from ._sites import SITES, HookKey, VllmSite, added_scale, columns, local_write
 from ._tap_recompute import RecomputeTaps
 from ._tap_saes import SaeTaps
 from .hooks import arg_slot, arg_value, copy_rows, flat, forward_pre_hook, part_of, set_arg
@@ -243,7 +243,15 @@ class HookTaps(SaeTaps, RecomputeTaps):
                         routed = self.route(layer, args[0] if args else rows, rows)
                     self._record_routing(routed, members, address)
                 else:
-                    changed |= self._visit(part_of(rows, columns(site, self.family)), members, address)
+                    part = part_of(rows, columns(site, self.family))
+                    factor = added_scale(site, self.family)
+                    if factor == 1.0:
+                        changed |= self._visit(part, members, address)
+                    else:  # the value as added to the residual (Granite's residual multiplier)
+                        added = part * factor
+                        if self._visit(added, members, address):
+                            part.copy_(added / factor)
+                            changed = True
             if not changed:
                 return None
             return (value, *output[1:]) if isinstance(output, tuple) else value

@@ -192,9 +192,16 @@ def _vocab_rows(module: Any, table: torch.Tensor, vocab: list[int] | None) -> di
 # -- the front end ---------------------------------------------------------------------------------
 
 
-def merge_info(answers: Sequence[WeightsHeld], first: Sequence[int], last: Sequence[int], config: Any) -> WeightInfo:
+def merge_info(
+    answers: Sequence[WeightsHeld],
+    first: Sequence[int],
+    last: Sequence[int],
+    config: Any,
+    residual_multiplier: float = 1.0,
+) -> WeightInfo:
     """One :class:`WeightInfo` from the workers' answers (``first``/``last``: the indices of the
-    first and last pipeline stages' workers)."""
+    first and last pipeline stages' workers; ``residual_multiplier``: the family's multiplier of the
+    attention's contribution, :attr:`~interp_vllm._families.VllmFamily.attn_scale`)."""
     head = answers[last[0]]
     if head.norm_error:
         raise UnsupportedArchitecture(head.norm_error)
@@ -225,6 +232,7 @@ def merge_info(answers: Sequence[WeightsHeld], first: Sequence[int], last: Seque
         logit_scale=float(head.logit_scale),
         logit_softcap=head.softcap,
         dtype=head.dtype,
+        residual_multiplier=float(residual_multiplier),
     )
 
 

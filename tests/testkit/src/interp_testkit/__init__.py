@@ -252,7 +252,7 @@ _CONFIGS: Final[dict[str, Callable[[_Dims], dict[str, Any]]]] = {
     },
     "stablelm": lambda d: _llama_like(d, gqa=False, head_dim=False),
     "olmo2": lambda d: _llama_like(d, gqa=False, head_dim=False),
-    # -- the eager backend's breadth sweep (tests/test_eager_families.py): llama-like layouts with
+    # -- the eager backend's breadth sweep (tests/eager/test_eager_families.py): llama-like layouts with
     # their own norms, fused projections, parallel blocks, and mixtures of experts (4 experts, top 2)
     "olmo": lambda d: _llama_like(d, gqa=True),
     "olmo3": lambda d: {**_llama_like(d, gqa=True), "sliding_window": d.window},
@@ -315,7 +315,7 @@ _CONFIGS: Final[dict[str, Callable[[_Dims], dict[str, Any]]]] = {
     # (1/head_dim): HF's default 1.0 gives scores near 100 on random weights, where float noise of 1e-6
     # in the queries moves the softmax by 1e-4
     "granite": lambda d: {**_llama_like(d, gqa=True), "attention_multiplier": 1.0 / d.head_dim},
-    # the eager backend refuses these (tests/test_eager_families.py says why)
+    # the eager backend refuses these (tests/eager/test_eager_families.py says why)
     "bitnet": lambda d: _llama_like(d, gqa=True),
     # untied: with Bloom's embedding layer norm, tied tiny weights make greedy decoding repeat one token
     "bloom": lambda d: {

@@ -45,6 +45,9 @@ Need = Literal[
 NEEDS: tuple[Need, ...] = Need.__args__  # type: ignore[attr-defined]
 """Every :data:`Need`."""
 
+IMPLIED: dict[Need, tuple[Need, ...]] = {"gated_mlp": ("dense_mlp",)}
+"""What having a need implies: a gated MLP is a dense MLP."""
+
 
 @dataclass(frozen=True)
 class KindInfo:
@@ -262,6 +265,13 @@ ALIASES: dict[str, str] = {
 """The public ``interp-engine`` package's point names that differ from ours, read as our kinds
 (its other names -- ``attn_in``, ``mlp_pre``, ``q_norm_out``, ``attn_out_post``, ... -- are ours too,
 with the same meaning)."""
+
+
+def requirements(kind: str) -> tuple[Need, ...]:
+    """Every need of ``kind``, implied ones first (``mlp_pre_linear``: a dense MLP, then a gated one);
+    empty for a kind every family has."""
+    need = KINDS[kind].needs
+    return () if need is None else (*IMPLIED.get(need, ()), need)
 
 
 def needing(need: Need) -> frozenset[str]:

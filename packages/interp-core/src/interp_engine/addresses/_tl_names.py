@@ -22,7 +22,7 @@ TransformerLens's ``ln1``/``ln2`` are the post-sublayer norms (our ``attn_out_po
 divided by the weight). ``hook_attn_out``/``hook_mlp_out`` are ``attn_out``/``mlp_out``, the
 sublayer's output; on the sandwich-norm families (Gemma 2/3, OLMo 2) TransformerLens fires them
 after the post-sublayer norms, i.e. they are our ``attn_out_post``/``mlp_out_post`` there.
-``tests/test_tl_oracle.py`` checks each of these against TransformerLens itself.
+``tests/eager/test_tl_oracle.py`` checks each of these against TransformerLens itself.
 
 Mixtures of experts: ``mlp.hook_expert_indices`` is ``expert_indices``; TransformerLens's
 ``mlp.hook_expert_weights`` (the softmax over every expert) is not an address, ``router_logits``
