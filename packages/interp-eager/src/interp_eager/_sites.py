@@ -13,7 +13,8 @@ What a loaded model serves follows from the rows and the core's kind rows (each 
 :func:`interp_engine.backend.requirements`): a kind is served where the model has every need
 (:data:`FEATURES` tells, from the resolved family and the loaded modules), refused with the
 need's reason otherwise, and, for a need only some layers have (mixture-of-experts and dense
-layers mixed), served on those layers and refused on the others. A new kind on the eager backend is one :class:`EagerSite` row.
+layers mixed), served on those layers and refused on the others. A new kind on the eager backend
+is one :class:`EagerSite` row.
 """
 
 from __future__ import annotations
