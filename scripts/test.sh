@@ -9,4 +9,6 @@ bash scripts/setup.sh
 # the dev-only tests/testkit by name: given as a path under tests/ (a package), mypy would name it
 # tests.testkit.src.interp_testkit and miss its [tool.mypy] section
 .venv/bin/python -m mypy -p interp_testkit
+# the layering contracts under [tool.importlinter] in pyproject.toml
+.venv/bin/lint-imports
 .venv/bin/python -m pytest -q -p no:cacheprovider --durations=30 "$@"
