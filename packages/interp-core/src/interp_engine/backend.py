@@ -65,53 +65,53 @@ from .hookspecs import (
 )
 
 if TYPE_CHECKING:
-    from .analysis._weights import (
+    from . import (
         WEIGHT_NAMES,
+        BatchCapture,
+        CheckedRequest,
+        Completion,
+        FeatureReadout,
+        Features,
+        FeatureWrite,
+        GradientCapture,
+        GradientMetric,
+        InterpModel,
+        LensRequest,
+        LensResult,
+        LensTopK,
+        ModelBase,
+        ModelInfo,
+        Results,
+        Sae,
+        SamplingOptions,
+        StaticTaps,
+        SteeringSpec,
+        StreamStep,
         WeightInfo,
+        WorkerStats,
+        Write,
+        lens_top_k,
+    )
+    from .analysis._weights import (
         check_weight_request,
         norm_parameters,
         probe_norm,
     )
-    from .protocol._base import ModelBase
     from .protocol._checks import (
         heads_of,
         requested_points,
         write_positions,
     )
-    from .protocol._protocol import (
-        BatchCapture,
-        Completion,
-        GradientCapture,
-        GradientMetric,
-        InterpModel,
-        ModelInfo,
-        Results,
-        StaticTaps,
-        StreamStep,
-        WorkerStats,
-    )
-    from .protocol._requests import CheckedLens, CheckedRequest, SamplingOptions
-    from .results._lens import (
-        LensRequest,
-        LensResult,
-        LensTopK,
-        lens_top_k,
+    from .protocol._requests import (
+        CheckedLens,
     )
     from .sae._readouts import (
-        FeatureReadout,
-        Features,
         read_features,
         select_features,
     )
-    from .sae._sae import (
-        Sae,
-    )
     from .steering._spec import (
         AnyWrite,
-        FeatureWrite,
         RowSpecs,
-        SteeringSpec,
-        Write,
     )
     from .steering._writes import (
         ELEMENTWISE_OPS,
@@ -128,53 +128,54 @@ if TYPE_CHECKING:
     )
 
 _LAZY: dict[str, str] = {
-    "run_stages": ".steering._writes",
-    "PIPELINE_TABLES": ".steering._writes",
-    "ELEMENTWISE_OPS": ".steering._writes",
-    "WEIGHT_NAMES": ".analysis._weights",
-    "WeightInfo": ".analysis._weights",
     "check_weight_request": ".analysis._weights",
     "norm_parameters": ".analysis._weights",
     "probe_norm": ".analysis._weights",
-    "CheckedLens": ".protocol._requests",
-    "CheckedRequest": ".protocol._requests",
-    "ModelBase": ".protocol._base",
-    "SamplingOptions": ".protocol._requests",
     "heads_of": ".protocol._checks",
     "requested_points": ".protocol._checks",
     "write_positions": ".protocol._checks",
-    "BatchCapture": ".protocol._protocol",
-    "Completion": ".protocol._protocol",
-    "GradientCapture": ".protocol._protocol",
-    "GradientMetric": ".protocol._protocol",
-    "InterpModel": ".protocol._protocol",
-    "ModelInfo": ".protocol._protocol",
-    "Results": ".protocol._protocol",
-    "StaticTaps": ".protocol._protocol",
-    "StreamStep": ".protocol._protocol",
-    "WorkerStats": ".protocol._protocol",
-    "LensRequest": ".results._lens",
-    "LensResult": ".results._lens",
-    "LensTopK": ".results._lens",
-    "lens_top_k": ".results._lens",
-    "FeatureReadout": ".sae._readouts",
-    "Features": ".sae._readouts",
+    "CheckedLens": ".protocol._requests",
     "read_features": ".sae._readouts",
     "select_features": ".sae._readouts",
-    "Sae": ".sae._sae",
     "AnyWrite": ".steering._spec",
-    "FeatureWrite": ".steering._spec",
     "RowSpecs": ".steering._spec",
-    "SteeringSpec": ".steering._spec",
-    "Write": ".steering._spec",
+    "ELEMENTWISE_OPS": ".steering._writes",
+    "PIPELINE_TABLES": ".steering._writes",
     "Pipeline": ".steering._writes",
     "WHOLE_ROW_OPS": ".steering._writes",
     "apply_op": ".steering._writes",
+    "run_stages": ".steering._writes",
     "TextPieces": ".tokens",
     "TokenizerMixin": ".tokens",
     "pad_rows": ".tokens",
+    "BatchCapture": ".",
+    "CheckedRequest": ".",
+    "Completion": ".",
+    "FeatureReadout": ".",
+    "FeatureWrite": ".",
+    "Features": ".",
+    "GradientCapture": ".",
+    "GradientMetric": ".",
+    "InterpModel": ".",
+    "LensRequest": ".",
+    "LensResult": ".",
+    "LensTopK": ".",
+    "ModelBase": ".",
+    "ModelInfo": ".",
+    "Results": ".",
+    "Sae": ".",
+    "SamplingOptions": ".",
+    "StaticTaps": ".",
+    "SteeringSpec": ".",
+    "StreamStep": ".",
+    "WEIGHT_NAMES": ".",
+    "WeightInfo": ".",
+    "WorkerStats": ".",
+    "Write": ".",
+    "lens_top_k": ".",
 }
-"""Each tensor-holding name, imported on first use, and the module that defines it."""
+"""Each tensor-holding name, imported on first use, and the module that defines it (``"."``: a
+name :mod:`interp_engine` itself exports, taken from there)."""
 
 
 __getattr__, __dir__ = lazy_attributes(globals(), _LAZY)
