@@ -18,7 +18,7 @@ moved), so a new vLLM or torch breaks this file with a clear error, not a worker
 - :data:`RUNNER_ENV` -- the environment that makes vLLM pick the V1 runner the patches reach
   (the V2 runner, ``vllm/v1/worker/gpu/model_runner.py``, has none of these methods).
 
-``tests/test_vllm_compat.py`` checks every shape against the installed versions and fails once a
+``tests/vllm/test_vllm_compat.py`` checks every shape against the installed versions and fails once a
 patch is no longer needed.
 """
 
