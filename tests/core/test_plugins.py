@@ -358,6 +358,7 @@ ERRORS: dict[str, type[BaseException]] = {
     "RunningLoopError": RuntimeError,
     "StaticConfigError": RuntimeError,
     "BackendError": RuntimeError,
+    "IncompatibleDependency": RuntimeError,
     "UnsupportedSae": ValueError,
     "UnknownSae": KeyError,
     "UnknownWeight": KeyError,

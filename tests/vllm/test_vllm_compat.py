@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from interp_vllm import _compat
-from interp_vllm._compat import IncompatibleVersion, Patch
+from interp_vllm._compat import IncompatibleDependency, Patch
 
 
 def test_the_inductor_patch_is_still_needed() -> None:
@@ -110,21 +110,21 @@ def test_the_runner_state_the_taps_read_is_set_by_the_v1_runner() -> None:
 def test_a_moved_target_is_a_typed_error_naming_the_versions() -> None:
     installed = _compat._installed("vllm")
     renamed = dataclasses.replace(_compat.MODEL_FORWARD, parameters=("self", "no_such_argument"))
-    with pytest.raises(IncompatibleVersion, match=r"vllm>=0\.32,<0\.34") as caught:
+    with pytest.raises(IncompatibleDependency, match=r"vllm>=0\.32,<0\.34") as caught:
         renamed.check()
     assert installed in str(caught.value) and "no_such_argument" in str(caught.value)
     gone = dataclasses.replace(_compat.MODEL_FORWARD, target="vllm.v1.worker.gpu_model_runner:NoSuchRunner.x")
-    with pytest.raises(IncompatibleVersion, match="NoSuchRunner does not exist"):
+    with pytest.raises(IncompatibleDependency, match="NoSuchRunner does not exist"):
         gone.check()
     inherited = dataclasses.replace(
         _compat.UPDATE_STATES, target="vllm.v1.worker.cpu_model_runner:CPUModelRunner._update_states"
     )
-    with pytest.raises(IncompatibleVersion, match="not defined on the class itself"):
+    with pytest.raises(IncompatibleDependency, match="not defined on the class itself"):
         inherited.check()
     missing_optional = dataclasses.replace(_compat.CPU_LOAD_MODEL, target="vllm.no_such_module:Runner.load_model")
     assert missing_optional.check() is None
     clash = dataclasses.replace(_compat.WORKER_METHODS, target="vllm.v1.worker.worker_base:WorkerBase.load_model")
-    with pytest.raises(IncompatibleVersion, match="already exists"):
+    with pytest.raises(IncompatibleDependency, match="already exists"):
         clash.check()
 
 
@@ -134,7 +134,7 @@ def test_patch_runner_patches_nothing_when_a_target_moved(monkeypatch: pytest.Mo
     before = dict(vars(GPUModelRunner))
     broken = dataclasses.replace(_compat.UPDATE_STATES, parameters=("self", "no_such_argument"))
     monkeypatch.setattr(_compat, "RUNNER_PATCHES", (_compat.MODEL_FORWARD, broken))
-    with pytest.raises(IncompatibleVersion):
+    with pytest.raises(IncompatibleDependency):
         _compat.patch_runner(lambda *a: None, lambda *a: None, lambda *a: None)
     assert dict(vars(GPUModelRunner)) == before
 

@@ -28,6 +28,8 @@ Every error is an :class:`InterpError` and also the builtin a Python user would 
     ├── InvalidFeatures (ValueError)         a bad readout or feature write: id out of range,
     │                                        width mismatch, unknown option
     └── BackendError (RuntimeError)          the backend failed to serve a valid request
+        └── IncompatibleDependency           an installed package no longer has the private API
+                                             a backend patches (the message names the versions)
 
 Errors carry context as attributes (``.address``, ``.valid``) so callers need not parse messages.
 """
@@ -136,6 +138,11 @@ class StaticConfigError(InterpError, RuntimeError):
 
 class BackendError(InterpError, RuntimeError):
     """The backend failed while serving a request that passed validation."""
+
+
+class IncompatibleDependency(BackendError):
+    """An installed package no longer has the private API a backend patches: the message names
+    the target, the versions the patch is written for and the installed one."""
 
 
 class UnsupportedOperation(InterpError, NotImplementedError):

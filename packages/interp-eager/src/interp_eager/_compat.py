@@ -21,11 +21,7 @@ from typing import Any
 
 from packaging.version import Version
 
-from interp_engine import BackendError
-
-
-class IncompatibleDependency(BackendError):
-    """An installed package no longer has the private API a patch of the eager backend expects."""
+from interp_engine import IncompatibleDependency
 
 
 @dataclass(frozen=True)

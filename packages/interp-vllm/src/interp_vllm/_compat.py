@@ -3,7 +3,7 @@
 vLLM moves its internals every few releases (0.33 makes the V2 model runner its default), and
 Inductor's scheduler is private to torch. What this package patches or reads of them is here,
 each :class:`Patch` with the versions it is written for and the shape it expects of its target
-(:meth:`Patch.check` raises :class:`IncompatibleVersion`, naming both versions, when the target
+(:meth:`Patch.check` raises :class:`IncompatibleDependency`, naming both versions, when the target
 moved), so a new vLLM or torch breaks this file with a clear error, not a worker deep inside:
 
 - :data:`INDUCTOR_MUTATION_ORDER` -- torch's ``SchedulerNode._compute_attrs`` (Inductor), replaced
@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from interp_engine import BackendError
+from interp_engine import IncompatibleDependency
 
 logger = logging.getLogger(__name__)
 
@@ -45,11 +45,6 @@ VLLM_VERSIONS = ((0, 32), (0, 34))
 
 RUNNER_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
 """Where vLLM would pick its V2 model runner, pin the V1 runner the patches wrap."""
-
-
-class IncompatibleVersion(BackendError):
-    """A patched target of another project no longer has the shape interp-vllm expects: the
-    message names the target, the versions the patch is for and the installed one."""
 
 
 def release(version: str) -> tuple[int, ...]:
@@ -115,7 +110,7 @@ class Patch:
 
     def check(self) -> Any:
         """The owning class, after checking the target has the expected shape (``None`` for a
-        missing optional class). Raises :class:`IncompatibleVersion` if it does not."""
+        missing optional class). Raises :class:`IncompatibleDependency` if it does not."""
         owner = self.owner()
         if owner is None:
             return None
@@ -137,8 +132,8 @@ class Patch:
             raise self._error(f"{self.target} takes ({', '.join(names)}), without {', '.join(missing)}")
         return owner
 
-    def _error(self, what: str) -> IncompatibleVersion:
-        return IncompatibleVersion(
+    def _error(self, what: str) -> IncompatibleDependency:
+        return IncompatibleDependency(
             f"interp-vllm patches {self.target} ({self.why}) for {self.spelled}; the installed "
             f"{self.package} is {_installed(self.package)}, where {what}. Install a {self.spelled} release."
         )
@@ -312,7 +307,7 @@ WORKER_METHODS = Patch(
 
 def add_worker_methods(methods: Iterable[tuple[str, Callable[..., Any]]]) -> None:
     """Add ``(name, function)`` methods to vLLM's ``WorkerBase`` (idempotent); a name vLLM
-    already uses is an :class:`IncompatibleVersion`."""
+    already uses is an :class:`IncompatibleDependency`."""
     for name, function in methods:
         base = dataclasses.replace(WORKER_METHODS, target=f"{_WORKER_BASE}.{name}").check()
         function._interp_engine_rpc = True  # type: ignore[attr-defined]
@@ -385,7 +380,7 @@ __all__ = [
     "RUNNER_PATCHES",
     "UPDATE_STATES",
     "WORKER_METHODS",
-    "IncompatibleVersion",
+    "IncompatibleDependency",
     "Patch",
     "add_worker_methods",
     "additional_config",

@@ -7,7 +7,7 @@ it); and it adds the RPC methods the front end calls through ``collective_rpc``,
 :data:`._wire.RPC_NAMES` (:data:`WORKER_RPCS`). Safe to call more than once.
 
 A runner whose shape the patches do not expect is left unpatched (vLLM serves plain requests as
-ever); the workers' ping then carries the :class:`~._compat.IncompatibleVersion` message, which
+ever); the workers' ping then carries the :class:`~interp_engine.IncompatibleDependency` message, which
 the front end raises.
 """
 
@@ -17,6 +17,8 @@ import logging
 import os
 from collections.abc import Callable
 from typing import Any
+
+from interp_engine import IncompatibleDependency
 
 from . import _compat
 from . import _wire as wire
@@ -164,7 +166,7 @@ def register() -> None:
     """Patch vLLM's V1 model runner and add the RPC methods to its worker base (idempotent)."""
     try:
         _compat.patch_runner(_forward, _finished, _after_load)
-    except _compat.IncompatibleVersion as exc:
+    except IncompatibleDependency as exc:
         if not _INCOMPATIBLE:
             logger.error("interp-engine: the model runner is left unpatched: %s", exc)
             _INCOMPATIBLE.append(str(exc))

@@ -136,7 +136,7 @@ class Ping(msgspec.Struct, frozen=True):
     v2_runner_env: str | None = None
     """``VLLM_USE_V2_MODEL_RUNNER`` as this worker saw it (a Ray worker has its own environment)."""
     incompatible: str | None = None
-    """Why the runner could not be patched (``_compat.IncompatibleVersion``), if it could not."""
+    """Why the runner could not be patched (``interp_engine.IncompatibleDependency``), if it could not."""
 
 
 class FinalNorm(msgspec.Struct, frozen=True):

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from interp_engine import BackendError, UnsupportedArchitecture
+from interp_engine import BackendError, IncompatibleDependency, UnsupportedArchitecture
 
 from . import _compat
 from ._request_taps import Hook, RequestTaps, Slice
@@ -55,7 +55,7 @@ def tap_manager(runner: Any) -> TapManager | UntappedRunner:
     that serves vLLM's plain requests untouched (installing interp-vllm never breaks vLLM)."""
     try:
         return TapManager(runner)
-    except (UnsupportedArchitecture, _compat.IncompatibleVersion) as exc:
+    except (UnsupportedArchitecture, IncompatibleDependency) as exc:
         logger.warning("interp-engine: no taps for this model: %s", exc)
         return UntappedRunner(str(exc))
 
