@@ -15,14 +15,15 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ._families import FAMILY_DATA, Family, supported_model_types
-    from ._model import LOAD_OPTIONS, EagerModel
+    from ._load import LOAD_OPTIONS
+    from ._model import EagerModel
     from ._resolve import resolve as resolve_family
 
 _LAZY: dict[str, tuple[str, str]] = {
     "FAMILY_DATA": ("._families", "FAMILY_DATA"),
     "Family": ("._families", "Family"),
     "supported_model_types": ("._families", "supported_model_types"),
-    "LOAD_OPTIONS": ("._model", "LOAD_OPTIONS"),
+    "LOAD_OPTIONS": ("._load", "LOAD_OPTIONS"),
     "EagerModel": ("._model", "EagerModel"),
     "resolve_family": ("._resolve", "resolve"),
 }

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-import os
 import threading
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -34,16 +33,13 @@ from interp_engine import (
     InvalidOption,
     ModelBase,
     ModelInfo,
-    ModelLoadError,
     Results,
-    Sae,
     SamplingOptions,
     SteeringSpec,
     StreamStep,
     UnsupportedAddress,
 )
 from interp_engine.backend import (
-    AnyWrite,
     CheckedLens,
     LensRequest,
     LensResult,
@@ -55,95 +51,21 @@ from interp_engine.backend import (
     check_weight_request,
     lens_top_k,
     pad_rows,
-    read_features,
 )
 
+from ._batches import batch_readouts, batch_writes, row_at, to_cpu, zero_padding
 from ._families import Family
 from ._generate import choose, generator_for, top_logprobs
 from ._plan import Chunk, Plan, check_probe
-from ._resolve import resolve, resolve_config
+from ._resolve import resolve
 from ._sites import EAGER_KINDS, Architecture
 from ._weights import read_weight, weight_info
 
 T = TypeVar("T")
 
-LOAD_OPTIONS = ("attn_implementation", "device", "dtype", "revision", "tokenizer", "trust_remote_code")
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float64": torch.float64,
-}
 _LOGITS = Address("logits")
 _NEEDS_EAGER_ATTENTION = ("attn_pattern", "attn_scores")
 """Kinds read from eager attention (SDPA never forms the weights, and skips Gemma 2's soft-cap)."""
-
-
-def _dtype(value: Any) -> torch.dtype | str:
-    if isinstance(value, torch.dtype) or value == "auto":
-        return value  # type: ignore[no-any-return]
-    if isinstance(value, str) and value in _DTYPES:
-        return _DTYPES[value]
-    raise InvalidOption(f"unknown dtype {value!r}; use a torch.dtype, 'auto' or one of {', '.join(_DTYPES)}")
-
-
-def load(name_or_path: str, options: dict[str, Any]) -> EagerModel:
-    """Load an HF causal LM and its tokenizer by hub id or local path."""
-    unknown = sorted(set(options) - set(LOAD_OPTIONS))
-    if unknown:
-        raise InvalidOption(
-            f"the eager backend does not take {', '.join(unknown)}; valid options: {', '.join(LOAD_OPTIONS)}"
-        )
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    trust = bool(options.get("trust_remote_code", False))
-    revision = options.get("revision")
-    try:
-        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust, revision=revision)
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot read a model config from {name_or_path!r}: {exc}") from exc
-    resolve_config(config, trust)  # an unresolvable module tree fails before any weights load
-    kwargs: dict[str, Any] = {"dtype": _dtype(options.get("dtype", "float32")), "revision": revision}
-    if options.get("attn_implementation"):
-        kwargs["attn_implementation"] = options["attn_implementation"]
-    elif getattr(config, "attn_logit_softcapping", None) or not _can_switch_attention(config):
-        # SDPA kernels skip attention-logit soft-capping (Gemma 2): only eager computes the model;
-        # a model that cannot switch to eager attention at run time (Falcon) loads with it, so that
-        # its patterns and scores can be read.
-        kwargs["attn_implementation"] = "eager"
-    try:
-        hf_model: Any = AutoModelForCausalLM.from_pretrained(name_or_path, trust_remote_code=trust, **kwargs)
-        family = resolve(hf_model)  # the traced checks, before the tokenizer loads
-        tokenizer_source = options.get("tokenizer") or name_or_path
-        tokenizer = (
-            AutoTokenizer.from_pretrained(tokenizer_source, trust_remote_code=trust, revision=revision)
-            if isinstance(tokenizer_source, (str, os.PathLike))
-            else tokenizer_source
-        )
-    except OSError as exc:
-        raise ModelLoadError(f"cannot load the model or tokenizer from {name_or_path!r}: {exc}") from exc
-    device = options.get("device")
-    if device is not None:
-        try:
-            hf_model.to(device=torch.device(device))
-        except (RuntimeError, AssertionError) as exc:
-            raise InvalidOption(f"cannot place the model on device {device!r}: {exc}") from exc
-    return EagerModel(hf_model, tokenizer, family=family)
-
-
-def _can_switch_attention(config: Any) -> bool:
-    """Whether transformers can switch ``config``'s causal LM to eager attention at run time."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    try:
-        cls: Any = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
-        return bool(cls._can_set_attn_implementation())
-    except Exception:  # a remote-code or unmapped config: the load itself will tell
-        return True
 
 
 def _ctx_length(config: Any, tokenizer: Any) -> int:
@@ -310,7 +232,7 @@ class EagerModel(TokenizerMixin, ModelBase):
         lengths = [len(r) for r in rows]
         ids, mask = pad_rows(rows, self.pad_id)
         hooked = list(dict.fromkeys([a for a in addresses if a != _LOGITS] + request.readout_addresses))
-        writes, write_rows, saes = _batch_writes(requests)
+        writes, write_rows, saes = batch_writes(requests)
         plan = Plan(
             self.arch,
             hooked,
@@ -325,8 +247,8 @@ class EagerModel(TokenizerMixin, ModelBase):
         values = plan.result()
         if _LOGITS in addresses:
             values[_LOGITS] = output.logits
-        readouts = _readouts(request, values, lengths)
-        return {a: _zero_padding(a, _to_cpu(values[a]), lengths) for a in addresses}, readouts
+        readouts = batch_readouts(request, values, lengths)
+        return {a: zero_padding(a, to_cpu(values[a]), lengths) for a in addresses}, readouts
 
     async def capture(
         self, token_ids: Sequence[int], points: Iterable[Any], *, steering_spec: SteeringSpec | None = None
@@ -390,7 +312,7 @@ class EagerModel(TokenizerMixin, ModelBase):
         rows = [r.token_ids for r in requests]
         lengths = [len(r) for r in rows]
         ids, mask = pad_rows(rows, self.pad_id)
-        writes, write_rows, saes = _batch_writes(requests)
+        writes, write_rows, saes = batch_writes(requests)
         plan = Plan(self.arch, addresses, writes, lengths, saes=saes, write_rows=write_rows, probes=addresses)
         padded = not bool(mask.all())
         output = self._forward(
@@ -419,8 +341,8 @@ class EagerModel(TokenizerMixin, ModelBase):
                 raise UnsupportedAddress(f"the forward never reached {address}", address=address)
         del probes, grads, logits
         values = plan.result()
-        out_values = {a: _zero_padding(a, _to_cpu(values[a]), lengths) for a in addresses}
-        out_grads = {a: _zero_padding(a, _to_cpu(torch.cat(g, dim=1)), lengths) for a, g in by_address.items()}
+        out_values = {a: zero_padding(a, to_cpu(values[a]), lengths) for a in addresses}
+        out_grads = {a: zero_padding(a, to_cpu(torch.cat(g, dim=1)), lengths) for a, g in by_address.items()}
         return out_values, out_grads, float(value.detach())
 
     # -- generation ---------------------------------------------------------------------
@@ -536,8 +458,8 @@ class EagerModel(TokenizerMixin, ModelBase):
             plan = used
         values = plan.result() if plan is not None else {}
         n = n_prompt + len(tokens)
-        readouts = {spec: r[0] for spec, r in _readouts(request, values, [n]).items()}
-        acts = request.keyed({a: _to_cpu(values[a])[0] for a in request.addresses}, readouts)
+        readouts = {spec: r[0] for spec, r in batch_readouts(request, values, [n]).items()}
+        acts = request.keyed({a: to_cpu(values[a])[0] for a in request.addresses}, readouts)
         if request.lens is not None and read:
             acts[request.lens.request] = LensResult.stack(read)
         return self._completion(tokens, request.sampling), acts
@@ -577,7 +499,7 @@ class EagerModel(TokenizerMixin, ModelBase):
             last = count == request.max_tokens or self._stops(token, request.sampling)
             step_features = {}
             if request.readouts:
-                rows = {a: _row_at(plan.values[a], position) for a in request.readout_addresses}
+                rows = {a: row_at(plan.values[a], position) for a in request.readout_addresses}
                 step_features = {spec: r[0] for spec, r in request.read_on_host(rows).items()}
             prompt_lens = step_lens = None
             if request.lens is not None:
@@ -628,7 +550,7 @@ class EagerModel(TokenizerMixin, ModelBase):
         param = next(self.hf_model.parameters())
         with self._lock, torch.inference_mode():
             logits = self.arch.unembed_residuals(acts.to(device=param.device, dtype=param.dtype))
-        return _to_cpu(logits)
+        return to_cpu(logits)
 
     # -- weights (interp_engine.weights) -------------------------------------------------
     async def weight_info(self) -> WeightInfo:
@@ -654,87 +576,3 @@ class EagerModel(TokenizerMixin, ModelBase):
         self._executor.shutdown(wait=False)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-
-
-def _batch_writes(
-    requests: list[CheckedRequest],
-) -> tuple[list[AnyWrite], list[frozenset[int] | None] | None, dict[str, Sae]]:
-    """The writes of a batch whose rows may carry different specs, each with the rows it applies
-    to (``None`` throughout when every row has the same writes), and the SAEs they use."""
-    saes: dict[str, Sae] = {}
-    for request in requests:
-        saes.update(request.saes)
-    first = requests[0].writes
-    if all(r.writes is first for r in requests):
-        return list(first), None, saes
-    writes: list[AnyWrite] = []
-    rows: list[frozenset[int] | None] = []
-    seen: dict[int, int] = {}  # id of a request's write list -> its first row
-    for row, request in enumerate(requests):
-        key = id(request.writes)
-        if key in seen:
-            continue
-        seen[key] = row
-        sharing = frozenset(i for i, r in enumerate(requests) if r.writes is request.writes)
-        writes += request.writes
-        rows += [sharing] * len(request.writes)
-    return writes, rows, saes
-
-
-def _row_at(chunks: list[torch.Tensor], position: int) -> torch.Tensor:
-    """Position ``position``'s row ``[1, width]`` of values recorded chunk by chunk (``[1, length, width]``)."""
-    start = 0
-    for chunk in chunks:
-        if position < start + chunk.shape[1]:
-            return chunk[0, position - start : position - start + 1]
-        start += chunk.shape[1]
-    raise IndexError(f"position {position} was not recorded")  # pragma: no cover - the decode loop records it
-
-
-def _readouts(
-    request: CheckedRequest, values: dict[Address, torch.Tensor], lengths: list[int]
-) -> dict[Features, FeatureReadout]:
-    """Each readout of batched values ``[batch, n_max, width]`` (on the model's device), encoded
-    where they are and moved to the CPU; right-padding cleared (ids -1, values 0)."""
-    out = {}
-    for spec in request.readouts:
-        sae = request.saes[spec.sae]
-        x = values[sae.address]
-        batch, length = x.shape[0], x.shape[1]
-        flat = read_features(sae, x.reshape(batch * length, -1), spec).to("cpu")
-        values_ = flat.values.reshape(batch, length, -1).clone()
-        ids = None if flat.ids is None else flat.ids.reshape(batch, length, -1).clone()
-        error = None if flat.error_norm is None else flat.error_norm.reshape(batch, length).clone()
-        for row, n in enumerate(lengths):
-            values_[row, n:] = 0
-            if ids is not None:
-                ids[row, n:] = -1
-            if error is not None:
-                error[row, n:] = 0
-        out[spec] = FeatureReadout(values_, ids, error)
-    return out
-
-
-def _to_cpu(value: torch.Tensor) -> torch.Tensor:
-    """On the CPU, floats as float32 (integer values -- ``expert_indices`` -- keep their dtype)."""
-    if not value.is_floating_point():
-        return value.detach().to(device="cpu")
-    return value.detach().to(device="cpu", dtype=torch.float32)
-
-
-def _zero_padding(address: Address, value: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    """Clear the right-padding of a batched value (positions past each row's length): zeros, and
-    ``-inf`` for attention scores (masked, as ``pad_rows`` pads them)."""
-    longest = max(lengths)
-    if all(n == longest for n in lengths):
-        return value
-    value = value.clone()
-    fill = float("-inf") if address.kind == "attn_scores" else 0.0
-    pad = -1 if address.kind == "expert_indices" else 0
-    for row, n in enumerate(lengths):
-        if address.info.width == "heads x keys":  # attn_pattern, attn_scores: [heads, q, k]
-            value[row, :, n:, :] = fill
-            value[row, :, :, n:] = fill
-        else:
-            value[row, n:] = pad
-    return value

@@ -18,6 +18,6 @@ def interp_engine_backends() -> list[str]:
 def interp_engine_load_model(backend: str, name_or_path: str, options: dict[str, Any]) -> Any:
     if backend != NAME:
         return None
-    from ._model import load
+    from ._load import load
 
     return load(name_or_path, options)
