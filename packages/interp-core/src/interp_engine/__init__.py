@@ -122,11 +122,7 @@ if TYPE_CHECKING:
         Sae,
         load_sae,
     )
-    from .steering._spec import (
-        FeatureWrite,
-        SteeringSpec,
-        Write,
-    )
+    from .steering._spec import FeatureWrite, SteeringSpec, Write
 
 __version__ = "0.1.0"
 

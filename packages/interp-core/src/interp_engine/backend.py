@@ -109,10 +109,7 @@ if TYPE_CHECKING:
         read_features,
         select_features,
     )
-    from .steering._spec import (
-        AnyWrite,
-        RowSpecs,
-    )
+    from .steering._spec import AnyWrite, RowSpecs
     from .steering._writes import (
         ELEMENTWISE_OPS,
         PIPELINE_TABLES,

@@ -51,7 +51,7 @@ from ..protocol._base import ModelBase
 from ..protocol._protocol import InterpModel
 from ..results._cache import Cache
 from ..results._labelled import Labelled
-from ..steering._spec import short_repr
+from ..steering._values import short_repr
 from ._metrics import token_id
 from ._weights import FinalNorm, Weights
 

@@ -11,7 +11,7 @@ import torch
 
 from .._errors import InvalidOption, InvalidTokens
 from ..protocol._protocol import GradientMetric
-from ..steering._spec import short_repr
+from ..steering._values import short_repr
 
 Metric = Callable[..., Any]
 """``metric(logits)`` or ``metric(logits, lengths)`` to a scalar (a one-element tensor or a float)."""

@@ -14,7 +14,8 @@ from .._sync import SyncModel, sync_model
 from ..addresses._address import Address
 from ..protocol._protocol import InterpModel
 from ..results._labelled import Labelled
-from ..steering._spec import SteeringSpec, Write, short_repr
+from ..steering._spec import SteeringSpec, Write
+from ..steering._values import short_repr
 from ._attribution import attribution_patch
 from ._metrics import Metric, evaluate, logit_diff
 from ._sweeps import Cells, Direction, default_metric, plan_cells, scalar

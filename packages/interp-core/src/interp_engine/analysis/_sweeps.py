@@ -15,7 +15,7 @@ from ..addresses._address import Address
 from ..addresses._kinds import KINDS, KindInfo
 from ..protocol._protocol import InterpModel
 from ..results._labelled import Labelled
-from ..steering._spec import short_repr
+from ..steering._values import short_repr
 from ._metrics import Metric, logit_diff, token_id
 
 Direction = Literal["denoise", "noise"]

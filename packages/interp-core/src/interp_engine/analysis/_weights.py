@@ -34,7 +34,7 @@ from torch import nn
 
 from .._errors import InvalidOption, InvalidTokens, LayerOutOfRange, UnknownWeight, UnsupportedOperation
 from ..protocol._protocol import InterpModel, ModelInfo
-from ..steering._spec import short_repr
+from ..steering._values import short_repr
 from ._metrics import token_id
 
 if TYPE_CHECKING:

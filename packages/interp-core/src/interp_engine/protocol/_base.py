@@ -71,14 +71,8 @@ from ..chat._spans import ChatTokens
 from ..results._lens import LensRequest
 from ..sae._readouts import Features, check_readout, check_sae_name
 from ..sae._sae import Sae, load_sae
-from ..steering._spec import (
-    AnyWrite,
-    RowSpecs,
-    SteeringSpec,
-    resolve_named_positions,
-    row_specs,
-    short_repr,
-)
+from ..steering._spec import AnyWrite, RowSpecs, SteeringSpec, resolve_named_positions, row_specs
+from ..steering._values import short_repr
 from ._checks import (
     check_max_tokens,
     check_residuals,

@@ -13,11 +13,7 @@ from .._errors import (
 from ..addresses._address import Address
 from ..sae._readouts import Features, as_features
 from ..sae._sae import Sae
-from ..steering._spec import (
-    AnyWrite,
-    FeatureWrite,
-    Write,
-)
+from ..steering._spec import AnyWrite, FeatureWrite, Write
 from ._checks import (
     heads_of,
     requested_points,

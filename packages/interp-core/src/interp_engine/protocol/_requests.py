@@ -18,11 +18,8 @@ from ..addresses._address import Address
 from ..results._lens import LensRequest
 from ..sae._readouts import FeatureReadout, Features, read_features
 from ..sae._sae import Sae
-from ..steering._spec import (
-    AnyWrite,
-    finite_float,
-    short_repr,
-)
+from ..steering._spec import AnyWrite
+from ..steering._values import finite_float, short_repr
 from ._protocol import Results
 
 SAMPLING_OPTIONS = ("ignore_eos", "seed", "temperature", "top_k", "top_p")

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .._errors import InvalidActivations, InvalidOption, InvalidSteering
-from ..steering._spec import _as_positions, short_repr
+from ..steering._values import as_positions, short_repr
 from ._labelled import Labelled
 
 MAX_LENS_TOP_K = 100
@@ -94,7 +94,7 @@ def _lens_positions(value: Any) -> str | tuple[int, ...] | None:
             f"chat span); every generated token is read already, so {value!r} is not needed"
         )
     try:
-        parsed = _as_positions(value)
+        parsed = as_positions(value)
     except InvalidSteering as exc:
         raise InvalidOption(f"lens positions: {exc}") from None
     return parsed
