@@ -131,6 +131,8 @@ def test_a_moved_target_is_a_typed_error_naming_the_versions() -> None:
 def test_patch_runner_patches_nothing_when_a_target_moved(monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    # an engine started earlier in this process loaded the plugin, which patched the runner
+    monkeypatch.delattr(GPUModelRunner, _compat.PATCHED, raising=False)
     before = dict(vars(GPUModelRunner))
     broken = dataclasses.replace(_compat.UPDATE_STATES, parameters=("self", "no_such_argument"))
     monkeypatch.setattr(_compat, "RUNNER_PATCHES", (_compat.MODEL_FORWARD, broken))

@@ -102,14 +102,15 @@ def test_stages_and_owned_layers_whatever_the_workers_order() -> None:
     from torch import nn
     from vllm.model_executor.models.utils import PPMissingLayer
 
-    from interp_vllm._model import _stages
-    from interp_vllm._worker import owned_layers
+    from interp_vllm._engine import _stages
+    from interp_vllm._wire import Ping
+    from interp_vllm.hooks import owned_layers
 
     pings = [
-        {"rank": 1, "pp_rank": 1, "layers": [2, 3]},
-        {"rank": 0, "pp_rank": 1, "layers": [2, 3]},
-        {"rank": 1, "pp_rank": 0, "layers": [0, 1]},
-        {"rank": 0, "pp_rank": 0, "layers": [0, 1]},
+        Ping("CPUModelRunner", True, rank=1, pp_rank=1, layers=(2, 3)),
+        Ping("CPUModelRunner", True, rank=0, pp_rank=1, layers=(2, 3)),
+        Ping("CPUModelRunner", True, rank=1, pp_rank=0, layers=(0, 1)),
+        Ping("CPUModelRunner", True, rank=0, pp_rank=0, layers=(0, 1)),
     ]
     assert _stages(pings) == [(frozenset({0, 1}), [3, 2]), (frozenset({2, 3}), [1, 0])]
     layers = nn.ModuleList([PPMissingLayer(), PPMissingLayer(), nn.Linear(2, 2), nn.Linear(2, 2)])

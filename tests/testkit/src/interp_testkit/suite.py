@@ -71,8 +71,6 @@ SWEEP_FAMILIES = SWEEP_DENSE + SWEEP_MOE
 REFUSED_VARIANTS: dict[str, dict[str, Any]] = {
     # Bloom adding the normalised input, not the residual stream, back after each sublayer
     "bloom": {"apply_residual_connection_post_layernorm": True},
-    # a residual multiplier: resid_post is not resid_pre plus what the sublayers add
-    "granite": {"residual_multiplier": 0.5},
 }
 """Config variants the eager backend refuses with ``UnsupportedArchitecture`` (the sweep checks why):
 every model type's tiny default config resolves."""
