@@ -69,6 +69,10 @@ class StaticEngines:
             self.started[name] = facade
         return self.started[name]
 
+    def values(self) -> list[Any]:
+        """Every declared engine, started (the ones not yet started start now)."""
+        return [self[name] for name in DECLARED]
+
 
 @pytest.fixture(scope="package")
 def static_engines() -> Iterator[StaticEngines]:
