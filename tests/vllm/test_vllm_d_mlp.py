@@ -32,7 +32,6 @@ def opt_path(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 
 
 def test_d_mlp_is_the_down_projections_input_on_eager_and_vllm(opt_path: pathlib.Path) -> None:
-    pytest.importorskip("vllm")
     eager = load_model(str(opt_path), backend="eager")
     vllm = load_model(str(opt_path), backend="vllm")
     try:
