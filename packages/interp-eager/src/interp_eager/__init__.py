@@ -14,7 +14,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ._families import FAMILY_DATA, Family, supported_model_types
+    from ._families import FAMILY_DATA, Family, verified_model_types
     from ._load import LOAD_OPTIONS
     from ._model import EagerModel
     from ._resolve import resolve as resolve_family
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 _LAZY: dict[str, tuple[str, str]] = {
     "FAMILY_DATA": ("._families", "FAMILY_DATA"),
     "Family": ("._families", "Family"),
-    "supported_model_types": ("._families", "supported_model_types"),
+    "verified_model_types": ("._families", "verified_model_types"),
     "LOAD_OPTIONS": ("._load", "LOAD_OPTIONS"),
     "EagerModel": ("._model", "EagerModel"),
     "resolve_family": ("._resolve", "resolve"),
@@ -43,4 +43,4 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
-__all__ = ["FAMILY_DATA", "LOAD_OPTIONS", "EagerModel", "Family", "resolve_family", "supported_model_types"]
+__all__ = ["FAMILY_DATA", "LOAD_OPTIONS", "EagerModel", "Family", "resolve_family", "verified_model_types"]

@@ -230,7 +230,3 @@ def verified_model_types() -> list[str]:
     """The ``model_type`` values verified against HF on the eager backend, sorted."""
     return sorted(VERIFIED_MODEL_TYPES)
 
-
-def supported_model_types() -> list[str]:
-    """The verified ``model_type`` values (any decoder-only model whose structure resolves is served)."""
-    return verified_model_types()

@@ -42,7 +42,7 @@ from ._convert import PromptIn, Served, generation_options
 from ._errors import ApiError, limit_exceeded
 from ._render import ERRORS, completion_out, json_text, tensor_body
 from ._routes import capture_generation_of, results_of
-from ._schemas import LensBody, MessageBody, Point, SteeringBody, _Body, _Chat
+from ._schemas import LensBody, MessageBody, Point, SteeringBody, StrictBody, ChatInput
 
 MAX_STOPS = 4
 """Most stop strings (OpenAI's limit)."""
@@ -50,7 +50,7 @@ MAX_STOP_CHARS = 256
 """Longest stop string."""
 
 
-class InterpExtension(_Body):
+class InterpExtension(StrictBody):
     """The ``interp`` extension of a completion request (``extra_body={"interp": {...}}``)."""
 
     steering: SteeringBody | None = Field(default=None, description="a steering spec applied to this completion")
@@ -69,11 +69,11 @@ class InterpExtension(_Body):
     )
 
 
-class StreamOptions(_Body):
+class StreamOptions(StrictBody):
     include_usage: bool = False
 
 
-class _OpenAISampling(_Body):
+class _OpenAISampling(StrictBody):
     """The sampling options OpenAI's completion and chat completion requests share (with vLLM's
     ``top_k`` and ``ignore_eos``)."""
 
@@ -109,7 +109,7 @@ DEFAULT_CHAT_MAX_TOKENS = 16
 """A chat completion's ``max_tokens`` when neither it nor ``max_completion_tokens`` is given."""
 
 
-class ChatCompletionRequest(_Chat, _OpenAISampling):
+class ChatCompletionRequest(ChatInput, _OpenAISampling):
     """OpenAI's chat completion request (one choice): ``messages`` and the sampling options,
     plus ``interp``, and vLLM's chat extensions (``add_generation_prompt``, ``chat_template``,
     ``chat_template_kwargs``, ``top_k``, ``ignore_eos``)."""

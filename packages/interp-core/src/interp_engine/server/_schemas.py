@@ -32,13 +32,13 @@ from ..steering._writes import Op, param_doc
 Format = Literal["json", "safetensors"]
 
 
-class _Body(BaseModel):
+class StrictBody(BaseModel):
     # strict: no coercion ("stream": "yes" or "scale": "2" are errors, not true and 2.0); an int
     # is still a float (JSON has one number type)
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
-class EncodedTensor(_Body):
+class EncodedTensor(StrictBody):
     """A float32 tensor: ``data`` is the base64 of its little-endian bytes in C (row-major) order."""
 
     dtype: Literal["float32"] = "float32"
@@ -68,7 +68,7 @@ Positions = Annotated[str, Field(max_length=200)] | list[StrictInt]
 """A write's positions: ``"all"``, ``"prompt"``, ``"generated"``, a chat span name, or indices."""
 
 
-class WriteBody(_Body):
+class WriteBody(StrictBody):
     """One steering write (the core's ``Write.to_dict`` format; ``vector`` may also be an encoded
     tensor, e.g. activations returned by an earlier capture, for activation patching)."""
 
@@ -87,7 +87,7 @@ class WriteBody(_Body):
     max_fraction: float | None = Field(default=None, description=param_doc("max_fraction"))
 
 
-class FeatureWriteBody(_Body):
+class FeatureWriteBody(StrictBody):
     """One write by SAE feature (the core's ``FeatureWrite.to_dict`` format): the SAE attached to
     the served model as ``sae`` is named, never sent. With ``f_i(x)`` the feature's activation and
     ``d_i`` its decoder row: ``clamp`` writes ``x + (value - f_i(x)) d_i`` (the SAE's error term
@@ -113,14 +113,14 @@ AnyWriteBody = Annotated[
 """A write at an address, or (with ``sae``) a write by feature."""
 
 
-class SteeringBody(_Body):
+class SteeringBody(StrictBody):
     """A per-request steering spec: ``SteeringSpec.to_dict()`` of the core (writes at addresses
     and writes by SAE feature, applied in order)."""
 
     writes: list[AnyWriteBody]
 
 
-class FeaturesBody(_Body):
+class FeaturesBody(StrictBody):
     """A feature readout of the SAE (or probe) attached as ``sae``: the core's
     ``Features.to_dict`` form. At most one of ``top_k`` (the k largest features per token),
     ``ids`` (these features' values) and ``dense`` (every feature); none of them: the top 16.
@@ -151,7 +151,7 @@ Point = Annotated[
 readout object (``{"sae": "res", "top_k": 8}``)."""
 
 
-class MessageBody(_Body):
+class MessageBody(StrictBody):
     """One chat message, as the model's chat template reads it (``role`` and ``content``; the
     optional fields some templates use: ``reasoning_content`` (Qwen 3), ``name``, ``tool_call_id``)."""
 
@@ -166,7 +166,7 @@ class MessageBody(_Body):
         return self.model_dump(exclude_none=True)
 
 
-class _Chat(_Body):
+class ChatInput(StrictBody):
     messages: list[MessageBody] | None = Field(
         default=None,
         description="or chat messages, formatted by the model's chat template (model.chat_tokens); the answer's "
@@ -186,12 +186,12 @@ class _Chat(_Body):
     )
 
 
-class _Prompt(_Chat):
+class _Prompt(ChatInput):
     token_ids: list[StrictInt] | None = Field(default=None, description="the prompt's token ids")
     text: str | None = Field(default=None, description="or its text (tokenized with model.to_tokens)")
 
 
-class _Sampling(_Body):
+class _Sampling(StrictBody):
     temperature: float | None = Field(default=None, ge=0, description="0 (the default) is greedy")
     top_k: StrictInt | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)
@@ -218,7 +218,7 @@ class CaptureRequest(_Prompt):
     format: Format = "json"
 
 
-class LensBody(_Body):
+class LensBody(StrictBody):
     """The logit lens to read while generating (the core's ``LensRequest.to_json``): at ``layers``
     (``resid_post`` of each, negative from the end), the ``top_k`` tokens and probabilities, at
     every position that produces a generated token, and with ``positions`` at those prompt
@@ -269,13 +269,13 @@ class AttentionRequest(_Prompt):
     format: Format = "json"
 
 
-class DecodeRequest(_Body):
+class DecodeRequest(StrictBody):
     activations: TensorValue = Field(description="residual-stream vectors [..., d_model]")
     top_k: StrictInt = Field(default=10, ge=0, description="top tokens per vector")
     return_logits: bool = Field(default=False, description="also return the full logits [..., vocab]")
 
 
-class TokenizeRequest(_Chat):
+class TokenizeRequest(ChatInput):
     text: str | None = Field(default=None, description="a text (or messages, formatted by the chat template)")
 
 
