@@ -36,6 +36,25 @@ def test_a_ping_crosses_as_plain_data() -> None:
         wire.from_wire(Ping, {"runner": "X", "patched": "yes"})
 
 
+def test_a_worker_without_taps_answers_its_ping_with_the_reason() -> None:
+    """A model the worker cannot resolve still pings (vLLM's own requests keep being served): the
+    answer says why it has no taps instead of raising."""
+    from interp_vllm import _compat, _vllm_entry
+    from interp_vllm._worker import UntappedRunner
+
+    class Runner:
+        _interp_taps = UntappedRunner("its layers cannot be found")
+
+    setattr(Runner, _compat.PATCHED, True)
+
+    class Worker:
+        model_runner = Runner()
+
+    ping = wire.from_wire(Ping, _vllm_entry.interp_ping(Worker()))
+    assert ping.patched and ping.unsupported == "its layers cannot be found"
+    assert ping.lacks is None and ping.layers == () and (ping.pp_rank, ping.pp_size) == (0, 1)
+
+
 def test_the_static_declaration_has_its_defaults_once() -> None:
     from interp_vllm import _static_model
 

@@ -65,6 +65,9 @@ class UntappedRunner:
     taps are refused by the front end, which resolves it first)."""
 
     family = None
+    pp_rank, pp_size = 0, 1
+    owned: tuple[int, ...] = ()
+    """What a ping reports of the pipeline stage: no layers are tapped here."""
 
     def __init__(self, unsupported: str) -> None:
         self.unsupported = unsupported
