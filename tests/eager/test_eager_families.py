@@ -330,7 +330,7 @@ DENSE_MLP = {"ernie4_5_moe": Where()}
 
 PER_HEAD = {"attn_q", "attn_k", "attn_v", "attn_z", "q_norm_in", "q_norm_out", "k_norm_in", "k_norm_out"}
 MOE_KINDS = {"router_logits", "expert_indices", "expert_weights"}
-DENSE_MLP_KINDS = {"mlp_pre", "mlp_pre_linear", "mlp_post"}
+DENSE_MLP_KINDS = {"mlp_pre", "mlp_gate_act", "mlp_pre_linear", "mlp_post"}
 BASE_KINDS = {
     "embed",
     "resid_pre",
@@ -392,7 +392,7 @@ def _expected_kinds(family: str) -> set[str]:
     if dense:
         kinds |= {"mlp_pre", "mlp_post"}
         if (DENSE_MLP.get(family) or where).up is not None:
-            kinds.add("mlp_pre_linear")
+            kinds |= {"mlp_pre_linear", "mlp_gate_act"}
     if where.router is not None:
         kinds |= MOE_KINDS
     if where.q_norm is not None:
@@ -692,6 +692,8 @@ def hf_values(family: str, ids: list[int], layer: int, hf: Any = None) -> dict[s
         values["mlp_pre_linear"] = got["mlp_pre_linear"].reshape(len(ids), -1)
     if "mlp_post" in got:
         values["mlp_post"] = got["mlp_post"].reshape(len(ids), -1)
+    if "mlp_pre_linear" in values:  # a gated MLP: the config's activation of the gate
+        values["mlp_gate_act"] = _activation(hf.config)(values["mlp_pre"])
     if "router" in got:
         logits, weights, indices = got["router"]
         values["router_logits"] = logits.reshape(len(ids), -1)
@@ -706,6 +708,18 @@ def hf_values(family: str, ids: list[int], layer: int, hf: Any = None) -> dict[s
         values["mlp_out_post"] = got["mlp_out_post"][0]
     values["resid_mid"] = values["resid_pre"] + values.get("attn_out_post", values["attn_out"])
     return values
+
+
+def _activation(config: Any) -> Any:
+    """The activation a config names for its MLP, from transformers' own registry."""
+    from transformers.activations import ACT2FN
+
+    name = next(
+        value
+        for key in ("hidden_act", "hidden_activation", "activation_function")
+        if isinstance(value := getattr(config, key, None), str)
+    )
+    return ACT2FN[name]
 
 
 def _ids(family: str, n: int = 10, seed: int = 0) -> list[int]:

@@ -46,6 +46,7 @@ NEW_KINDS = (
     "attn_in",
     "mlp_in",
     "mlp_pre",
+    "mlp_gate_act",
     "mlp_pre_linear",
     "attn_scores",
     "q_norm_in",
@@ -170,7 +171,7 @@ def _scaling(family: str, hf: Any, d_head: int) -> float:
 def _expected_kinds(family: str, parts: Parts) -> set[str]:
     kinds = set(BASE_KINDS)
     if parts.up is not None:
-        kinds.add("mlp_pre_linear")
+        kinds |= {"mlp_pre_linear", "mlp_gate_act"}
     if parts.q_norm is not None:
         kinds |= QK_KINDS
     if parts.post_attn_norm is not None:
@@ -284,6 +285,8 @@ def hf_intermediates(family: str, hf: Any, parts: Parts, ids: list[int], layer: 
             hook_out(parts.gate, "mlp_pre")
             if parts.up is not None:
                 hook_out(parts.up, "mlp_pre_linear")
+        if parts.up is not None:  # a gated MLP: its activation module's output is act(gate)
+            hook_out(parts.act, "mlp_gate_act")
         for norm, name, n in ((parts.q_norm, "q", heads), (parts.k_norm, "k", kv_heads)):
             if norm is not None:
                 view = functools.partial(_heads_view, layout=parts.qk_layout, heads=n, d=d)
@@ -383,7 +386,7 @@ def test_identities_between_points(family: str) -> None:
     if family in SANDWICH:
         kinds += ["attn_out_post", "mlp_out_post"]
     if family in GATED:
-        kinds.append("mlp_pre_linear")
+        kinds += ["mlp_pre_linear", "mlp_gate_act"]
     cache = run_with_cache(model, PROMPT, [f"{k}.{layer}" for k in kinds for layer in range(n)])
     block = _layer(hf_oracle(family), family, 0)
     act = _get(block, PARTS[family].act)
@@ -401,6 +404,9 @@ def test_identities_between_points(family: str) -> None:
             assert rel_diff(at("resid_mid"), at("resid_pre") + at("attn_out")) <= TOL, layer
         linear = at("mlp_pre_linear") if family in GATED else 1.0
         assert rel_diff(at("mlp_post"), act(at("mlp_pre")) * linear) <= TOL, layer
+        if family in GATED:  # the gate's activation times the linear branch is the MLP's hidden
+            assert rel_diff(at("mlp_gate_act"), act(at("mlp_pre"))) <= TOL, layer
+            assert rel_diff(at("mlp_post"), at("mlp_gate_act") * linear) <= TOL, layer
 
 
 def test_sandwich_families_read_the_sublayers_own_outputs_before_the_post_norms() -> None:

@@ -31,6 +31,7 @@ _LLAMA = {
     "mlp_in": ("mlp", "in"),
     "mlp_pre": ("mlp.gate_proj", "out"),
     "mlp_pre_linear": ("mlp.up_proj", "out"),
+    "mlp_gate_act": ("mlp.act_fn", "out"),  # HF applies the gate's activation on its own
 }
 _QK_NORMS = {
     "q_norm_in": ("self_attn.q_norm", "in"),
@@ -301,7 +302,7 @@ def test_points_lists_what_the_family_has(vllm_engines: Any) -> None:
     assert info.shape == (qwen3.info.n_kv_heads, qwen3.info.d_head) and info.writable and info.how == "hook"
     assert qwen3.points()["attn_scores"].how == "recompute" and not qwen3.points()["attn_scores"].writable
     ids = _ids(gpt2)
-    for bad in ("mlp_pre_linear.0", "q_norm_out.1", "attn_out_post.0"):
+    for bad in ("mlp_pre_linear.0", "mlp_gate_act.1", "q_norm_out.1", "attn_out_post.0"):
         with pytest.raises(KindNotInFamily, match="gpt2") as err:
             gpt2.capture(ids, [bad])
         assert "mlp_pre" in err.value.valid

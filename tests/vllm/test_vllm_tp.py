@@ -265,7 +265,7 @@ def test_tp2_new_points_equal_tp1(vllm_engines: Any, prompt: str) -> None:
     assert two.model.tp_size == 2
     info = one.info
     ids = one.to_tokens(PROMPT)[0].tolist() if prompt == "short" else LONG[:120]
-    points = [Address(k, layer) for layer in range(N_LAYERS) for k in (*NEW_KINDS, "mlp_pre_linear")]
+    points = [Address(k, layer) for layer in range(N_LAYERS) for k in (*NEW_KINDS, "mlp_pre_linear", "mlp_gate_act")]
     points.append(Address("logits_raw"))
     ref, got = one.capture(ids, points), two.capture(ids, points)
     for point in points:

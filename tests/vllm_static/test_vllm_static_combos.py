@@ -61,6 +61,7 @@ READ_KINDS = (
     "attn_pattern",
     "attn_scores",
     *NEW_KINDS,
+    "mlp_gate_act",
 )
 WRITE_KINDS = ("resid_pre", *HEAD_WRITES, "resid_mid", "resid_post", "attn_out", "mlp_out", "mlp_post", *NEW_KINDS)
 HEAD_KINDS = (*HEAD_READS, "q_norm_in", "q_norm_out", "k_norm_in", "k_norm_out")
@@ -80,9 +81,10 @@ class HfParts(NamedTuple):
     up: str | None = None  # the projection whose output is mlp_pre_linear (gated MLPs)
     q_norm: str | None = None
     k_norm: str | None = None
+    act: str | None = None  # the module applying the gate's activation (gated MLPs): mlp_gate_act
 
     def lacks(self) -> set[str]:
-        missing = set() if self.up else {"mlp_pre_linear"}
+        missing = set() if self.up else {"mlp_pre_linear", "mlp_gate_act"}
         return missing | (set() if self.q_norm else {f"{w}_norm_{s}" for w in "qk" for s in ("in", "out")})
 
 
@@ -96,6 +98,7 @@ _LLAMA_LIKE = HfParts(
     ("self_attn.v_proj", 0, 1),
     "mlp.gate_proj",
     "mlp.up_proj",
+    act="mlp.act_fn",
 )
 HF_PARTS = {
     "llama": _LLAMA_LIKE,
@@ -340,7 +343,7 @@ def hf_run(family: str, path: pathlib.Path, ids: list[int], writes: list[Write])
             for kind, path in (("attn_in", parts.attn), ("mlp_in", parts.mlp)):
                 hook = input_hook(Address(kind, layer))
                 handles.append(_module(block, path).register_forward_pre_hook(hook, with_kwargs=True))
-            for kind, path in (("mlp_pre", parts.gate), ("mlp_pre_linear", parts.up)):
+            for kind, path in (("mlp_pre", parts.gate), ("mlp_pre_linear", parts.up), ("mlp_gate_act", parts.act)):
                 if path is not None:
                     handles.append(_module(block, path).register_forward_hook(output_hook(Address(kind, layer))))
             for which, path in (("q", parts.q_norm), ("k", parts.k_norm)):

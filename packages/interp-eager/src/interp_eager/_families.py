@@ -67,6 +67,9 @@ class Family:
     mlp_pre_linear: str | None = "mlp.up_proj"
     """The linear layer whose output is ``mlp_pre_linear`` (a gated MLP's up branch); ``None``:
     the MLP is not gated."""
+    mlp_act: str | None = "mlp.act_fn"
+    """The module applying a gated MLP's activation to the gate branch alone (its output is
+    ``mlp_gate_act``); ``None``: the MLP is not gated, or applies its activation in a function."""
     gate_up_fused: bool = False
     """Whether :attr:`mlp_pre` and :attr:`mlp_pre_linear` name one module whose output is
     ``[gate | up]``: ``mlp_pre`` is its first half, ``mlp_pre_linear`` its second (Phi-3)."""

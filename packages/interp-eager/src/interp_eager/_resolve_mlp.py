@@ -4,6 +4,7 @@ sub-norm before it; on a mixture-of-experts layer, the router and the experts' a
 
 - negating one input projection's output (or half of a fused one) and seeing the MLP's hidden
   flip sign tells the linear (``up``) branch of a gated MLP from the gate;
+- the module whose input is the gate branch (and whose output is not) applies the gate's activation;
 - a norm whose output is the down projection's input is a sub-norm (BitNet's ``ffn_sub_norm``):
   ``mlp_post`` is what it receives;
 - an MLP whose output is its down projection's plus the residual (Bloom, MPT) has ``mlp_out`` at
@@ -46,7 +47,10 @@ def resolve_mlp(traced: Traced, attn_output: torch.Tensor | None) -> MlpParts:
         if (m.mlp_in, m.mlp_out) != (mlp_in, mlp_out):
             raise refuse(model, f"its layers keep their MLPs at different places ({m.mlp_in}, {mlp_in})")
     fields: dict[str, Any] = {
-        **{name: None for name in ("mlp_pre", "mlp_pre_linear", "mlp_down", "mlp_sub_norm", "router", "experts")},
+        **{
+            name: None
+            for name in ("mlp_pre", "mlp_pre_linear", "mlp_act", "mlp_down", "mlp_sub_norm", "router", "experts")
+        },
         **{name: 0 for name in ("expert_index_arg", "expert_weight_arg", "n_experts", "experts_per_token")},
     }
     if dense_index is not None:
@@ -98,13 +102,39 @@ def _dense(traced: Traced, index: int) -> dict[str, Any]:
         mlp_pre = dense.inputs[1 - up]
     else:
         mlp_pre = dense.inputs[0]
+    gated = mlp_pre_linear is not None and mlp_pre is not None
     return {
         "mlp_pre": mlp_pre,
         "mlp_pre_linear": mlp_pre_linear,
+        "mlp_act": _gate_activation(traced, index, dense, mlp_pre, fused) if gated and mlp_pre else None,
         "gate_up_fused": fused,
         "mlp_down": dense.down,
         "mlp_sub_norm": mlp_sub_norm,
     }
+
+
+def _gate_activation(traced: Traced, index: int, dense: Mlp, mlp_pre: str, fused: bool) -> str | None:
+    """The module a gated MLP applies its activation with: the one whose input is the gate
+    branch (the first half of a fused projection's output) and whose output differs from it."""
+    gate = traced.output(mlp_pre, index)
+    if gate is None:
+        return None
+    if fused:
+        gate = gate[..., : gate.shape[-1] // 2]
+    layer = traced.layers[index]
+    block = layer.get_submodule(dense.block) if dense.block else layer
+    for name in (n for n, _ in block.named_modules(prefix=dense.block)):
+        if not name or name in dense.inputs or name == dense.down:
+            continue
+        out = traced.output(name, index)
+        if (
+            same(traced.input(name, index), gate)
+            and out is not None
+            and out.shape == gate.shape
+            and not same(out, gate)
+        ):
+            return str(name)
+    return None
 
 
 def _routed(traced: Traced, index: int) -> dict[str, Any]:

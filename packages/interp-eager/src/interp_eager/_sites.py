@@ -218,6 +218,7 @@ SITES: dict[str, EagerSite] = {
             no_gradient="it is read from the experts' arguments; take it at router_logits",
         ),
         EagerSite("mlp_pre", "post", ("mlp_pre",), part=0),
+        EagerSite("mlp_gate_act", "post", ("mlp_act",), no_gradient="it is read only; take it at mlp_pre"),
         EagerSite("mlp_pre_linear", "post", ("mlp_pre_linear",), part=1),
         EagerSite("mlp_post", "pre", ("mlp_sub_norm", "mlp_down")),
         EagerSite("mlp_out", "post", ("mlp_out",), added=True),
@@ -290,6 +291,10 @@ FEATURES: dict[Need, FeatureCheck] = {
         "hidden; read mlp_in, mlp_out or router_logits/expert_indices/expert_weights there",
     ),
     "gated_mlp": FeatureCheck(lambda arch, path: arch.family.mlp_pre_linear is not None),
+    "gate_activation": FeatureCheck(
+        lambda arch, path: path is not None or arch.family.mlp_pre_linear is None,
+        "its gated MLP applies the gate's activation inside a function, with no module of its own to read",
+    ),
 }
 """How the eager backend checks each need of the core's kind rows (a kind's
 :func:`~interp_engine.backend.requirements`; every family has the pre-norms it reads ``attn_in``

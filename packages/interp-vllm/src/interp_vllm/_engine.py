@@ -110,9 +110,6 @@ def _generation_config(name_or_path: str, trust: bool) -> Any:
         return None
 
 
-_HOW = {"attn_scores": "recompute", "attn_pattern": "recompute", "logits_raw": "recompute"}
-
-
 class EngineClient(TokenizerMixin, ModelBase):
     """A model served by vLLM with interp-engine taps in its model runner.
 
@@ -303,7 +300,7 @@ class EngineClient(TokenizerMixin, ModelBase):
         the bare unembedding are recomputed exactly from what vLLM computed (the post-rotary
         queries and keys its kernel received; the final norm's output and the unembedding)."""
         lacks = self.family.lacks()
-        return {kind: _HOW.get(kind, "hook") for kind in SITES if kind not in lacks and kind in self.supported_points}
+        return {kind: SITES[kind].how for kind in SITES if kind not in lacks and kind in self.supported_points}
 
     def _missing_reason(self, kind: str) -> str:
         return self.family.missing_reason(kind) or super()._missing_reason(kind)

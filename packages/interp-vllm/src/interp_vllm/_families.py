@@ -15,12 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from interp_engine.backend import KINDS, Need, lacking
+from interp_engine.backend import KINDS, Need, lacking, requirements
 
 
-def _need(kind: str) -> Need | None:
-    info = KINDS.get(kind)
-    return None if info is None else info.needs
+def _needs(kind: str) -> tuple[Need, ...]:
+    return requirements(kind) if kind in KINDS else ()
 
 
 @dataclass(frozen=True)
@@ -54,6 +53,9 @@ class VllmFamily:
     gated: bool = True
     """Whether :attr:`mlp_up`'s output is ``[gate | up]`` (per rank, under tensor parallelism):
     ``mlp_pre`` is its first half and ``mlp_pre_linear`` its second."""
+    mlp_act: str | None = "mlp.act_fn"
+    """A gated MLP's activation module, turning ``[gate | up]`` into ``act(gate) * up`` (its
+    gate activation is ``mlp_gate_act``); ``None``: not gated, or none the resolver could check."""
     mlp_down: str | None = "mlp.down_proj"
     d_mlp: int = 0
     """The dense MLP's hidden width: the whole (unsharded) input of the first dense layer's
@@ -112,6 +114,8 @@ class VllmFamily:
             has.add("dense_mlp")
             if self.gated:
                 has.add("gated_mlp")
+                if self.mlp_act is not None:
+                    has.add("gate_activation")
         if self.is_moe:
             has.add("moe")
         if self.q_norm is not None:
@@ -132,12 +136,14 @@ class VllmFamily:
 
     def missing_reason(self, kind: str) -> str | None:
         """Why this model lacks ``kind``, where the core's generic reason would mislead."""
-        if self.is_moe and not self.dense_mlp and _need(kind) in ("dense_mlp", "gated_mlp"):
+        if self.is_moe and not self.dense_mlp and "dense_mlp" in _needs(kind):
             return (
                 "its MLPs are mixtures of experts: there is no single MLP hidden (read router_logits, "
                 "expert_indices, expert_weights, or mlp_out, the whole block's output)"
             )
-        if self.sinks and kind == "attn_scores":
+        if self.gated and self.mlp_act is None and "gate_activation" in _needs(kind):
+            return "its gated MLP applies its activation in no module whose gate activation could be read alone"
+        if self.sinks and "key_softmax" in _needs(kind):
             return (
                 "its attention also normalises over a sink logit per head: there are no scores over the "
                 "keys alone (attn_pattern is served, its rows summing to 1 minus the sink's share)"
@@ -148,12 +154,12 @@ class VllmFamily:
         """Why ``kind`` does not exist at ``layer`` (``None``: it does), for models whose layers
         differ (dense and mixture-of-experts layers mixed)."""
         moe = self.is_moe_layer(layer)
-        need = _need(kind)
-        if moe and need in ("dense_mlp", "gated_mlp"):
+        needs = _needs(kind)
+        if moe and "dense_mlp" in needs:
             return (
                 f"layer {layer} is a mixture of experts: there is no single MLP hidden "
                 "(read router_logits, expert_indices, expert_weights or mlp_out)"
             )
-        if not moe and need == "moe":
+        if not moe and "moe" in needs:
             return f"layer {layer} has a dense MLP, not a mixture of experts"
         return None

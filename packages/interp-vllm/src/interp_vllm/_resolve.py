@@ -39,6 +39,7 @@ from torch import fx, nn
 from interp_engine import InvalidOption, UnsupportedArchitecture
 
 from ._families import VllmFamily
+from ._sites import gate_activation
 
 FAMILY_DATA: dict[str, dict[str, Any]] = {}
 """Per vLLM model class name: :class:`VllmFamily` fields structure cannot tell (none needed by
@@ -297,7 +298,35 @@ def _mlp(model: nn.Module, mlp: nn.Module, prefix: str, classes: dict[str, Any],
     gated = (isinstance(up, classes["merged"]) and len(getattr(up, "output_sizes", ())) == 2) or (
         down_in > 0 and int(getattr(up, "output_size", 0) or 0) == 2 * down_in
     )
-    return {"mlp_up": _join(prefix, ups[0]), "mlp_down": _join(prefix, down[0]), "gated": gated}
+    act = _gate_activation(mlp, (ups[0], down[0]), classes) if gated else None
+    return {
+        "mlp_up": _join(prefix, ups[0]),
+        "mlp_down": _join(prefix, down[0]),
+        "gated": gated,
+        "mlp_act": _join(prefix, act) if act is not None else None,
+    }
+
+
+def _gate_activation(mlp: nn.Module, projections: tuple[str, str], classes: dict[str, Any]) -> str | None:
+    """The child of a gated MLP that turns ``[gate | up]`` into ``act(gate) * up`` (vLLM's
+    ``SiluAndMul``, ``GeluAndMul``, ...), checked on a probe to be one that ``act([gate | 1])``
+    turns into ``act(gate)`` (:func:`interp_vllm._sites.gate_activation`); ``None``: no such child."""
+    gate, up = torch.randn(2, 2, 8, generator=torch.Generator().manual_seed(0))
+    for name, child in mlp.named_children():
+        if name in projections or isinstance(child, classes["linear"]) or any(True for _ in child.parameters()):
+            continue
+        # the op's own torch implementation, on the host: the same answer in the front end (whose
+        # model has no weights) and in a worker on any device
+        native = getattr(child, "forward_native", child)
+        try:
+            with torch.no_grad():
+                fused = native(torch.cat([gate, up], dim=-1))
+                alone = gate_activation(native, gate)
+        except Exception:  # not an activation of [gate | up]
+            continue
+        if isinstance(fused, torch.Tensor) and fused.shape == gate.shape and torch.allclose(fused, alone * up):
+            return name
+    return None
 
 
 def _join(prefix: str, name: str) -> str:

@@ -22,13 +22,15 @@ is the stashed ``resid_pre`` plus what the layer adds after attention (a write t
 by the same amount, so both the MLP and the residual see it, where vLLM forms the sum);
 ``attn_scores`` are the post-rotary queries times the keys the kernel receives, with the kernel's
 scale, soft-cap, causal mask and sliding window, and ``attn_pattern`` their softmax;
-``expert_indices`` / ``expert_weights`` are vLLM's own routing function (the fused-MoE runner's
-router) applied to the router's logits, after any write there.
+``mlp_gate_act`` is the gate half of the fused ``[gate | up]`` output through the family's own
+activation module (``activated``); ``expert_indices`` / ``expert_weights`` are vLLM's own routing
+function (the fused-MoE runner's router) applied to the router's logits, after any write there.
 Per-head kinds are ``[tokens, heads * d_head]`` in vLLM and ``[tokens, heads, d_head]`` to us.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -65,11 +67,17 @@ class VllmSite:
     (split, or replicated when there are fewer key/value heads than ranks), ``None`` (whole)."""
     derived: bool = False
     """Computed at the hook from other values (see the module docstring), not read directly."""
+    how: Literal["hook", "recompute"] = "hook"
+    """How the value is had, as ``points()`` reports it: read at the hook, or recomputed there
+    from what the hook sees (the scores from q and k, the gate's activation, the bare unembedding)."""
     static_write: bool = True
     """Whether vllm-static can apply writes here in-graph."""
     added: Literal["attn", "mlp"] | None = None
     """A sublayer's output as the residual receives it: the hooked tensor times the family's
     multiplier of that sublayer's contribution (:func:`added_scale`), where this kind is what is added."""
+    activated: bool = False
+    """The hooked half passed through the family's gate activation (:func:`gate_activation`): a
+    gated MLP's ``act(gate)``, which vLLM's fused ``act(gate) * up`` kernels never hold apart."""
     routed: Literal["ids", "weights"] | None = None
     """Computed by vLLM's routing function from the router's logits at the same hook (the experts
     chosen and their weights); vllm-static taps the logits (:data:`ROUTER_KIND`) and routes on the host."""
@@ -93,8 +101,12 @@ SITES: dict[str, VllmSite] = {
         VllmSite("attn_q", "input", "attn_kernel", arg=0, shard="heads", static_write=False),
         VllmSite("attn_k", "input", "attn_kernel", arg=1, shard="kv_heads", static_write=False),
         VllmSite("attn_v", "input", "attn_kernel", arg=2, shard="kv_heads"),
-        VllmSite("attn_scores", "input", "attn_kernel", shard="heads", derived=True, static_write=False),
-        VllmSite("attn_pattern", "input", "attn_kernel", shard="heads", derived=True, static_write=False),
+        VllmSite(
+            "attn_scores", "input", "attn_kernel", shard="heads", derived=True, how="recompute", static_write=False
+        ),
+        VllmSite(
+            "attn_pattern", "input", "attn_kernel", shard="heads", derived=True, how="recompute", static_write=False
+        ),
         VllmSite("attn_z", "input", "attn_o_proj", shard="heads"),
         VllmSite("attn_out", "output", "attn", added="attn"),
         VllmSite("attn_out_post", "output", "attn_post_norm", added="attn"),
@@ -105,13 +117,14 @@ SITES: dict[str, VllmSite] = {
         VllmSite("expert_indices", "output", "router", derived=True, static_write=False, routed="ids"),
         VllmSite("expert_weights", "output", "router", derived=True, static_write=False, routed="weights"),
         VllmSite("mlp_pre", "output", "mlp_up", shard="last", part="gate"),
+        VllmSite("mlp_gate_act", "output", "mlp_up", shard="last", part="gate", how="recompute", activated=True),
         VllmSite("mlp_pre_linear", "output", "mlp_up", shard="last", part="up"),
         VllmSite("mlp_post", "input", "mlp_down", shard="last"),
         VllmSite("mlp_out", "output", "mlp_out_at", added="mlp"),
         VllmSite("mlp_out_post", "output", "mlp_post_norm", added="mlp"),
         VllmSite("resid_post", "layer_out"),
         VllmSite("final_norm", "model_out"),
-        VllmSite("logits_raw", "model_out", static_write=False),
+        VllmSite("logits_raw", "model_out", how="recompute", static_write=False),
         VllmSite("logits", "model_out", static_write=False),
     )
 }
@@ -142,6 +155,13 @@ def columns(site: VllmSite, family: VllmFamily) -> tuple[int, int] | None:
     if site.part is None or not family.gated:
         return None
     return (0 if site.part == "gate" else 1), 2
+
+
+def gate_activation(act: Callable[[torch.Tensor], torch.Tensor], gate: torch.Tensor) -> torch.Tensor:
+    """``act(gate)`` through a fused ``act(x[:d]) * x[d:]`` module (the family's
+    :attr:`~interp_vllm._families.VllmFamily.mlp_act`): the module applied to ``[gate | 1]``."""
+    out: torch.Tensor = act(torch.cat([gate, torch.ones_like(gate)], dim=-1))
+    return out
 
 
 def added_scale(site: VllmSite, family: VllmFamily) -> float:

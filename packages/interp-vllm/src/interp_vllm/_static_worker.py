@@ -51,7 +51,17 @@ from interp_engine.backend import write_positions
 
 from . import _compat
 from ._request_taps import Hook, RequestTaps, Slice
-from ._sites import ROUTER_KIND, SITES, HookKey, VllmSite, added_scale, columns, hook_key, owned_heads
+from ._sites import (
+    ROUTER_KIND,
+    SITES,
+    HookKey,
+    VllmSite,
+    added_scale,
+    columns,
+    gate_activation,
+    hook_key,
+    owned_heads,
+)
 from ._static import SaeLayout, StaticSae, StaticTap, StaticWrites, plan_writes
 from ._wire import CONFIG_KEY, Fetched, RequestPayload, StaticDeclaration, compact, from_wire
 from ._worker import TapManager
@@ -328,11 +338,15 @@ class StaticTapManager(TapManager):
     ) -> Callable[..., Any]:
         # (column block, scale) -> names: the gate / up halves; a sublayer's output as added to the residual
         parts: dict[tuple[tuple[int, int] | None, float], Names] = {}
+        activated: Names = []  # mlp_gate_act: read only, act(gate) after any write at mlp_pre
         for a in addresses:
             site = SITES[a.kind]
-            if not site.derived:
+            if site.activated:
+                activated.append(self._names(module, a))
+            elif not site.derived:
                 key = (columns(site, self.family), added_scale(site, self.family))
                 parts.setdefault(key, []).append(self._names(module, a))
+        act = self.gate_act(layer) if activated else None
         mid_names = [self._names(module, a) for a in addresses if SITES[a.kind].derived]  # resid_mid
         out_writes = any(_writes(names) for names in parts.values())
         mid_writes = _writes(mid_names)
@@ -357,6 +371,9 @@ class StaticTapManager(TapManager):
                 pieces[index] = _chain(module, names, pieces[index])
                 if _writes(names):
                     new = torch.cat(pieces, dim=-1)
+            if act is not None:
+                gate = new.split(new.shape[-1] // 2, dim=-1)[0]
+                _chain(module, activated, gate_activation(act, gate))
             if mid_names:
                 n = new.shape[0]
                 before = _tap(module, "interp_stash").buffer[:n].to(new.dtype)

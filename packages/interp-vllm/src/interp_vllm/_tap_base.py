@@ -98,6 +98,10 @@ class TapBase:
         module: nn.Module = attr_path(block, getattr(self.family, attr))
         return module
 
+    def gate_act(self, layer: int) -> nn.Module:
+        """The gate activation module of ``layer``'s MLP (:attr:`VllmFamily.mlp_act`)."""
+        return self.module(("output", "mlp_act", layer))
+
     def _timed_forward(self, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         began = time.perf_counter_ns()
         try:

@@ -22,7 +22,7 @@ from torch import nn
 from interp_engine import Address, BackendError, FeatureWrite, Write
 
 from ._request_taps import Hook, LocalWrite, Slice, WriteTable, touched_rows
-from ._sites import SITES, HookKey, VllmSite, added_scale, columns, local_write
+from ._sites import SITES, HookKey, VllmSite, added_scale, columns, gate_activation, local_write
 from ._tap_recompute import RecomputeTaps
 from ._tap_saes import SaeTaps
 from .hooks import arg_slot, arg_value, copy_rows, flat, forward_pre_hook, part_of, set_arg
@@ -242,6 +242,12 @@ class HookTaps(SaeTaps, RecomputeTaps):
                     if routed is None:
                         routed = self.route(layer, args[0] if args else rows, rows)
                     self._record_routing(routed, members, address)
+                elif site.activated:  # read only: act(gate), through the family's own activation
+                    self._visit(
+                        gate_activation(self.gate_act(layer), part_of(rows, columns(site, self.family))),
+                        members,
+                        address,
+                    )
                 else:
                     part = part_of(rows, columns(site, self.family))
                     factor = added_scale(site, self.family)

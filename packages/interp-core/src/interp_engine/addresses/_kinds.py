@@ -25,6 +25,7 @@ Need = Literal[
     "resid_mid",
     "dense_mlp",
     "gated_mlp",
+    "gate_activation",
     "q_norm",
     "k_norm",
     "attn_post_norm",
@@ -37,6 +38,8 @@ Need = Literal[
 - ``attn_pre_norm`` / ``mlp_pre_norm``: the attention / MLP reads a normed copy of the residual;
 - ``resid_mid``: a residual between attention and MLP (not parallel attention);
 - ``dense_mlp``: (some) layers have one MLP with a hidden layer; ``gated_mlp``: it is gated;
+- ``gate_activation``: its gate's activation is applied by a module of its own, apart from the
+  product with the linear branch (or fused with it in a kernel the backend can call on the gate alone);
 - ``q_norm`` / ``k_norm``: a norm on the queries / keys;
 - ``attn_post_norm`` / ``mlp_post_norm``: sandwich norms after the attention / MLP;
 - ``moe``: (some) layers are mixtures of experts;
@@ -45,8 +48,8 @@ Need = Literal[
 NEEDS: tuple[Need, ...] = Need.__args__  # type: ignore[attr-defined]
 """Every :data:`Need`."""
 
-IMPLIED: dict[Need, tuple[Need, ...]] = {"gated_mlp": ("dense_mlp",)}
-"""What having a need implies: a gated MLP is a dense MLP."""
+IMPLIED: dict[Need, tuple[Need, ...]] = {"gated_mlp": ("dense_mlp",), "gate_activation": ("dense_mlp", "gated_mlp")}
+"""What having a need implies: a gated MLP is a dense MLP; a gate activation is a gated MLP's."""
 
 
 @dataclass(frozen=True)
@@ -143,6 +146,15 @@ KINDS: dict[str, KindInfo] = {
         order=190,
         needs="dense_mlp",
         missing="its MLPs are mixtures of experts: there is no single MLP hidden",
+    ),
+    "mlp_gate_act": KindInfo(
+        True,
+        "d_mlp",
+        False,
+        "gated MLPs: the gate branch after its activation, act(mlp_pre), before it multiplies mlp_pre_linear",
+        order=195,
+        needs="gate_activation",
+        missing="its MLP is not gated (one up projection and an activation: its output is mlp_post)",
     ),
     "mlp_pre_linear": KindInfo(
         True,
