@@ -51,6 +51,9 @@ STATIC_COMPILED = ("gpt_neox", "mixtral")
 The others run their fixed taps uncompiled (``enforce_eager``) to keep CI short: vLLM's own dense
 classes compiled with static taps are covered by test_vllm_static.py and test_vllm_points.py."""
 MOE_PARTS = ("routing",)
+SHARED = ("gemma2", "gemma3_text")
+"""Families whose vllm engine is the session pool's (test_vllm_points reads them too): no
+mixture of experts among them, so no routing test needs the pickled-callable RPC there."""
 _checked: dict[tuple[str, str], dict[str, list[str]]] = {}
 """Per (family, backend): the parts whose test passed, with the kinds each checked."""
 
@@ -123,9 +126,13 @@ def _load(family: str, backend: str, compiled: bool = True) -> Any:
 
 
 @pytest.fixture(scope="module", params=[(f, b) for f in FAMILIES for b in BACKENDS], ids=lambda p: f"{p[0]}-{p[1]}")
-def served(request: pytest.FixtureRequest) -> Iterator[tuple[str, str, Any]]:
-    """One engine per (family, backend), shut down when that family's tests are done."""
+def served(request: pytest.FixtureRequest, vllm_engines: Any) -> Iterator[tuple[str, str, Any]]:
+    """One engine per (family, backend), shut down when that family's tests are done; the vllm
+    engine of a family the session's pool holds too (:data:`SHARED`) is the pool's."""
     family, backend = request.param
+    if backend == "vllm" and family in SHARED:
+        yield family, backend, vllm_engines(family)
+        return
     # the routing test runs a function in vLLM's worker (collective_rpc of a pickled callable)
     previous = os.environ.get(INSECURE)
     os.environ[INSECURE] = "1"
