@@ -232,4 +232,3 @@ VERIFIED_MODEL_TYPES: tuple[str, ...] = (
 def verified_model_types() -> list[str]:
     """The ``model_type`` values verified against HF on the eager backend, sorted."""
     return sorted(VERIFIED_MODEL_TYPES)
-
