@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -100,21 +100,27 @@ class VllmModel(SaeSync):
             rid, tuple(points), tuple(writes), n_prompt, n_total, readouts=tuple(readouts), stream=stream
         )
 
-    async def _fetch(
-        self, engine: Any, rid: str, points: Iterable[Address], n: int, readouts: Iterable[Features] = ()
-    ) -> tuple[dict[Address, torch.Tensor], dict[Features, FeatureReadout], LensChunk | None]:
-        """The request's values at ``points`` over its first ``n`` positions, its readouts, and
-        its logit lens as the workers computed it (``None``: it read none)."""
+    async def _decoded(self, answers: Awaitable[list[FetchedWire]], what: str) -> list[Fetched]:
+        """Every rank's answer for one request, decoded, each rank's own error raised: a closed
+        model, a dead engine or a failed fetch as the typed error that says so."""
         try:
-            every = [Fetched.decode(answer) for answer in await self._fetch_blobs(engine, rid)]
+            every = [Fetched.decode(answer) for answer in await answers]
         except Exception as exc:
             if self._closed:
                 raise ModelClosed("the model was shut down while this call was in flight") from exc
             if is_engine_dead(exc):
                 raise self._engine_died(f"{type(exc).__name__}: {exc}") from exc
-            raise BackendError(f"the workers could not return this request's values: {exc}") from exc
+            raise BackendError(f"the workers could not return this request's {what}: {exc}") from exc
         for rank in every:
             rank.raise_error()
+        return every
+
+    async def _fetch(
+        self, engine: Any, rid: str, points: Iterable[Address], n: int, readouts: Iterable[Features] = ()
+    ) -> tuple[dict[Address, torch.Tensor], dict[Features, FeatureReadout], LensChunk | None]:
+        """The request's values at ``points`` over its first ``n`` positions, its readouts, and
+        its logit lens as the workers computed it (``None``: it read none)."""
+        every = await self._decoded(self._fetch_blobs(engine, rid), "values")
         values: dict[Address, torch.Tensor] = {}
         for address in points:
             ranks = [every[i] for i in self._owners(address)]  # the stage that computes it, by TP rank
@@ -373,16 +379,7 @@ class VllmModel(SaeSync):
         self._drain_queue.append((rid, future))
         if self._drain_task is None or self._drain_task.done():
             self._drain_task = asyncio.ensure_future(self._batches(Workers(engine).drain_many, self._drain_queue))
-        try:
-            every = [Fetched.decode(answer) for answer in await future]
-        except Exception as exc:
-            if self._closed:
-                raise ModelClosed("the model was shut down while this call was in flight") from exc
-            if is_engine_dead(exc):
-                raise self._engine_died(f"{type(exc).__name__}: {exc}") from exc
-            raise BackendError(f"the workers could not return this request's readouts: {exc}") from exc
-        for rank in every:
-            rank.raise_error()
+        every = await self._decoded(future, "readouts")
         for spec, (positions, readout) in readouts_of(every).items():
             for row, p in enumerate(positions.tolist()):
                 pending.setdefault(int(p), {})[spec] = readout[row]

@@ -42,7 +42,7 @@ from ._convert import PromptIn, Served, generation_options
 from ._errors import ApiError, limit_exceeded
 from ._render import ERRORS, completion_out, json_text, tensor_body
 from ._routes import capture_generation_of, results_of
-from ._schemas import LensBody, MessageBody, Point, SteeringBody, StrictBody, ChatInput
+from ._schemas import ChatInput, LensBody, MessageBody, Point, SteeringBody, StrictBody
 
 MAX_STOPS = 4
 """Most stop strings (OpenAI's limit)."""
