@@ -28,6 +28,20 @@ def test_every_kind_has_one_site() -> None:
     assert {"attn_z", "attn_v"} <= set(STATIC_WRITE_KINDS)
 
 
+def test_the_recomputed_kinds_are_the_readmes() -> None:
+    """What ``points()`` reports as recomputed on vLLM: the README's table of where each kind lives
+    says the same (its vLLM column)."""
+    recomputed = {kind for kind, site in SITES.items() if site.how == "recompute"}
+    assert recomputed == {
+        "attn_scores",
+        "attn_pattern",
+        "mlp_gate_act",
+        "logits_raw",
+        "expert_indices",
+        "expert_weights",
+    }
+
+
 def test_no_module_outside_the_table_names_an_address_kind() -> None:
     """A new kind is a table entry: the workers and the front end dispatch on the site's fields,
     never on kind names (the derived kinds, resid_mid, attn_scores and attn_pattern, and the

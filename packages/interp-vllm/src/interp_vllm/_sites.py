@@ -69,7 +69,8 @@ class VllmSite:
     """Computed at the hook from other values (see the module docstring), not read directly."""
     how: Literal["hook", "recompute"] = "hook"
     """How the value is had, as ``points()`` reports it: read at the hook, or recomputed there
-    from what the hook sees (the scores from q and k, the gate's activation, the bare unembedding)."""
+    from what the hook sees (the scores from q and k, the gate's activation, the routing from the
+    router's logits, the bare unembedding)."""
     static_write: bool = True
     """Whether vllm-static can apply writes here in-graph."""
     added: Literal["attn", "mlp"] | None = None
@@ -114,8 +115,10 @@ SITES: dict[str, VllmSite] = {
         VllmSite("mlp_in", "input", "mlp_in_at", arg=0, arg_name="hidden_states"),
         # mixtures of experts: the router's output, and vLLM's routing function applied to it
         VllmSite("router_logits", "output", "router"),
-        VllmSite("expert_indices", "output", "router", derived=True, static_write=False, routed="ids"),
-        VllmSite("expert_weights", "output", "router", derived=True, static_write=False, routed="weights"),
+        VllmSite("expert_indices", "output", "router", derived=True, how="recompute", static_write=False, routed="ids"),
+        VllmSite(
+            "expert_weights", "output", "router", derived=True, how="recompute", static_write=False, routed="weights"
+        ),
         VllmSite("mlp_pre", "output", "mlp_up", shard="last", part="gate"),
         VllmSite("mlp_gate_act", "output", "mlp_up", shard="last", part="gate", how="recompute", activated=True),
         VllmSite("mlp_pre_linear", "output", "mlp_up", shard="last", part="up"),
