@@ -11,6 +11,4 @@ bash scripts/setup.sh
 .venv/bin/python -m mypy -p interp_testkit
 # the layering contracts under [tool.importlinter] in pyproject.toml
 .venv/bin/lint-imports
-# two processes: each of the vllm and vllm-static folders runs whole in one of them (the engines its
-# modules share are started once), the other folders' tests wherever a process is free
-.venv/bin/python -m pytest -q -p no:cacheprovider --durations=30 -n 2 --dist loadgroup "$@"
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=30 "$@"

@@ -22,18 +22,6 @@ from .support.engines import EnginePool
 os.environ["INTERP_TOY_BACKEND"] = "1"
 
 
-ENGINE_FOLDERS = ("vllm", "vllm_static")
-"""The folders whose modules share started engines: each runs whole in one test process under
-``pytest -n 2 --dist loadgroup`` (scripts/test.sh), so its engines start once."""
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        folder = item.path.parent.name
-        if folder in ENGINE_FOLDERS:
-            item.add_marker(pytest.mark.xdist_group(folder))
-
-
 @pytest.fixture(scope="module")
 def direct() -> Iterator[Any]:
     """``interp:tiny`` on eager behind a sync facade, one per module (to compare a served or
