@@ -102,11 +102,10 @@ def _dense(traced: Traced, index: int) -> dict[str, Any]:
         mlp_pre = dense.inputs[1 - up]
     else:
         mlp_pre = dense.inputs[0]
-    gated = mlp_pre_linear is not None and mlp_pre is not None
     return {
         "mlp_pre": mlp_pre,
         "mlp_pre_linear": mlp_pre_linear,
-        "mlp_act": _gate_activation(traced, index, dense, mlp_pre, fused) if gated and mlp_pre else None,
+        "mlp_act": _gate_activation(traced, index, dense, mlp_pre, fused) if mlp_pre and mlp_pre_linear else None,
         "gate_up_fused": fused,
         "mlp_down": dense.down,
         "mlp_sub_norm": mlp_sub_norm,
