@@ -11,7 +11,7 @@ values are fetched or released, and waits here (not in vLLM) while the tables ar
 
 SAEs attached before the engine is built are compiled in: each is saved to a folder this model
 owns (removed at shutdown) and named in the static config; the workers load them before
-compiling and encode every token in-graph (:class:`~._static.StaticSae`). Readouts are served
+compiling and encode every token in-graph (:class:`~._static_sae.StaticSae`). Readouts are served
 from what the graph keeps (the top ``static_sae_top_k`` features per token, every feature of a
 dictionary no wider than ``static_sae_dense_max``); feature clamps are per-token tables filled
 by the workers (no slots to reserve). Attaching or detaching after the build is a
@@ -53,7 +53,8 @@ from ._engine import ENGINE_DEFAULTS
 from ._model import VllmModel
 from ._sites import POINT_KINDS as STATIC_POINT_KINDS
 from ._sites import SITES, STATIC_WRITE_KINDS
-from ._static import SaeLayout, plan_writes
+from ._static import plan_writes
+from ._static_sae import SaeLayout
 from ._wire import (
     CONFIG_KEY,
     DEFAULT_SAE_DENSE_MAX,

@@ -14,7 +14,7 @@ hook per site, and every hook is pure tensor work on buffers registered on the h
 - ``mlp_pre`` / ``mlp_pre_linear`` are the gate / up half of the fused ``gate_up_proj`` output: a
   write there rebuilds the output from the written half and the other one;
 - an SAE compiled in (``saes`` in the config: a folder per name, written by the front end) is a
-  :class:`~._static.StaticSae` at its address: it encodes every row of every step and keeps the
+  :class:`~._static_sae.StaticSae` at its address: it encodes every row of every step and keeps the
   top features, the error norm and (small dictionaries) every feature in buffers, and applies
   the step's per-token feature clamps. At one address the order is: the write table, the SAEs
   (each reads what the previous one left, then clamps), the capture tap.
@@ -62,7 +62,8 @@ from ._sites import (
     hook_key,
     owned_heads,
 )
-from ._static import SaeLayout, StaticSae, StaticTap, StaticWrites, plan_writes
+from ._static import StaticTap, StaticWrites, plan_writes
+from ._static_sae import SaeLayout, StaticSae
 from ._wire import CONFIG_KEY, Fetched, RequestPayload, StaticDeclaration, compact, from_wire
 from ._worker import TapManager
 from .hooks import arg_slot, arg_value, attr_path, forward_pre_hook, set_arg

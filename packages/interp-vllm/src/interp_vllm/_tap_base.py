@@ -25,7 +25,7 @@ from ._families import VllmFamily
 from ._request_taps import RequestTaps, Slice
 from ._resolve import resolve
 from ._sites import SITES, HookKey, VllmSite
-from ._static import SaeMath
+from ._static_sae import SaeMath
 from .hooks import attr_path, owned_layers, pp_position, tp_position
 
 logger = logging.getLogger("interp_vllm._worker")

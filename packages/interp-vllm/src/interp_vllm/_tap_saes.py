@@ -7,7 +7,7 @@ import torch
 from interp_engine import Address, BackendError, FeatureWrite, Sae
 
 from ._request_taps import Slice, WriteTable, touched_rows
-from ._static import SaeLayout, SaeMath, pick
+from ._static_sae import SaeLayout, SaeMath, pick
 from ._tap_base import TapBase
 from ._wire import compact
 
@@ -26,7 +26,7 @@ class SaeTaps(TapBase):
         self.saes.pop(key, None)
 
     def _math(self, sae: Sae, device: torch.device) -> SaeMath:
-        """``sae``'s batched encoder (:class:`~._static.SaeMath`) on ``device``, built once."""
+        """``sae``'s batched encoder (:class:`~._static_sae.SaeMath`) on ``device``, built once."""
         key = (id(sae), str(device))
         held = self._sae_math.get(key)
         if held is None or held[0] is not sae:

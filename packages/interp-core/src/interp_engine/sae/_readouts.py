@@ -11,7 +11,7 @@ top-k features (``top_k``), the values of chosen feature ids (``ids``), or every
 
 :func:`read_features` is the one definition of a readout: the eager backend calls it on the rows
 of the activation it captured; the vLLM workers batch the same computation over each step's rows
-(``interp_vllm._static.SaeMath``, tested equal to it), so only the readout leaves them.
+(``interp_vllm._static_sae.SaeMath``, tested equal to it), so only the readout leaves them.
 """
 
 from __future__ import annotations

@@ -1,0 +1,370 @@
+"""SAEs inside vLLM's workers as batched tensor work: compiled into the graph (vllm-static), and
+the encoder the dynamic workers run per request.
+
+- :class:`SaeMath`: an SAE's encoder, reconstruction error and feature clamp as batched tensor
+  work, equal to :class:`~interp_engine.Sae`'s to float32 rounding (the dynamic workers' encoder,
+  and the base of :class:`StaticSae`);
+- :class:`StaticSae`: one SAE inside the compiled graph, at its address's hook: it keeps each
+  step's top features (and the error norm, and every feature of a small dictionary) in buffers
+  the host reads after the step, and applies the per-token feature clamps the host fills before it;
+- :class:`SaeLayout`: what a compiled-in SAE keeps of each token, and why a readout cannot be
+  served from that; :func:`pick` takes a readout out of what an encode kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from interp_engine import FeatureReadout, Features, InvalidFeatures, Sae
+from interp_engine.backend import select_features
+
+
+@dataclass(frozen=True)
+class SaeLayout:
+    """What a compiled-in SAE keeps of each token: the ``width`` largest features (sorted,
+    ids and values), its reconstruction error norm, and, for a small dictionary, every feature.
+
+    ``complete``: every feature that can fire is among the kept ones (a TopK SAE whose ``k`` is
+    at most the declared width, or a dictionary no wider than it), so a top-k of any size is
+    served. ``dense``: every feature is kept (``d_sae <= dense_max``), so ``ids=`` and ``dense``
+    readouts are served too."""
+
+    width: int
+    complete: bool
+    dense: bool
+
+    @classmethod
+    def of(cls, sae: Sae, top_k: int, dense_max: int) -> SaeLayout:
+        if sae.k is not None:  # TopK: at most k features fire, and topk(pre, k) finds them
+            return cls(min(top_k, sae.k), sae.k <= top_k, sae.d_sae <= dense_max)
+        return cls(min(top_k, sae.d_sae), sae.d_sae <= top_k, sae.d_sae <= dense_max)
+
+    def refusal(self, spec: Features, d_sae: int) -> str | None:
+        """Why ``spec`` cannot be served from what is kept (``None``: it can)."""
+        if spec.top_k is not None and (spec.width(d_sae) <= self.width or self.complete or self.dense):
+            return None
+        if spec.top_k is None and self.dense:
+            return None
+        kept = f"the top {self.width} features per token" + (" (every feature that can fire)" if self.complete else "")
+        if spec.top_k is not None:
+            fix = "load the model with a larger static_sae_top_k"
+        else:
+            fix = "ids= and dense readouts need static_sae_dense_max >= d_sae"
+        return (
+            f"vllm-static encodes {spec.sae!r} ({d_sae} features) in the compiled graph and keeps {kept}; "
+            f"{spec} asks for more: {fix}, or use the vllm backend (which encodes per request)"
+        )
+
+
+_PROBE_ACTIVATIONS: dict[str | None, Callable[[torch.Tensor], torch.Tensor]] = {
+    None: lambda t: t,
+    "relu": torch.relu,
+    "sigmoid": torch.sigmoid,
+    "tanh": torch.tanh,
+}
+
+
+@dataclass
+class Encoded:
+    """One batch of rows through an SAE's encoder (:meth:`SaeMath.encode`)."""
+
+    x: torch.Tensor  # [n, d_in] float32
+    pre: torch.Tensor  # [n, d_sae] pre-activations
+    top: torch.Tensor  # [n, w] the largest features, sorted (TopK: its k features, relu'd)
+    ids: torch.Tensor  # [n, w] their ids
+    features: torch.Tensor | None  # [n, d_sae] every feature (when asked for; always for non-TopK)
+    denorm: tuple[Any, Any, Any]  # (mul, div, add) of the output de-normalisation
+
+
+def _onednn_matmul(weight: torch.Tensor) -> tuple[Any, Any] | None:
+    """vLLM's oneDNN matmul for ``x @ weight`` (``weight`` ``[k, n]``, kept alive by the
+    caller), or ``None`` where vLLM's CPU build lacks it."""
+    try:
+        import vllm._custom_ops as ops
+
+        if not getattr(ops, "_supports_onednn", False):
+            return None
+        return ops, ops.create_onednn_mm(weight, 32)
+    except Exception:  # no vLLM, a GPU build, or oneDNN refused the shape
+        return None
+
+
+class SaeMath(nn.Module):
+    """An SAE's encoder, reconstruction error and feature clamp as batched tensor work, equal to
+    :class:`~interp_engine.Sae`'s (:func:`~interp_engine.sae._readouts.read_features`,
+    :meth:`FeatureWrite.apply <interp_engine.FeatureWrite.apply>`) to float32 rounding, with its
+    weights as float32 buffers on one device. Pure tensor work: traceable into a compiled graph.
+
+    TopK SAEs never build the dense feature matrix unless asked: the top ``k`` pre-activations
+    are the features, and the reconstruction is the sum of their ``k`` decoder rows
+    (``embedding_bag``) instead of a ``[n, d_sae] x [d_sae, d]`` product.
+
+    ``onednn``: on a CPU inside vLLM, the encoder's product runs through vLLM's own oneDNN
+    matmul (what its CPU linear layers use; float32, prepacked weights), about twice as fast
+    as ``torch.addmm`` on the benchmark machine; elsewhere, and if vLLM lacks it, ``addmm``."""
+
+    W_enc: torch.Tensor
+    b_enc: torch.Tensor
+    W_dec: torch.Tensor
+    b_dec: torch.Tensor
+    threshold: torch.Tensor
+    dec_norm: torch.Tensor
+
+    def __init__(self, sae: Sae, device: torch.device | str, *, onednn: bool = False) -> None:
+        super().__init__()
+        self.d_in, self.d_sae = sae.d_in, sae.d_sae
+        self.architecture = sae.architecture
+        self.k = sae.k
+        self.activation = sae.activation
+        self.normalize = sae.normalize_activations
+        self.factor = float(sae.norm_scaling_factor or 1.0)
+        self.b_dec_in = sae.apply_b_dec_to_input
+        self.rescale = sae.rescale_acts_by_decoder_norm
+        self.transcoder = sae.is_transcoder
+        self.sparse = sae.architecture != "probe"
+        self.has_error = sae.has_decoder and not sae.is_transcoder
+        """Whether it reconstructs its own input: error norms, and feature clamps."""
+
+        def keep(name: str, tensor: torch.Tensor | None) -> None:
+            if tensor is not None:
+                self.register_buffer(name, tensor.detach().to(device, torch.float32).contiguous(), persistent=False)
+
+        keep("W_enc", sae.W_enc)
+        keep("b_enc", sae.b_enc)
+        keep("threshold", sae.threshold)
+        if self.has_error:
+            keep("W_dec", sae.W_dec)
+        keep("b_dec", sae.b_dec if self.has_error or self.b_dec_in else None)
+        if self.rescale and sae.W_dec is not None:
+            keep("dec_norm", sae.W_dec.float().norm(dim=-1))
+        self._onednn: tuple[Any, Any] | None = None  # (vLLM's ops module, the prepacked W_enc)
+        if onednn and torch.device(device).type == "cpu":
+            self._onednn = _onednn_matmul(self.W_enc)
+
+    def kept(self, width: int) -> int:
+        """How many features :meth:`encode` keeps per row when asked for ``width``."""
+        return min(width, self.k if self.k is not None else self.d_sae)
+
+    def _normalise(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[Any, Any, Any]]:
+        """SAELens's input normalisation, and its output de-normalisation ``y * mul / div + add``
+        (``None`` where a term is absent; transcoders keep only the constant factor's)."""
+        if self.normalize == "expected_average_only_in":
+            return x * self.factor, (None, self.factor, None)
+        if self.normalize == "constant_norm_rescale":
+            coeff = (self.d_in**0.5) / x.norm(dim=-1, keepdim=True)
+            return x * coeff, (None, None if self.transcoder else coeff, None)
+        if self.normalize == "layer_norm":
+            mu = x.mean(dim=-1, keepdim=True)
+            centred = x - mu
+            std = centred.std(dim=-1, keepdim=True)
+            normed = centred / (std + 1e-5)
+            return normed, (None, None, None) if self.transcoder else (std, None, mu)
+        return x, (None, None, None)
+
+    @staticmethod
+    def _denorm(y: torch.Tensor, mul: Any, div: Any, add: Any) -> torch.Tensor:
+        if mul is not None:
+            y = y * mul
+        if div is not None:
+            y = y / div
+        if add is not None:
+            y = y + add
+        return y
+
+    def _activate(self, pre: torch.Tensor) -> torch.Tensor:
+        if self.architecture == "probe":
+            return _PROBE_ACTIVATIONS[self.activation](pre)
+        if self.architecture in ("jumprelu", "jumprelu_transcoder", "jumprelu_skip_transcoder"):
+            return torch.relu(pre) * (pre > self.threshold).to(pre.dtype)
+        return torch.relu(pre)
+
+    def encode(self, x: torch.Tensor, width: int, dense: bool = False) -> Encoded:
+        """Rows ``x`` (``[..., d_in]``, any float dtype) encoded: the :meth:`kept` ``(width)``
+        largest features per row, sorted, and every feature if ``dense``."""
+        x32 = x.reshape(-1, self.d_in).float()
+        sae_in, denorm = self._normalise(x32)
+        if self.b_dec_in:
+            sae_in = sae_in - self.b_dec
+        if self._onednn is not None:
+            ops, handler = self._onednn
+            pre = ops.onednn_mm(handler, sae_in.contiguous(), self.b_enc)
+        else:
+            pre = torch.addmm(self.b_enc, sae_in, self.W_enc)
+        if self.rescale:
+            pre = pre * self.dec_norm
+        if self.k is not None:
+            top, ids = pre.topk(self.k, dim=-1)  # sorted: the k features, largest first
+            top = top.relu()
+            features = torch.zeros_like(pre).scatter(-1, ids, top) if dense else None
+        else:
+            features = self._activate(pre)
+            top, ids = features.topk(self.kept(width), dim=-1)
+        return Encoded(x32, pre, top, ids, features, denorm)
+
+    def error(self, enc: Encoded) -> torch.Tensor:
+        """``|x - reconstruct(x)|`` per row (SAEs that decode back to their input)."""
+        if self.k is not None:  # the k decoder rows, weighted
+            weights = enc.top / self.dec_norm[enc.ids] if self.rescale else enc.top
+            linear = F.embedding_bag(enc.ids, self.W_dec, per_sample_weights=weights, mode="sum")
+        else:
+            if enc.features is None:
+                raise RuntimeError("the SAE encode kept no features to read from")
+            linear = enc.features @ self.W_dec
+        recon = self._denorm(linear + self.b_dec, *enc.denorm)
+        norm: torch.Tensor = (enc.x - recon).norm(dim=-1)
+        return norm
+
+    def clamp(self, enc: Encoded, feature: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """Each row with feature ``feature[r]`` (``[n, 1]`` long) clamped to ``value[r]``
+        (``[n, 1]``): ``x + (value - f(x)) d(x)``, float32 ``[n, d_in]``."""
+        if self.k is not None:  # f_i = relu(pre_i) if i is among the top k, else 0
+            member = (enc.ids == feature).any(-1, keepdim=True)
+            fired = enc.pre.gather(-1, feature).relu()
+            current = torch.where(member, fired, torch.zeros_like(fired))
+        else:
+            if enc.features is None:
+                raise RuntimeError("the SAE encode kept no features to read from")
+            current = enc.features.gather(-1, feature)
+        direction = self.W_dec[feature.squeeze(-1)]
+        if self.rescale:
+            direction = direction * (1 / self.dec_norm[feature])
+        mul, div, _ = enc.denorm
+        direction = self._denorm(direction, mul, div, None)
+        return enc.x + (value - current) * direction
+
+
+def pick(
+    spec: Features,
+    layout: SaeLayout,
+    d_sae: int,
+    sparse: bool,
+    values: torch.Tensor,
+    ids: torch.Tensor,
+    error: torch.Tensor | None,
+    dense: torch.Tensor | None,
+) -> FeatureReadout:
+    """The readout ``spec`` from what an encode kept (``values``/``ids``: the sorted top
+    features, ``dense``: every feature or ``None``), as
+    :func:`~interp_engine.sae._readouts.select_features` gives it."""
+    wanted = spec.width(d_sae)
+    if spec.top_k is not None and (wanted <= layout.width or layout.complete):
+        v, i = values[:, :wanted], ids[:, :wanted]
+        if sparse:
+            fired = v > 0
+            i = torch.where(fired, i, torch.full_like(i, -1))
+            v = torch.where(fired, v, torch.zeros_like(v))
+        if wanted > v.shape[1]:  # a TopK SAE asked for more than its k: nothing else fires
+            pad = wanted - v.shape[1]
+            v = F.pad(v, (0, pad), value=0.0)
+            i = F.pad(i, (0, pad), value=-1)
+        return FeatureReadout(v, i, error)
+    if dense is None:  # pragma: no cover - the front end refuses it first
+        raise InvalidFeatures(layout.refusal(spec, d_sae) or str(spec))
+    return select_features(dense, spec, sparse=sparse, error_norm=error)
+
+
+class StaticSae(SaeMath):
+    """One SAE (or probe, or transcoder) inside the compiled graph, at its address's hook.
+
+    ``forward(x)`` encodes every row of the step (:class:`SaeMath`) and keeps the step's sorted
+    top ``layout.width`` ids and values, the reconstruction error norm (SAEs with a decoder back
+    to their input) and, for a small dictionary, every feature, in buffers sized ``max_tokens``;
+    the host reads a request's rows after the step (:meth:`readout`). With ``clamps`` it also
+    applies per-token feature clamps, one ``(feature, value)`` per token from buffers the host
+    fills before each step (:meth:`set_clamps`); tokens without a clamp get ``x`` back (a
+    ``where``), bit for bit.
+    """
+
+    values: torch.Tensor
+    ids: torch.Tensor
+    error_norm: torch.Tensor
+    dense: torch.Tensor
+    clamp_on: torch.Tensor
+    clamp_feature: torch.Tensor
+    clamp_value: torch.Tensor
+
+    def __init__(
+        self,
+        sae: Sae,
+        layout: SaeLayout,
+        max_tokens: int,
+        *,
+        clamps: bool,
+        device: torch.device | str,
+        onednn: bool = False,
+    ) -> None:
+        super().__init__(sae, device, onednn=onednn)
+        self.layout = layout
+        self.clamps = clamps and self.has_error
+        if clamps and not self.clamps:
+            raise ValueError(f"{sae!r} has no decoder back to its input: it cannot clamp features")
+
+        def buffer(name: str, *shape: int, dtype: torch.dtype = torch.float32) -> None:
+            self.register_buffer(name, torch.zeros(*shape, dtype=dtype, device=device), persistent=False)
+
+        buffer("values", max_tokens, layout.width)
+        buffer("ids", max_tokens, layout.width, dtype=torch.long)
+        if self.has_error:
+            buffer("error_norm", max_tokens)
+        if layout.dense:
+            buffer("dense", max_tokens, self.d_sae)
+        if self.clamps:
+            buffer("clamp_on", max_tokens, dtype=torch.bool)
+            buffer("clamp_feature", max_tokens, dtype=torch.long)
+            buffer("clamp_value", max_tokens)
+        self._dirty = 0  # clamp rows [0, _dirty) may be set
+
+    # -- in-graph: tensor work only ------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.d_in)
+        n = rows.shape[0]
+        width = self.layout.width
+        enc = self.encode(rows, width, dense=self.layout.dense)
+        self.values[:n].copy_(enc.top[:, :width])
+        self.ids[:n].copy_(enc.ids[:, :width])
+        if enc.features is not None and self.layout.dense:
+            self.dense[:n].copy_(enc.features)
+        if self.has_error:
+            self.error_norm[:n].copy_(self.error(enc))
+        if not self.clamps:
+            return x
+        on = self.clamp_on[:n].unsqueeze(-1)
+        out = self.clamp(enc, self.clamp_feature[:n].unsqueeze(-1), self.clamp_value[:n].unsqueeze(-1))
+        return torch.where(on, out.to(x.dtype), rows).reshape(x.shape)
+
+    def steered(self, n: int) -> torch.Tensor:
+        """``[n, 1]`` bool: which of this step's first ``n`` tokens get a clamp (in-graph)."""
+        return self.clamp_on[:n].unsqueeze(-1)
+
+    # -- host side, between steps --------------------------------------------------------------
+    def set_clamps(self, clamps: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> None:
+        """This step's clamps: per token ``(on, feature, value)`` (``None``: no token is clamped)."""
+        n = 0 if clamps is None else int(clamps[0].shape[0])
+        if clamps is not None and n:
+            on, feature, value = clamps
+            self.clamp_on[:n].copy_(on, non_blocking=True)
+            self.clamp_feature[:n].copy_(feature, non_blocking=True)
+            self.clamp_value[:n].copy_(value, non_blocking=True)
+        if self._dirty > n:
+            self.clamp_on[n : self._dirty].zero_()
+        self._dirty = n
+
+    def readout(self, rows: torch.Tensor, specs: Sequence[Features]) -> dict[Features, FeatureReadout]:
+        """Each of ``specs`` over ``rows`` (indices into the last step's tokens), float32 on the
+        CPU, as :func:`~interp_engine.sae._readouts.read_features` gives them: one read of the
+        buffers for all of them."""
+        rows = rows.to(self.values.device)
+        values = self.values[rows].to("cpu")
+        ids = self.ids[rows].to("cpu")
+        error = self.error_norm[rows].to("cpu") if self.has_error else None
+        dense = self.dense[rows].to("cpu") if self.layout.dense else None
+        return {
+            spec: pick(spec, self.layout, self.d_sae, self.sparse, values, ids, error, dense)
+            for spec in dict.fromkeys(specs)
+        }
