@@ -11,8 +11,9 @@ once, what each backend would otherwise write again (and get subtly different):
   (where it stops, ``finish_reason`` ``"stop"`` or ``"length"``);
 - the shapes ``decode_residuals`` takes (one tensor, or a mapping of them, all checked first);
 - ``capture_attention`` as a capture of ``attn_pattern`` addresses;
-- the lifecycle: ``shutdown()`` is idempotent and callable from any loop or thread, and every
-  call after it raises :class:`ModelClosed`.
+- the lifecycle (:class:`~interp_engine.protocol._lifecycle.ModelLifecycle`): ``shutdown()`` is
+  idempotent and callable from any loop or thread, and every call after it raises
+  :class:`ModelClosed`.
 
 A backend subclasses it and supplies the forward passes::
 
@@ -42,10 +43,8 @@ which :meth:`ModelBase.points` reports and every request is checked against.
 from __future__ import annotations
 
 import abc
-import asyncio
 import numbers
 import os
-import threading
 import types
 from collections.abc import AsyncIterator, Collection, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, Literal
@@ -59,7 +58,6 @@ from .._errors import (
     InvalidSteering,
     InvalidTokens,
     KindNotInFamily,
-    ModelClosed,
     UnknownSae,
     UnsupportedAddress,
     UnsupportedOperation,
@@ -83,11 +81,13 @@ from ._checks import (
     value_shape,
 )
 from ._features import check_sae_fits, resolve_feature_writes, split_points
+from ._lens_checks import check_lens
+from ._lifecycle import ModelLifecycle
 from ._protocol import Activations, Completion, ModelInfo, Results, StreamStep
 from ._requests import SAMPLING_OPTIONS, CheckedLens, CheckedRequest, SamplingOptions
 
 
-class ModelBase(abc.ABC):
+class ModelBase(ModelLifecycle, abc.ABC):
     """The glue every backend's model shares (module docstring); subclass it to write a backend.
 
     Subclasses call ``super().__init__(info, eos_ids=...)``, implement the protocol's compute
@@ -108,9 +108,7 @@ class ModelBase(abc.ABC):
     def __init__(self, info: ModelInfo, *, eos_ids: Iterable[int] = ()) -> None:
         self.info = info
         self.eos_ids: frozenset[int] = frozenset(eos_ids)
-        self._closed = False
-        self._dead: str | None = None
-        self._lifecycle_lock = threading.Lock()
+        super().__init__()
         self._saes: dict[str, Sae] = {}
 
     # -- the end of a sequence --------------------------------------------------------------------
@@ -239,10 +237,10 @@ class ModelBase(abc.ABC):
         self._detach(name)
         del self._saes[name]
 
-    def _attach(self, name: str, sae: Sae) -> None:  # noqa: B027 (an optional hook)
+    def _attach(self, name: str, sae: Sae) -> None:
         """A backend's part of attaching (e.g. refuse after a static build); raise to refuse."""
 
-    def _detach(self, name: str) -> None:  # noqa: B027 (an optional hook)
+    def _detach(self, name: str) -> None:
         """A backend's part of detaching."""
 
     def _sae(self, name: str) -> Sae:
@@ -406,34 +404,10 @@ class ModelBase(abc.ABC):
         return request
 
     def _check_lens(self, lens: Any, tokens: Any, n_prompt: int) -> CheckedLens | None:
-        """``lens`` checked: a :class:`LensRequest` (or its JSON object), its layers inside the
-        model and served as ``resid_post``, its prompt positions resolved against the prompt
-        (chat span names against ``tokens``' spans)."""
-        if lens is None:
-            return None
-        if isinstance(lens, Mapping):
-            lens = LensRequest.from_json(lens)
-        if not isinstance(lens, LensRequest):
-            raise InvalidOption(f"lens must be a LensRequest (layers, top_k), got {type(lens).__name__}")
-        n_layers = self.info.n_layers
-        bad = [layer for layer in lens.layers if not -n_layers <= layer < n_layers]
-        if bad:
-            raise InvalidOption(
-                f"lens layer {bad[0]} is outside this {n_layers}-layer model (valid: {-n_layers}..{n_layers - 1})"
-            )
-        layers = tuple(layer % n_layers for layer in lens.layers)
-        if len(set(layers)) != len(layers):
-            raise InvalidOption(
-                f"lens layers {list(lens.layers)} name one layer twice (negative layers count from the end)"
-            )
-        if lens.top_k > self.info.vocab_size:
-            raise InvalidOption(f"lens top_k {lens.top_k} is more than the vocabulary ({self.info.vocab_size})")
-        addresses = [Address("resid_post", layer) for layer in layers]
-        requested_points(addresses, self.info, self.supported_points)
-        self._check_served(addresses)
-        return CheckedLens(lens, layers, lens.top_k, _lens_prompt_positions(lens, tokens, n_prompt))
+        """``lens`` checked against this model and the prompt (:func:`check_lens`)."""
+        return check_lens(lens, tokens, n_prompt, self.info, self.supported_points, self._check_served)
 
-    def _check_request(self, request: CheckedRequest) -> None:  # noqa: B027 (an optional hook)
+    def _check_request(self, request: CheckedRequest) -> None:
         """A backend's own limits on a request that passed the shared checks (raise to refuse)."""
 
     # -- chat ---------------------------------------------------------------------------------------
@@ -561,81 +535,3 @@ class ModelBase(abc.ABC):
     @abc.abstractmethod
     async def _decode_residuals(self, residuals: torch.Tensor) -> torch.Tensor:
         """Logits ``[..., vocab]`` (float32, CPU) of one checked tensor ``[..., d_model]``."""
-
-    # -- lifecycle --------------------------------------------------------------------------------
-    @property
-    def closed(self) -> bool:
-        """Whether the model was shut down."""
-        return self._closed
-
-    @property
-    def dead(self) -> str | None:
-        """Why the model's engine died (its process gone, ...), or ``None`` while it lives (the
-        backend is asked: :meth:`_probe_engine`). A dead model answers every call with
-        ``ModelClosed``; ``shutdown()`` still reaps it."""
-        if self._dead is None and not self._closed:
-            self._probe_engine()
-        return self._dead
-
-    def _probe_engine(self) -> None:  # noqa: B027 (an optional hook)
-        """A backend with an engine in another process checks it here, cheaply, and calls
-        :meth:`_engine_died` if it is gone (default: only failed calls find out)."""
-
-    def _engine_died(self, reason: str) -> ModelClosed:
-        """Mark the engine dead (every later call raises ``ModelClosed`` at once) and return the
-        error for the call that found out."""
-        if self._dead is None:
-            self._dead = reason
-        return self._closed_error()
-
-    def _check_open(self) -> None:
-        if self._closed or self._dead is not None:
-            raise self._closed_error()
-
-    def _closed_error(self) -> ModelClosed:
-        if self._dead is not None and not self._closed:
-            return ModelClosed(f"the {self.backend} engine died ({self._dead}); shut this model down and load it again")
-        return ModelClosed(f"this {self.backend} model was shut down; load it again")
-
-    async def shutdown(self) -> None:
-        """Release the model; idempotent, callable from any loop or thread (the release runs
-        off the event loop)."""
-        await asyncio.to_thread(self.close)
-
-    def close(self) -> None:
-        """Release the model now, blocking; idempotent and thread-safe. Every later call on the
-        model raises ``ModelClosed``."""
-        with self._lifecycle_lock:
-            if self._closed:
-                return
-            self._closed = True
-        self._close_resources()
-
-    def _close_resources(self) -> None:  # noqa: B027 (an optional hook)
-        """Free what the model holds (weights, engine, processes); runs once, on the first close."""
-
-
-def _lens_prompt_positions(lens: LensRequest, tokens: Any, n_prompt: int) -> tuple[int, ...]:
-    """A lens's prompt positions, absolute and ascending."""
-    positions = lens.positions
-    if positions is None:
-        return ()
-    if positions == "prompt":
-        return tuple(range(n_prompt))
-    if isinstance(positions, str):  # a chat span name, resolved against the prompt's spans
-        from ..chat._spans import span_positions
-
-        try:
-            found = span_positions(positions, tokens, n_prompt)
-        except InvalidSteering as exc:
-            raise InvalidOption(f"lens positions: {exc}") from None
-        return tuple(sorted(set(found)))
-    out = set()
-    for index in positions:
-        absolute = index + n_prompt if index < 0 else index
-        if not 0 <= absolute < n_prompt:
-            raise InvalidOption(
-                f"lens position {index} is outside the {n_prompt}-token prompt (valid: {-n_prompt}..{n_prompt - 1})"
-            )
-        out.add(absolute)
-    return tuple(sorted(out))
