@@ -254,7 +254,7 @@ def test_bad_lens_requests_are_typed_errors(llama: Any) -> None:
 
     async def broken_and_fine() -> list[Any]:
         async def bad() -> Any:
-            return [s async for s in model._steps(broken)]
+            return [s async for s in model._stream(broken)]
 
         fine = model.capture_generation(ids, [], max_tokens=3, lens=LensRequest([0, 2], top_k=2))
         return await asyncio.gather(bad(), fine, return_exceptions=True)

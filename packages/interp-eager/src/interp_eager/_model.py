@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import inspect
 import threading
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -464,29 +464,10 @@ class EagerModel(TokenizerMixin, ModelBase):
             acts[request.lens.request] = LensResult.stack(read)
         return self._completion(tokens, request.sampling), acts
 
-    async def stream(
-        self,
-        token_ids: Sequence[int],
-        *,
-        max_tokens: int,
-        n_logprobs: int = 0,
-        steering_spec: SteeringSpec | None = None,
-        features: Iterable[Any] = (),
-        lens: LensRequest | None = None,
-        **sampling: Any,
-    ) -> AsyncIterator[StreamStep]:
+    async def _stream(self, request: CheckedRequest) -> AsyncGenerator[StreamStep, None]:
         """Generated tokens one by one with their top-``n_logprobs`` ``(token, logprob)`` pairs,
         the ``features`` readouts and the ``lens`` (:class:`LensTopK`) at the position that
         produced each (the first step also carries the lens at the prompt positions asked)."""
-        request = self._check_generation(
-            token_ids,
-            self._stream_readouts(features),
-            max_tokens=max_tokens,
-            steering_spec=steering_spec,
-            sampling=sampling,
-            n_logprobs=n_logprobs,
-            lens=lens,
-        )
         plan_for = self._plan_for(request, [])
         pieces = TextPieces(self.completion_text)
         count = 0

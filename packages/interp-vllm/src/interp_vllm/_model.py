@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -258,36 +258,13 @@ class VllmModel(SaeSync):
         request = self._check_generation(
             token_ids, [], max_tokens=max_tokens, steering_spec=steering_spec, sampling=sampling
         )
-        kept = [step.token_id async for step in self._steps(request)]
+        kept = [step.token_id async for step in self._stream(request)]
         return self._completion(kept, request.sampling)
 
-    async def stream(
-        self,
-        token_ids: Sequence[int],
-        *,
-        max_tokens: int,
-        n_logprobs: int = 0,
-        steering_spec: SteeringSpec | None = None,
-        features: Iterable[Any] = (),
-        lens: LensRequest | None = None,
-        **sampling: Any,
-    ) -> AsyncIterator[StreamStep]:
+    async def _stream(self, request: CheckedRequest) -> AsyncGenerator[StreamStep, None]:
         """Generated tokens one by one, with the top-``n_logprobs`` pairs from vLLM's sampler, the
         ``features`` readouts and the ``lens`` at the position that produced each (computed in the
         workers, drained step by step: only the readouts and the lens's top-k leave them)."""
-        request = self._check_generation(
-            token_ids,
-            self._stream_readouts(features),
-            max_tokens=max_tokens,
-            steering_spec=steering_spec,
-            sampling=sampling,
-            n_logprobs=n_logprobs,
-            lens=lens,
-        )
-        async for step in self._steps(request):
-            yield step
-
-    async def _steps(self, request: CheckedRequest) -> AsyncIterator[StreamStep]:
         engine = await self._ready()
         self._check_lens_stages(request)
         await self._sync_saes(engine, request)

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -16,6 +16,7 @@ from interp_engine import (
     ModelInfo,
     SteeringSpec,
     StreamStep,
+    UnsupportedOperation,
     Write,
 )
 from interp_engine.backend import write_positions
@@ -115,18 +116,9 @@ class ToyModel(ModelBase):
         acts, _ = self._forward(request.token_ids, request.addresses, request.writes)
         return request.keyed(acts)
 
-    async def stream(
-        self,
-        token_ids: Sequence[int],
-        *,
-        max_tokens: int,
-        n_logprobs: int = 0,
-        steering_spec: SteeringSpec | None = None,
-        **sampling: Any,
-    ) -> AsyncIterator[StreamStep]:
-        request = self._check_generation(
-            token_ids, [], max_tokens=max_tokens, steering_spec=steering_spec, sampling=sampling, n_logprobs=n_logprobs
-        )
+    async def _stream(self, request: CheckedRequest) -> AsyncGenerator[StreamStep, None]:
+        if request.readouts or request.lens is not None:
+            raise UnsupportedOperation("the toy backend streams tokens and their logprobs only (no readouts, no lens)")
         for token, logits in self._generated(request):
             top = torch.topk(torch.log_softmax(logits, dim=-1), request.n_logprobs)
             pairs = [(int(i), float(v)) for v, i in zip(top.values, top.indices, strict=True)]

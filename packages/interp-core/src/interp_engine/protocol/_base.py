@@ -10,6 +10,8 @@ once, what each backend would otherwise write again (and get subtly different):
 - the end-of-sequence ids (:meth:`~ModelBase.eos_ids_of`) and what they mean for a completion
   (where it stops, ``finish_reason`` ``"stop"`` or ``"length"``);
 - the shapes ``decode_residuals`` takes (one tensor, or a mapping of them, all checked first);
+- ``stream`` itself: the checks, then the backend's ``_stream`` over the checked request (closed
+  as soon as the caller stops);
 - ``capture_attention`` as a capture of ``attn_pattern`` addresses;
 - the lifecycle (:class:`~interp_engine.protocol._lifecycle.ModelLifecycle`): ``shutdown()`` is
   idempotent and callable from any loop or thread, and every call after it raises
@@ -29,7 +31,8 @@ A backend subclasses it and supplies the forward passes::
             values = run(request.token_ids, request.addresses, request.writes)  # resolved addresses
             return request.keyed(values)  # keyed as the caller asked
 
-        # generate / capture_generation / stream: self._check_generation(...), then
+        async def _stream(self, request): ...  # yield the StreamSteps of a request stream() checked
+        # generate / capture_generation: self._check_generation(...), then
         # self._stop_index / self._completion for where the completion ends and why
         async def _decode_residuals(self, residuals): ...  # one checked tensor [..., d_model]
         def _close_resources(self) -> None: ...  # once, on the first shutdown()
@@ -43,10 +46,11 @@ which :meth:`ModelBase.points` reports and every request is checked against.
 from __future__ import annotations
 
 import abc
+import contextlib
 import numbers
 import os
 import types
-from collections.abc import AsyncIterator, Collection, Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Collection, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -91,8 +95,9 @@ class ModelBase(ModelLifecycle, abc.ABC):
     """The glue every backend's model shares (module docstring); subclass it to write a backend.
 
     Subclasses call ``super().__init__(info, eos_ids=...)``, implement the protocol's compute
-    (``warmup``, ``capture``, ``generate``, ``capture_generation``, ``stream``, the tokenizer
-    methods), ``_decode_residuals`` and, if they hold resources, ``_close_resources``.
+    (``warmup``, ``capture``, ``generate``, ``capture_generation``, the tokenizer methods),
+    ``_stream`` (the steps of a request :meth:`stream` checked), ``_decode_residuals`` and, if
+    they hold resources, ``_close_resources``.
     """
 
     backend: str
@@ -489,8 +494,7 @@ class ModelBase(ModelLifecycle, abc.ABC):
         """A completion and activations over prompt + every generated token (and with ``lens``,
         a :class:`LensResult` keyed by the request)."""
 
-    @abc.abstractmethod
-    def stream(
+    async def stream(
         self,
         token_ids: Sequence[int],
         *,
@@ -503,7 +507,28 @@ class ModelBase(ModelLifecycle, abc.ABC):
     ) -> AsyncIterator[StreamStep]:
         """Generated tokens one at a time, each with its top-n logprobs, the ``features``
         readouts (``StreamStep.features``) and the ``lens`` (``StreamStep.lens``) at the position
-        that produced it."""
+        that produced it.
+
+        The request is checked here (:meth:`_check_generation`, with ``features`` readouts only),
+        on the first step asked for; the backend's :meth:`_stream` produces the steps, and is
+        closed as soon as the caller stops."""
+        request = self._check_generation(
+            token_ids,
+            self._stream_readouts(features),
+            max_tokens=max_tokens,
+            steering_spec=steering_spec,
+            sampling=sampling,
+            n_logprobs=n_logprobs,
+            lens=lens,
+        )
+        async with contextlib.aclosing(self._stream(request)) as steps:
+            async for step in steps:
+                yield step
+
+    def _stream(self, request: CheckedRequest) -> AsyncGenerator[StreamStep, None]:
+        """The steps of a checked ``stream`` request (an ``async def`` that yields them): what a
+        backend implements, unless it overrides ``stream`` itself."""
+        raise UnsupportedOperation(f"the {self.backend} backend does not stream")
 
     async def capture_attention(
         self, token_ids: Sequence[int], layers: Iterable[int], *, steering_spec: SteeringSpec | None = None
