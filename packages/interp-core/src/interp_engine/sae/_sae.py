@@ -20,7 +20,6 @@ reads back; the format itself (files, cfg versions) is ``sae._format``.
 from __future__ import annotations
 
 import copy
-import math
 import operator
 import os
 from collections.abc import Callable, Mapping
@@ -29,14 +28,12 @@ from typing import Any
 
 import torch
 
-from .._errors import InvalidAddress, InvalidFeatures, UnsupportedSae
-from ..addresses._address import Address, as_address
-from ..addresses._tl_names import TL_MODEL_LEVEL, TL_PER_LAYER, is_tl_name
+from .._errors import InvalidFeatures, UnsupportedSae
+from ..addresses._address import Address
 from ._format import (
     ARCHITECTURES,
     CFG_FILENAME,
     JUMPRELU,
-    NORM_WHY_NOT,
     NORMALIZATIONS,
     PROBE_ACTIVATIONS,
     SCALER_FILENAME,
@@ -53,6 +50,7 @@ from ._format import (
     unsupported_architecture,
     write_folder,
 )
+from ._parts import check_normalisation, check_shape, float_tensor, hook_address
 
 __all__ = [
     "ARCHITECTURES",
@@ -68,40 +66,6 @@ __all__ = [
 
 _PER_INPUT_NORMS = frozenset({"constant_norm_rescale", "layer_norm"})
 _LAYER_NORM_EPS = 1e-5  # SAELens's layer_norm adds it to the standard deviation
-
-
-def _hook_address(name: object, field: str) -> Address:
-    """Our address for a cfg's hook name, or ``UnsupportedSae`` saying which names are served."""
-    if not isinstance(name, str) or not name:
-        raise UnsupportedSae(
-            f"the SAE names no {field} (a TransformerLens hook name such as 'blocks.3.hook_resid_post')"
-        )
-    try:
-        return as_address(name)
-    except InvalidAddress as exc:
-        served = (
-            ""
-            if is_tl_name(name)
-            else f"; served hook names: blocks.L.{{{', '.join(TL_PER_LAYER)}}}, {', '.join(TL_MODEL_LEVEL)}"
-        )
-        raise UnsupportedSae(
-            f"the SAE's {field} {name!r} is not a point interp-engine serves: {exc}{served} "
-            "(interp-engine addresses such as 'resid_post.3' are read too)"
-        ) from None
-
-
-def _tensor(value: object, name: str, architecture: str) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
-        kind = f"dtype {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
-        raise UnsupportedSae(f"{name} of a {architecture!r} SAE must be a floating-point tensor, got {kind}")
-    return value.detach()
-
-
-def _check_shape(tensor: torch.Tensor, shape: tuple[int, ...], name: str, architecture: str, meaning: str) -> None:
-    if tuple(tensor.shape) != shape:
-        raise UnsupportedSae(
-            f"{name} of this {architecture!r} SAE has shape {list(tensor.shape)}, expected {list(shape)} ({meaning})"
-        )
 
 
 @dataclass(frozen=True)
@@ -190,14 +154,14 @@ class Sae(SaeFields):
             raise unsupported_architecture(architecture)
         arch = architecture
         self.architecture = arch
-        W_enc = _tensor(W_enc, "W_enc", arch)
+        W_enc = float_tensor(W_enc, "W_enc", arch)
         if W_enc.dim() != 2:
             raise UnsupportedSae(f"W_enc of a {arch!r} SAE is [d_in, d_sae], got shape {list(W_enc.shape)}")
         d_in, d_sae = W_enc.shape
         dtype_name(W_enc.dtype)
         self.W_enc = W_enc
-        self.b_enc = _tensor(b_enc, "b_enc", arch).to(device=W_enc.device, dtype=W_enc.dtype)
-        _check_shape(self.b_enc, (d_sae,), "b_enc", arch, "one bias per feature")
+        self.b_enc = float_tensor(b_enc, "b_enc", arch).to(device=W_enc.device, dtype=W_enc.dtype)
+        check_shape(self.b_enc, (d_sae,), "b_enc", arch, "one bias per feature")
 
         if arch == "probe":
             if W_dec is not None or b_dec is not None:
@@ -206,23 +170,23 @@ class Sae(SaeFields):
         else:
             if W_dec is None or b_dec is None:
                 raise UnsupportedSae(f"a {arch!r} SAE needs W_dec [d_sae, d_out] and b_dec [d_out]")
-            self.W_dec = _tensor(W_dec, "W_dec", arch).to(device=W_enc.device, dtype=W_enc.dtype)
+            self.W_dec = float_tensor(W_dec, "W_dec", arch).to(device=W_enc.device, dtype=W_enc.dtype)
             if self.W_dec.dim() != 2 or self.W_dec.shape[0] != d_sae:
                 raise UnsupportedSae(
                     f"W_dec of this {arch!r} SAE has shape {list(self.W_dec.shape)}, expected [{d_sae}, d_out]: "
                     f"W_enc {list(W_enc.shape)} gives d_sae={d_sae}"
                 )
             if arch not in TRANSCODERS:
-                _check_shape(self.W_dec, (d_sae, d_in), "W_dec", arch, "an SAE decodes to its input width d_in")
-            self.b_dec = _tensor(b_dec, "b_dec", arch).to(device=W_enc.device, dtype=W_enc.dtype)
-            _check_shape(self.b_dec, (self.W_dec.shape[1],), "b_dec", arch, "one bias per output unit")
+                check_shape(self.W_dec, (d_sae, d_in), "W_dec", arch, "an SAE decodes to its input width d_in")
+            self.b_dec = float_tensor(b_dec, "b_dec", arch).to(device=W_enc.device, dtype=W_enc.dtype)
+            check_shape(self.b_dec, (self.W_dec.shape[1],), "b_dec", arch, "one bias per output unit")
 
         self.threshold = None
         if arch in JUMPRELU:
             if threshold is None:
                 raise UnsupportedSae(f"a {arch!r} SAE needs threshold [d_sae] (one JumpReLU threshold per feature)")
-            self.threshold = _tensor(threshold, "threshold", arch).to(device=W_enc.device, dtype=W_enc.dtype)
-            _check_shape(self.threshold, (d_sae,), "threshold", arch, "one JumpReLU threshold per feature")
+            self.threshold = float_tensor(threshold, "threshold", arch).to(device=W_enc.device, dtype=W_enc.dtype)
+            check_shape(self.threshold, (d_sae,), "threshold", arch, "one JumpReLU threshold per feature")
         elif threshold is not None:
             raise UnsupportedSae(f"threshold is only for JumpReLU architectures, not {arch!r}")
 
@@ -241,8 +205,8 @@ class Sae(SaeFields):
         if arch in SKIP:
             if W_skip is None:
                 raise UnsupportedSae(f"a {arch!r} needs W_skip [d_out, d_in]")
-            self.W_skip = _tensor(W_skip, "W_skip", arch).to(device=W_enc.device, dtype=W_enc.dtype)
-            _check_shape(self.W_skip, (self.d_out, d_in), "W_skip", arch, "the skip connection maps d_in to d_out")
+            self.W_skip = float_tensor(W_skip, "W_skip", arch).to(device=W_enc.device, dtype=W_enc.dtype)
+            check_shape(self.W_skip, (self.d_out, d_in), "W_skip", arch, "the skip connection maps d_in to d_out")
         elif W_skip is not None:
             raise UnsupportedSae(f"W_skip is only for skip transcoders, not {arch!r}")
 
@@ -252,7 +216,7 @@ class Sae(SaeFields):
             )
         self.apply_b_dec_to_input = bool(apply_b_dec_to_input)
 
-        self._check_normalisation(normalize_activations, norm_scaling_factor)
+        check_normalisation(arch, normalize_activations, norm_scaling_factor)
         self.normalize_activations = normalize_activations
         self.norm_scaling_factor = None if norm_scaling_factor is None else float(norm_scaling_factor)
         if reshape_activations not in ("none", "hook_z"):
@@ -268,38 +232,15 @@ class Sae(SaeFields):
             raise UnsupportedSae(f"activation is only for probes; a {arch!r} SAE's activation is its architecture")
         self.activation = activation
 
-        self._address = _hook_address(hook_name, "hook_name")
+        self._address = hook_address(hook_name, "hook_name")
         self.hook_name = str(self._address) if arch == "probe" else hook_name
         if hook_name_out is not None and arch not in TRANSCODERS:
             raise UnsupportedSae(f"hook_name_out is only for transcoders, not {arch!r}")
         self.hook_name_out = hook_name_out
-        self._address_out = self._address if hook_name_out is None else _hook_address(hook_name_out, "hook_name_out")
+        self._address_out = self._address if hook_name_out is None else hook_address(hook_name_out, "hook_name_out")
         self.cfg = synced_cfg(self, cfg)
         self._cache: dict[str, _Weights] = {}
         self._moved: dict[tuple[str | None, torch.dtype | None], Sae] = {}
-
-    def _check_normalisation(self, mode: object, factor: float | None) -> None:
-        if not isinstance(mode, str) or mode not in NORMALIZATIONS:
-            why = NORM_WHY_NOT.get(mode, "it is not a SAELens mode") if isinstance(mode, str) else "not a string"
-            raise UnsupportedSae(
-                f"normalize_activations={mode!r} is not supported ({why}); supported: {', '.join(NORMALIZATIONS)}"
-            )
-        if self.architecture == "probe" and mode != "none":
-            raise UnsupportedSae(f"a probe takes no input normalisation, got normalize_activations={mode!r}")
-        if mode == "expected_average_only_in":
-            if (
-                isinstance(factor, bool)
-                or not isinstance(factor, (int, float))
-                or not math.isfinite(factor)
-                or factor <= 0
-            ):
-                raise UnsupportedSae(
-                    "normalize_activations='expected_average_only_in' scales inputs by a factor SAELens keeps "
-                    "outside the SAE (it folds it into the weights when it has it); give it as norm_scaling_factor "
-                    f"(in cfg.json, or the scaling_factor of an {SCALER_FILENAME} beside it); got {factor!r}"
-                )
-        elif factor is not None:
-            raise UnsupportedSae(f"norm_scaling_factor is only for 'expected_average_only_in', not {mode!r}")
 
     # -- what it is ------------------------------------------------------------------------------
 
@@ -583,7 +524,7 @@ class Probe(Sae):
         activation: str | None = None,
         address: Address | str = "resid_post.0",
     ) -> None:
-        W = _tensor(W, "W", "probe")
+        W = float_tensor(W, "W", "probe")
         if W.dim() != 2:
             raise UnsupportedSae(f"a probe's W is [k, d_in], got shape {list(W.shape)}")
         b = torch.zeros(W.shape[0], dtype=W.dtype, device=W.device) if bias is None else bias
