@@ -49,7 +49,7 @@ def test_no_module_outside_the_table_names_an_address_kind() -> None:
     derived = {"resid_mid", "attn_scores", "attn_pattern"}
     allowed = derived | {"final_norm", "logits_raw", "logits", "embed", "resid_pre", "resid_post"}
     taps = sorted(p.name for p in SRC.glob("_tap_*.py"))
-    workers = ("_worker.py", "_static_worker.py", "_request_taps.py", "hooks.py", *taps)
+    workers = ("_worker.py", "_static_worker.py", "_static_hooks.py", "_request_taps.py", "hooks.py", *taps)
     front = ("_model.py", "_static_model.py", "_engine.py", "_sae_sync.py", "_lens_assembly.py", "_client.py")
     for name in (*workers, *front):
         tree = ast.parse((SRC / name).read_text())

@@ -3,7 +3,8 @@
 Installed right after the model runner loads the model (before ``warming_up_model()`` traces
 and compiles it, and before CUDA graphs are captured), so the taps are part of the compiled
 graph. They are placed by the same site table as the dynamic backend's (:mod:`._sites`), one
-hook per site, and every hook is pure tensor work on buffers registered on the hooked modules:
+hook per site, and every hook is pure tensor work on buffers registered on the hooked modules
+(the hooks are built in :mod:`._static_hooks`):
 
 - a capture point copies its rows into a :class:`StaticTap` buffer every step;
 - a write point runs a :class:`StaticWrites` table whose per-token index (per token and head,
@@ -24,9 +25,6 @@ slot plan (slots are held for the request's whole life, allocated when it first 
 each SAE's per-token clamps, run the compiled forward, read each capturing request's rows out of
 the buffers and each reading request's readouts out of its SAEs' (only the readouts, compacted
 as the dynamic worker's, ever leave the worker).
-
-vLLM's deferred residual is handled in-graph: a write on ``resid_pre``/``resid_post`` gives
-``(where(steered, new_stream, hidden), where(steered, 0, residual))``.
 
 Invariant: :func:`._compat.keep_inductor_mutation_order` runs in the worker before vLLM compiles
 the model (here, when the :class:`StaticTapManager` is built). The hooks read tensors that opaque ops wrote
@@ -58,15 +56,15 @@ from ._sites import (
     VllmSite,
     added_scale,
     columns,
-    gate_activation,
     hook_key,
     owned_heads,
 )
 from ._static import StaticTap, StaticWrites, plan_writes
+from ._static_hooks import Names, Stage, input_hook, layer_in_hook, layer_out_hook, output_hook
 from ._static_sae import SaeLayout, StaticSae
 from ._wire import CONFIG_KEY, Fetched, RequestPayload, StaticDeclaration, compact, from_wire
 from ._worker import TapManager
-from .hooks import arg_slot, arg_value, attr_path, forward_pre_hook, set_arg
+from .hooks import arg_slot, attr_path, forward_pre_hook
 
 logger = logging.getLogger(__name__)
 
@@ -75,53 +73,6 @@ def static_config(runner: Any) -> StaticDeclaration | None:
     """The engine's vllm-static declaration (``None``: a ``vllm`` engine)."""
     data = _compat.additional_config(runner).get(CONFIG_KEY)
     return None if data is None else from_wire(StaticDeclaration, data)
-
-
-def _tap(module: nn.Module, name: str) -> StaticTap:
-    tap: StaticTap = getattr(module, name)
-    return tap
-
-
-Stage = tuple[str | None, tuple[str, ...], tuple[str, ...], str | None]
-"""One address at a hook: the attribute names of its write table, of its SAEs (and of those
-among them that clamp) and of its tap (``None`` / empty where it has none)."""
-Names = list[Stage]
-
-
-def _chain(module: nn.Module, names: Names, x: torch.Tensor) -> torch.Tensor:
-    """Apply each address's writes, encode it with its SAEs (which may clamp), then copy it
-    into its tap (in-graph)."""
-    for write, saes, _, tap in names:
-        if write is not None:
-            x = getattr(module, write)(x)
-        for sae in saes:
-            x = getattr(module, sae)(x)
-        if tap is not None:
-            getattr(module, tap)(x)
-    return x
-
-
-def _chain_rows(module: nn.Module, names: Names, x: torch.Tensor, batched: bool) -> torch.Tensor:
-    """:func:`_chain` on ``[tokens, ...]`` rows: a batched ``[1, tokens, ...]`` value (HF's modules
-    under vLLM's Transformers modeling backend) is unbatched for it and batched again."""
-    if batched:
-        return _chain(module, names, x[0]).unsqueeze(0)
-    return _chain(module, names, x)
-
-
-def _writes(names: Names) -> bool:
-    """Whether anything at these addresses may change the value (a write table or a clamp)."""
-    return any(write is not None or clamps for write, _, clamps, _ in names)
-
-
-def _steered(module: nn.Module, names: Names, n: Any) -> torch.Tensor:
-    """``[n, 1]``: tokens any write or clamp at this hook touches this step (in-graph)."""
-    masks = [getattr(module, write).steered(n) for write, _, _, _ in names if write is not None]
-    masks += [getattr(module, sae).steered(n) for _, _, clamps, _ in names for sae in clamps]
-    mask: torch.Tensor = masks[0]
-    for other in masks[1:]:
-        mask = mask | other
-    return mask
 
 
 class StaticTapManager(TapManager):
@@ -259,51 +210,17 @@ class StaticTapManager(TapManager):
         stash = mid in self.points or mid in self.write_addresses
         if stash:
             self._new_tap(attr_path(block, attn_path), "interp_stash", self.d_model)
-        hidden_at, residual_at = self.family.hidden_arg, self.family.residual_arg
-        writes = _writes(names)
-        batched = self.family.batched
-
-        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            hidden = arg_value(args, kwargs, *hidden_at)
-            residual = arg_value(args, kwargs, *residual_at) if residual_at is not None else None
-            stream = hidden if residual is None else hidden + residual
-            new = _chain_rows(module, names, stream, batched)
-            if stash:
-                _tap(attr_path(module, attn_path), "interp_stash")(new[0] if batched else new)
-            if not writes:
-                return None
-            if residual is None or residual_at is None:
-                return set_arg(args, kwargs, *hidden_at, new)
-            mask = _steered(module, names, new.shape[0])
-            args, kwargs = set_arg(args, kwargs, *hidden_at, torch.where(mask, new, hidden))
-            return set_arg(args, kwargs, *residual_at, torch.where(mask, 0.0, residual))
-
-        return hook
+        return layer_in_hook(
+            names,
+            hidden_at=self.family.hidden_arg,
+            residual_at=self.family.residual_arg,
+            stash_at=attn_path if stash else None,
+            batched=self.family.batched,
+        )
 
     def _layer_out_hook(self, block: nn.Module, addresses: list[Address]) -> Callable[..., Any]:
         names = [self._names(block, a) for a in addresses]
-        writes = _writes(names)
-        deferred = self.family.deferred_residual
-        batched = self.family.batched
-
-        def hook(module: nn.Module, args: Any, output: Any) -> Any:
-            if isinstance(output, tuple) and not deferred:  # (stream, ...)
-                new = _chain_rows(module, names, output[0], batched)
-                return (new, *output[1:]) if writes else None
-            if isinstance(output, tuple):
-                hidden, residual = output[0], output[1]
-                stream = hidden if residual is None else hidden + residual
-                new = _chain(module, names, stream)
-                if not writes:
-                    return None
-                if residual is None:
-                    return (new, *output[1:])
-                mask = _steered(module, names, new.shape[0])
-                return (torch.where(mask, new, hidden), torch.where(mask, 0.0, residual), *output[2:])
-            new = _chain_rows(module, names, output, batched)
-            return new if writes else None
-
-        return hook
+        return layer_out_hook(names, deferred=self.family.deferred_residual, batched=self.family.batched)
 
     def _input_hook(
         self, module: nn.Module, layer: int, addresses: list[Address], batched: bool = False
@@ -320,19 +237,7 @@ class StaticTapManager(TapManager):
                 qk = True
             else:
                 steps.append((arg_slot(module, site), [self._names(module, address)]))
-        writes = any(_writes(names) for _, names in steps)
-
-        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            for (index, name), names in steps:
-                args, kwargs = set_arg(
-                    args, kwargs, index, name, _chain_rows(module, names, arg_value(args, kwargs, index, name), batched)
-                )
-            if qk:
-                _tap(module, "interp_q")(arg_value(args, kwargs, 0, "query"))
-                _tap(module, "interp_k")(arg_value(args, kwargs, 1, "key"))
-            return (args, kwargs) if writes else None
-
-        return hook
+        return input_hook(steps, qk=qk, batched=batched)
 
     def _output_hook(
         self, module: nn.Module, layer: int, addresses: list[Address], batched: bool = False
@@ -349,48 +254,8 @@ class StaticTapManager(TapManager):
                 parts.setdefault(key, []).append(self._names(module, a))
         act = self.gate_act(layer) if activated else None
         mid_names = [self._names(module, a) for a in addresses if SITES[a.kind].derived]  # resid_mid
-        out_writes = any(_writes(names) for names in parts.values())
-        mid_writes = _writes(mid_names)
-        scale = self.family.attn_scale  # what the layer multiplies attention's contribution by
-
-        def hook(module: nn.Module, args: Any, output: Any) -> Any:
-            value = output[0] if isinstance(output, tuple) else output
-            if batched:  # [1, tokens, ...]: work on the rows
-                value = value[0]
-            new = value
-            for (cols, factor), names in parts.items():
-                if cols is None and factor != 1.0:  # read and written as added; handed back unscaled
-                    added = _chain(module, names, new * factor)
-                    if _writes(names):
-                        new = added / factor
-                    continue
-                if cols is None:
-                    new = _chain(module, names, new)
-                    continue
-                index, count = cols
-                pieces = list(new.split(new.shape[-1] // count, dim=-1))
-                pieces[index] = _chain(module, names, pieces[index])
-                if _writes(names):
-                    new = torch.cat(pieces, dim=-1)
-            if act is not None:
-                gate = new.split(new.shape[-1] // 2, dim=-1)[0]
-                _chain(module, activated, gate_activation(act, gate))
-            if mid_names:
-                n = new.shape[0]
-                before = _tap(module, "interp_stash").buffer[:n].to(new.dtype)
-                mid = before + scale * new.reshape(n, -1)
-                moved = _chain(module, mid_names, mid)
-                if mid_writes:
-                    mask = _steered(module, mid_names, n)
-                    added = (moved - before) / scale if scale != 1.0 else moved - before
-                    new = torch.where(mask, added, new.reshape(n, -1)).reshape(value.shape)
-            if not (out_writes or mid_writes):
-                return None
-            if batched:
-                new = new.unsqueeze(0)
-            return (new, *output[1:]) if isinstance(output, tuple) else new
-
-        return hook
+        # scale: what the layer multiplies attention's contribution by
+        return output_hook(parts, activated, act, mid_names, scale=self.family.attn_scale, batched=batched)
 
     # -- host side ---------------------------------------------------------------------------
     def heads_of(self, address: Address) -> int:
