@@ -176,3 +176,51 @@ def test_register_is_idempotent_and_its_targets_keep_their_shape() -> None:
     assert set(_vllm_entry.WORKER_RPCS) == set(RPC_NAMES)
     for name, function in _vllm_entry.WORKER_RPCS.items():
         assert getattr(WorkerBase, name) is function
+
+
+def test_vllm_processes_skip_the_final_collection_and_write_nothing_after_it() -> None:
+    """In a process vLLM started (named like its engine core or workers), ``register()`` arranges
+    for the interpreter's final collection to be skipped at exit (it takes seconds over an
+    engine's heap): everything written before is flushed, the heap is frozen, and the leak report
+    nanobind's extensions print after it never reaches stderr."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import atexit, gc, multiprocessing, sys
+        multiprocessing.current_process().name = sys.argv[1]
+        # registered first, so it runs last (after the skip, where there is one)
+        atexit.register(lambda: print("frozen", gc.get_freeze_count() > 0, flush=True))
+        from interp_vllm import _vllm_entry
+        _vllm_entry.register()
+        _vllm_entry.register()
+        print("skipping", _vllm_entry._SKIPPING)
+        print("before the exit", file=sys.stderr)
+        """
+    )
+    for name, skipping in (("VllmWorker-0", True), ("EngineCore", True), ("MainProcess", False)):
+        out = subprocess.run([sys.executable, "-c", script, name], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split("\n")[:2] == [f"skipping {[True] if skipping else []}", f"frozen {skipping}"]
+        assert out.stderr.strip().endswith("before the exit"), out.stderr
+
+
+def test_the_skip_freezes_the_heap_and_closes_stderr() -> None:
+    import subprocess
+    import sys
+
+    script = (
+        "import gc, sys\n"
+        "from interp_vllm import _vllm_entry\n"
+        "print('out', flush=False)\n"
+        "print('err', file=sys.stderr)\n"
+        "_vllm_entry._skip_final_collection()\n"
+        "print('frozen', gc.get_freeze_count() > 0)\n"
+        "print('gone', file=sys.stderr)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0
+    assert out.stdout.split() == ["out", "frozen", "True"]
+    assert out.stderr.split() == ["err"]

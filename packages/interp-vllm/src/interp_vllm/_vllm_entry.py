@@ -4,7 +4,9 @@ It wraps the V1 model runner (:func:`._compat.patch_runner`) so each forward run
 of the requests in that step, the taps learn which requests vLLM finished or aborted, and a
 vllm-static engine gets its fixed taps right after the model is loaded (before vLLM compiles
 it); and it adds the RPC methods the front end calls through ``collective_rpc``, one per name of
-:data:`._wire.RPC_NAMES` (:data:`WORKER_RPCS`). Safe to call more than once.
+:data:`._wire.RPC_NAMES` (:data:`WORKER_RPCS`). In vLLM's own processes (its engine core and workers) it also skips the
+interpreter's final garbage collection at exit, which over a loaded engine's heap takes seconds
+(:func:`_skip_final_collection`). Safe to call more than once.
 
 A runner whose shape the patches do not expect is left unpatched (vLLM serves plain requests as
 ever); the workers' ping then carries the :class:`~interp_engine.IncompatibleDependency` message, which
@@ -13,8 +15,13 @@ the front end raises.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import gc
 import logging
+import multiprocessing
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +31,9 @@ from . import _compat
 from . import _wire as wire
 
 logger = logging.getLogger(__name__)
+
+_SKIPPING: list[bool] = []
+"""Whether this process skips its final collection (:func:`register`)."""
 
 _INCOMPATIBLE: list[str] = []
 """Why this process's runner could not be patched (empty: it was, or it was never tried)."""
@@ -162,8 +172,36 @@ WORKER_RPCS: dict[str, Callable[..., Any]] = {
 """The worker's method for each RPC name of the wire."""
 
 
+_VLLM_PROCESSES = ("EngineCore", "VllmWorker")
+"""The names vLLM gives the processes it starts (its engine core, one per data-parallel rank, and
+its workers)."""
+
+
+def _skip_final_collection() -> None:
+    """At exit: move every object to the permanent generation, so that the interpreter's final
+    cyclic collection has nothing to scan (over a loaded engine's heap it takes seconds; the
+    process's memory goes back to the system whole). Extensions built with nanobind (Triton's,
+    which vLLM imports through torch) then report their still-alive objects as leaks on stderr
+    as the interpreter ends: that report is of objects the exit frees anyway, so stderr is closed
+    after everything else the process wrote is flushed."""
+    gc.collect()
+    gc.freeze()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    with contextlib.suppress(OSError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+
+
 def register() -> None:
-    """Patch vLLM's V1 model runner and add the RPC methods to its worker base (idempotent)."""
+    """Patch vLLM's V1 model runner and add the RPC methods to its worker base (idempotent). In a
+    process vLLM started, the interpreter's final garbage collection is skipped: over the heap of
+    a loaded engine it takes seconds, and vLLM's process manager kills an engine core that
+    outlives its shutdown grace."""
+    if multiprocessing.current_process().name.startswith(_VLLM_PROCESSES) and not _SKIPPING:
+        atexit.register(_skip_final_collection)
+        _SKIPPING.append(True)
     try:
         _compat.patch_runner(_forward, _finished, _after_load)
     except IncompatibleDependency as exc:
