@@ -9,6 +9,7 @@ The helpers behind them are importable from the dev-only ``interp_testkit`` pack
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -16,6 +17,13 @@ from typing import Any
 import pytest
 
 from .support.engines import EnginePool
+
+# The session's vLLM engines start their processes from a preloaded forkserver (test-only; see
+# interp_testkit.forked_engines): a start is ~5 s instead of ~25 s of spawning and importing.
+if importlib.util.find_spec("vllm") is not None:
+    from interp_testkit import forked_engines
+
+    forked_engines.install()
 
 # The test suite's third-party backend (tests/toy_backend) serves "toy" only where this is set:
 # for this session and the subprocesses it starts, never for a user of the dev install.

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from interp_testkit.suite import VLLM_ENGINE_ARGS, tiny_model_path, vllm_model_path
+from interp_testkit.suite import KV_CACHE_BYTES, VLLM_ENGINE_ARGS, tiny_model_path, vllm_model_path
 
 
 @functools.cache
@@ -36,11 +36,12 @@ def assert_no_leaks(facade: Any) -> None:
 
 
 def started_engine(path: pathlib.Path, backend: str = "vllm", **engine_args: Any) -> Any:
-    """A vLLM engine of its own (outside the session's shared ones), warmed up, behind its sync
-    facade; shut down again if it fails to start."""
+    """A vLLM engine of its own (outside the session's shared ones, with the suite's KV cache
+    size unless ``engine_args`` says otherwise), warmed up, behind its sync facade; shut down
+    again if it fails to start."""
     from interp_engine import load_model, sync_model
 
-    facade = sync_model(load_model(path, backend=backend, **engine_args))
+    facade = sync_model(load_model(path, backend=backend, **{"kv_cache_memory_bytes": KV_CACHE_BYTES, **engine_args}))
     try:
         facade.warmup()
     except BaseException:
@@ -66,7 +67,7 @@ class EnginePool:
     def get(self, family: str, **engine_args: Any) -> Any:
         from interp_engine import load_model, sync_model
 
-        args = {**VLLM_ENGINE_ARGS.get(family, {}), **engine_args}
+        args = {"kv_cache_memory_bytes": KV_CACHE_BYTES, **VLLM_ENGINE_ARGS.get(family, {}), **engine_args}
         key = (family, tuple(sorted(args.items())))
         if key not in self.started:
             facade = sync_model(load_model(vllm_model_path(family), backend="vllm", **args))

@@ -2,8 +2,9 @@
 
 A vLLM engine runs as children of the caller (the engine core, which starts the workers). After
 ``shutdown()`` they must be gone *and reaped*: a zombie still counts as left behind. Python's own
-``multiprocessing`` resource tracker (one per process, started with the first spawned child and
-kept for the life of the process) is not an engine's and is ignored.
+``multiprocessing`` helpers — its resource tracker, and the forkserver the suite's engines are
+forked from (``interp_testkit.forked_engines``), each started with the first child and kept for
+the life of the process — are not an engine's and are ignored.
 """
 
 from __future__ import annotations
@@ -12,10 +13,13 @@ import time
 
 import psutil
 
+_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
 
-def _is_resource_tracker(proc: psutil.Process) -> bool:
+
+def _is_multiprocessing_helper(proc: psutil.Process) -> bool:
     try:
-        return "multiprocessing.resource_tracker" in " ".join(proc.cmdline())
+        command = " ".join(proc.cmdline())
+        return any(helper in command for helper in _HELPERS)
     except psutil.ZombieProcess:
         return False
     except psutil.Error:
@@ -26,7 +30,7 @@ def children() -> dict[int, psutil.Process]:
     """This process's descendants (zombies included), by pid."""
     out = {}
     for proc in psutil.Process().children(recursive=True):
-        if not _is_resource_tracker(proc):
+        if not _is_multiprocessing_helper(proc):
             out[proc.pid] = proc
     return out
 

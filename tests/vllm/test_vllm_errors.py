@@ -428,3 +428,26 @@ def test_request_after_shutdown(engine: Any) -> None:
     asyncio.run(model.shutdown())  # idempotent
     assert _procs.new_children(before) == {}
     assert_still_works(engine)  # other models are untouched
+
+
+# ---------------------------------------------------------------------------------------------
+# the KV cache's size on a CPU machine
+# ---------------------------------------------------------------------------------------------
+
+
+def test_the_kv_cache_is_an_engine_argument(monkeypatch: pytest.MonkeyPatch, engine: Any) -> None:
+    """On a CPU machine the KV cache defaults to 1 GiB as the engine argument
+    ``kv_cache_memory_bytes``, which a caller's own value replaces and which the engine uses;
+    where the caller's environment sets vLLM's ``VLLM_CPU_KVCACHE_SPACE``, that decides."""
+    from interp_testkit.suite import KV_CACHE_BYTES
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    path = vllm_model_path(FAMILY)
+    assert load_model(path, backend="vllm").engine_kwargs["kv_cache_memory_bytes"] == 1 << 30
+    assert load_model(path, backend="vllm", kv_cache_memory_bytes=64 << 20).engine_kwargs["kv_cache_memory_bytes"] == (
+        64 << 20
+    )
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
+    assert "kv_cache_memory_bytes" not in load_model(path, backend="vllm").engine_kwargs
+    # the session's engine was built with the suite's size, and holds it
+    assert engine.model._engine.vllm_config.cache_config.kv_cache_memory_bytes == KV_CACHE_BYTES

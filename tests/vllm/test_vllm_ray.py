@@ -134,7 +134,7 @@ def engines(cluster: dict[str, str]) -> Iterator[tuple[Any, Any]]:
             new = list(_procs.new_children(before).values())
             names = [p.name() for p in new]
             (core,) = [p for p in new if p.name() == "VLLM::EngineCore"]
-            assert [p for p in core.children() if not _procs._is_resource_tracker(p)] == [], names
+            assert [p for p in core.children() if not _procs._is_multiprocessing_helper(p)] == [], names
             assert sum(n.startswith("ray::RayWorkerProc") for n in names) == 2, names
             yield default, ray
         finally:

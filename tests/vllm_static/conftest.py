@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from interp_engine import load_model, sync_model
-from interp_testkit.suite import VLLM_ENGINE_ARGS, vllm_model_path
+from interp_testkit.suite import KV_CACHE_BYTES, VLLM_ENGINE_ARGS, vllm_model_path
 
 from ..support.engines import shutdown_all
 from ..support.static import DENSE_MAX, JUMP, POINTS, PROBE, RELU, SAE_POINTS, TOP_K, TOPK, WRITES, saes
@@ -33,6 +33,7 @@ def _llama() -> Any:
         static_sae_top_k=TOP_K,
         static_sae_dense_max=DENSE_MAX,
         saes={name: attached[name] for name in (TOPK, RELU, JUMP)},
+        kv_cache_memory_bytes=KV_CACHE_BYTES,
         **VLLM_ENGINE_ARGS["llama"],
     )
     model.attach_sae(PROBE, attached[PROBE])  # before the build: compiled in too
@@ -40,13 +41,15 @@ def _llama() -> Any:
 
 
 def _qwen2() -> Any:
-    model = load_model(vllm_model_path("qwen2"), backend="vllm-static", static_points="auto")
+    model = load_model(
+        vllm_model_path("qwen2"), backend="vllm-static", static_points="auto", kv_cache_memory_bytes=KV_CACHE_BYTES
+    )
     model.configure_static(POINTS, static_writes=WRITES)
     return model
 
 
 def _gpt2() -> Any:
-    return load_model(vllm_model_path("gpt2"), backend="vllm-static")
+    return load_model(vllm_model_path("gpt2"), backend="vllm-static", kv_cache_memory_bytes=KV_CACHE_BYTES)
 
 
 DECLARED: dict[str, Callable[[], Any]] = {"llama": _llama, "qwen2": _qwen2, "gpt2": _gpt2}

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from interp_engine import Address, SteeringSpec, Write, load_model, sync_model
-from interp_testkit.suite import MODELS, PROMPT, hf_for, rel_diff, vllm_model_path
+from interp_testkit.suite import KV_CACHE_BYTES, MODELS, PROMPT, hf_for, rel_diff, vllm_model_path
 
 TOL = 1e-4
 N_LAYERS = 3
@@ -444,7 +444,9 @@ def engine(request: pytest.FixtureRequest) -> Iterator[tuple[str, pathlib.Path, 
     """One compiled vllm-static engine at a time, shut down before the next one starts."""
     family, path_of, points, writes = ENGINES[request.param]
     path = path_of()
-    model = load_model(path, backend="vllm-static", static_points=points, static_writes=writes)
+    model = load_model(
+        path, backend="vllm-static", static_points=points, static_writes=writes, kv_cache_memory_bytes=KV_CACHE_BYTES
+    )
     facade = sync_model(model)
     try:
         facade.warmup()

@@ -84,6 +84,11 @@ the llama engines, which take at most 64 tokens a step (:data:`VLLM_ENGINE_ARGS`
 VLLM_SHAPE = {"d_model": 128, "head_dim": 32, "max_positions": 256}
 """vLLM's CPU attention kernels refuse head_dim 16: the vLLM tests use 4 heads of 32."""
 
+KV_CACHE_BYTES = 128 << 20
+"""The KV cache of the suite's shared and per-test engines: 128 MiB holds every batch the tests
+send (the tiny models' layers take ~4 KiB a token) in an eighth of the backend's 1 GiB default,
+so that the engines a session holds at once fit in memory."""
+
 VLLM_ENGINE_ARGS: dict[str, dict[str, Any]] = {
     # llama's engine also forces chunked prefill: prompts over 64 tokens take several steps
     "llama": {"max_num_batched_tokens": 64},

@@ -1,0 +1,92 @@
+"""Test-only: vLLM's engine processes forked from a preloaded server instead of spawned.
+
+A vLLM engine on the CPU build starts two processes, each spawned fresh (the platform forces
+``spawn``): the engine core, then its worker, and each spends ~8 s importing vLLM and torch
+before doing anything. The test suite starts ~50 engines, so :func:`install` makes the suite's
+engines start from processes that already hold those imports:
+
+- the engine core comes from a ``forkserver`` whose server imported this module (and with it
+  vLLM's engine core, executor, CPU worker and model runner, and the interp-vllm plugin) once,
+  at the first engine start;
+- the engine core forks its workers (it holds the same imports, and has run no OpenMP region).
+
+Each process still gets the environment of the moment it was created (a forkserver child would
+otherwise inherit the server's): :class:`_EnvProcess` carries ``os.environ`` across. The
+spawned path itself stays covered by the tests whose engines run in a process of their own
+(command-line, server and lifecycle scripts), which never call :func:`install`.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from multiprocessing.context import ForkServerContext, ForkServerProcess
+from typing import Any
+
+PRELOAD = (
+    "interp_testkit.forked_engines",
+    "setproctitle",  # vLLM names its processes with it
+    "vllm.v1.engine.core",
+    "vllm.v1.executor.multiproc_executor",
+    "vllm.v1.worker.cpu_worker",
+    "vllm.v1.worker.cpu_model_runner",
+    "interp_vllm._vllm_entry",
+    "interp_vllm._worker",
+)
+"""What the server imports before it forks its first engine core."""
+
+_USERS = (
+    "vllm.utils.system_utils",
+    "vllm.v1.engine.utils",
+    "vllm.v1.engine.coordinator",
+    "vllm.v1.executor.multiproc_executor",
+)
+"""The vLLM modules that hold ``get_mp_context`` by name."""
+
+
+class _EnvProcess(ForkServerProcess):
+    """A forkserver process that runs with the environment of the moment it was created."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._environ = dict(os.environ)
+
+    def run(self) -> None:
+        # only what differs: rebuilding the whole environment would move it away from argv,
+        # where setproctitle writes the title vLLM gives its processes
+        for name in set(os.environ) - set(self._environ):
+            del os.environ[name]
+        for name, value in self._environ.items():
+            if os.environ.get(name) != value:
+                os.environ[name] = value
+        super().run()
+
+
+class _EnvContext(ForkServerContext):
+    Process = _EnvProcess
+
+
+_CONTEXT = _EnvContext()
+
+
+def _get_mp_context() -> Any:
+    """The front end's engine cores from the server; an engine core's workers by ``fork``."""
+    if multiprocessing.parent_process() is None:
+        return _CONTEXT
+    return multiprocessing.get_context("fork")
+
+
+def install() -> None:
+    """Route vLLM's process creation in this process (and in the engine cores it starts) through
+    :func:`_get_mp_context`."""
+    import importlib
+
+    os.environ["_INTERP_FORKED_ENGINES"] = "1"  # the server installs it too, as it imports this module
+    multiprocessing.set_forkserver_preload(list(PRELOAD))
+    for name in _USERS:
+        module = importlib.import_module(name)
+        module.get_mp_context = _get_mp_context  # type: ignore[attr-defined]
+
+
+if os.environ.get("_INTERP_FORKED_ENGINES"):
+    install()
