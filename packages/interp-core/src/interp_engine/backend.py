@@ -12,9 +12,11 @@ request first and raises the core's typed errors, so a backend receives checked 
 
 - ``capture(token_ids, points, *, steering_spec)``: one forward, call ``self._check_capture``
   first; return ``request.keyed(values)``;
-- ``generate`` / ``capture_generation``: call ``self._check_generation``; end a completion with
-  ``self._stop_index`` / ``self._completion``;
+- ``generate``: call ``self._check_generation``; end a completion with ``self._stop_index`` /
+  ``self._completion``;
 - ``_stream(request)``: yield the steps of a request the base class's ``stream`` checked;
+- ``_capture_generation(request)``: the completion and results of a request the base class's
+  ``capture_generation`` checked;
 - ``_decode_residuals(residuals)``: the final norm and unembedding of one checked tensor;
 - ``_close_resources()``: release what the model holds, once, on the first ``shutdown()``;
 - optionally ``_served_kinds()`` (the kinds the loaded family has), ``weights`` access

@@ -41,7 +41,6 @@ from interp_engine import (
 )
 from interp_engine.backend import (
     CheckedLens,
-    LensRequest,
     LensResult,
     LensTopK,
     RowSpecs,
@@ -426,23 +425,11 @@ class EagerModel(TokenizerMixin, ModelBase):
         )
         return completion
 
-    async def capture_generation(
-        self,
-        token_ids: Sequence[int],
-        points: Iterable[Any],
-        *,
-        max_tokens: int,
-        steering_spec: SteeringSpec | None = None,
-        lens: LensRequest | None = None,
-        **sampling: Any,
-    ) -> tuple[Completion, Results]:
+    async def _capture_generation(self, request: CheckedRequest) -> tuple[Completion, Results]:
         """A completion and activations ``[n_prompt + n_generated, width]`` (head addresses
         ``[n_prompt + n_generated, heads, d_head]``) over prompt and every generated token; with
         ``lens``, a :class:`LensResult` under that request at its prompt positions and every
         position that produced a generated token."""
-        request = self._check_generation(
-            token_ids, points, max_tokens=max_tokens, steering_spec=steering_spec, sampling=sampling, lens=lens
-        )
         plan_for = self._plan_for(request)
         tokens: list[int] = []
         plan: Plan | None = None

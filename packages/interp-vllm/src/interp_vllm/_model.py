@@ -35,7 +35,7 @@ from interp_engine import (
     UnsupportedOperation,
     Write,
 )
-from interp_engine.backend import LensRequest, LensResult, LensTopK, TextPieces
+from interp_engine.backend import LensResult, LensTopK, TextPieces
 
 from ._client import Workers
 from ._engine import is_engine_dead
@@ -178,34 +178,22 @@ class VllmModel(SaeSync):
             await self._unuse_saes(engine, keys)
         return request.keyed(values, readouts)
 
-    async def capture_generation(
-        self,
-        token_ids: Sequence[int],
-        points: Iterable[Any],
-        *,
-        max_tokens: int,
-        steering_spec: SteeringSpec | None = None,
-        lens: LensRequest | None = None,
-        **sampling: Any,
-    ) -> tuple[Completion, Results]:
+    async def _capture_generation(self, request: CheckedRequest) -> tuple[Completion, Results]:
         """A completion and activations ``[n_prompt + n_generated, width]`` (with ``lens``, a
         :class:`LensResult` under the request, computed in the workers).
 
         vLLM never runs the forward of the last token it samples, so the request asks for one
         token more than it returns and is aborted as soon as that token exists."""
-        request = self._check_generation(
-            token_ids, points, max_tokens=max_tokens, steering_spec=steering_spec, sampling=sampling, lens=lens
-        )
         engine = await self._ready()
         self._check_lens_stages(request)
         await self._sync_saes(engine, request)
         keys = self._use_saes(request)
         try:
-            return await self._capture_generation(engine, request, keys)
+            return await self._run_capture_generation(engine, request, keys)
         finally:
             await self._unuse_saes(engine, keys)
 
-    async def _capture_generation(
+    async def _run_capture_generation(
         self, engine: Any, request: CheckedRequest, keys: dict[str, str]
     ) -> tuple[Completion, Results]:
         ids, writes, resolved, max_tokens = request.token_ids, request.writes, request.addresses, request.max_tokens

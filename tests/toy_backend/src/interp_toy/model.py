@@ -14,6 +14,7 @@ from interp_engine import (
     Completion,
     ModelBase,
     ModelInfo,
+    Results,
     SteeringSpec,
     StreamStep,
     UnsupportedOperation,
@@ -132,18 +133,9 @@ class ToyModel(ModelBase):
         )
         return self._completion([token for token, _ in self._generated(request)], request.sampling)
 
-    async def capture_generation(
-        self,
-        token_ids: Sequence[int],
-        points: Iterable[Any],
-        *,
-        max_tokens: int,
-        steering_spec: SteeringSpec | None = None,
-        **sampling: Any,
-    ) -> tuple[Completion, dict[Address, torch.Tensor]]:
-        request = self._check_generation(
-            token_ids, points, max_tokens=max_tokens, steering_spec=steering_spec, sampling=sampling
-        )
+    async def _capture_generation(self, request: CheckedRequest) -> tuple[Completion, Results]:
+        if request.lens is not None:
+            raise UnsupportedOperation("the toy backend reads no lens")
         tokens = [token for token, _ in self._generated(request)]
         n_prompt = len(request.token_ids)
         acts, _ = self._forward(request.token_ids + tokens, request.addresses, request.writes, n_prompt)

@@ -10,8 +10,8 @@ once, what each backend would otherwise write again (and get subtly different):
 - the end-of-sequence ids (:meth:`~ModelBase.eos_ids_of`) and what they mean for a completion
   (where it stops, ``finish_reason`` ``"stop"`` or ``"length"``);
 - the shapes ``decode_residuals`` takes (one tensor, or a mapping of them, all checked first);
-- ``stream`` itself: the checks, then the backend's ``_stream`` over the checked request (closed
-  as soon as the caller stops);
+- ``stream`` and ``capture_generation`` themselves: the checks, then the backend's ``_stream`` /
+  ``_capture_generation`` over the checked request (a stream's closed as soon as the caller stops);
 - ``capture_attention`` as a capture of ``attn_pattern`` addresses;
 - the lifecycle (:class:`~interp_engine.protocol._lifecycle.ModelLifecycle`): ``shutdown()`` is
   idempotent and callable from any loop or thread, and every call after it raises
@@ -32,8 +32,9 @@ A backend subclasses it and supplies the forward passes::
             return request.keyed(values)  # keyed as the caller asked
 
         async def _stream(self, request): ...  # yield the StreamSteps of a request stream() checked
-        # generate / capture_generation: self._check_generation(...), then
-        # self._stop_index / self._completion for where the completion ends and why
+        async def _capture_generation(self, request): ...  # (completion, results) of a checked request
+        # generate: self._check_generation(...); a completion ends where self._stop_index says,
+        # self._completion gives its text and why it ended
         async def _decode_residuals(self, residuals): ...  # one checked tensor [..., d_model]
         def _close_resources(self) -> None: ...  # once, on the first shutdown()
 
@@ -95,9 +96,9 @@ class ModelBase(ModelLifecycle, abc.ABC):
     """The glue every backend's model shares (module docstring); subclass it to write a backend.
 
     Subclasses call ``super().__init__(info, eos_ids=...)``, implement the protocol's compute
-    (``warmup``, ``capture``, ``generate``, ``capture_generation``, the tokenizer methods),
-    ``_stream`` (the steps of a request :meth:`stream` checked), ``_decode_residuals`` and, if
-    they hold resources, ``_close_resources``.
+    (``warmup``, ``capture``, ``generate``, the tokenizer methods), ``_stream`` and
+    ``_capture_generation`` (what a request :meth:`stream` / :meth:`capture_generation` checked
+    asks for), ``_decode_residuals`` and, if they hold resources, ``_close_resources``.
     """
 
     backend: str
@@ -480,7 +481,6 @@ class ModelBase(ModelLifecycle, abc.ABC):
     async def generate(self, token_ids: Sequence[int], *, max_tokens: int, **sampling: Any) -> Completion:
         """A completion, greedy unless sampling options are given."""
 
-    @abc.abstractmethod
     async def capture_generation(
         self,
         token_ids: Sequence[int],
@@ -492,7 +492,19 @@ class ModelBase(ModelLifecycle, abc.ABC):
         **sampling: Any,
     ) -> tuple[Completion, Results]:
         """A completion and activations over prompt + every generated token (and with ``lens``,
-        a :class:`LensResult` keyed by the request)."""
+        a :class:`LensResult` keyed by the request).
+
+        The request is checked here (:meth:`_check_generation`); the backend's
+        :meth:`_capture_generation` serves it."""
+        request = self._check_generation(
+            token_ids, points, max_tokens=max_tokens, steering_spec=steering_spec, sampling=sampling, lens=lens
+        )
+        return await self._capture_generation(request)
+
+    async def _capture_generation(self, request: CheckedRequest) -> tuple[Completion, Results]:
+        """The completion and results of a checked ``capture_generation`` request: what a backend
+        implements, unless it overrides ``capture_generation`` itself."""
+        raise UnsupportedOperation(f"the {self.backend} backend does not capture over a generation")
 
     async def stream(
         self,
