@@ -11,4 +11,6 @@ bash scripts/setup.sh
 .venv/bin/python -m mypy -p interp_testkit
 # the layering contracts under [tool.importlinter] in pyproject.toml
 .venv/bin/lint-imports
-.venv/bin/python -m pytest -q -p no:cacheprovider --durations=30 "$@"
+# two processes (this machine has two cores): tests/conftest.py's scheduler sends a module, or the
+# vllm-static folder, to one process whole, the longest folders first
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=30 -n 2 --dist loadscope "$@"

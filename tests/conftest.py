@@ -30,6 +30,48 @@ if importlib.util.find_spec("vllm") is not None:
 os.environ["INTERP_TOY_BACKEND"] = "1"
 
 
+WHOLE_FOLDERS = ("vllm_static",)
+"""Folders that run whole in one test process: their modules share engines a folder-scoped
+fixture starts (vllm-static's compiled engines, about a minute each)."""
+
+FOLDER_ORDER = ("vllm_static", "vllm", "server", "docs", "cli", "analysis", "eager", "core")
+"""The folders by how long their tests take, longest first; the others come after these."""
+
+
+def _folder(nodeid: str) -> str:
+    """``vllm`` for ``tests/vllm/test_x.py::test_y``; ``""`` for a module directly in ``tests``."""
+    parts = nodeid.split("::", 1)[0].split("/")
+    return parts[1] if len(parts) > 2 else ""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Order the tests by :data:`FOLDER_ORDER` (each folder keeps its own order), so that under
+    ``pytest -n 2`` (scripts/test.sh) the longest groups start first and the two processes
+    finish together."""
+
+    def rank(item: pytest.Item) -> int:
+        name = _folder(item.nodeid)
+        return FOLDER_ORDER.index(name) if name in FOLDER_ORDER else len(FOLDER_ORDER)
+
+    items.sort(key=rank)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """pytest-xdist's scheduler for ``pytest -n 2`` (scripts/test.sh): a module goes to one
+    process whole (its module-scoped fixtures are set up once), and so does a folder of
+    :data:`WHOLE_FOLDERS`."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleOrFolder(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            folder = _folder(nodeid)
+            return f"tests/{folder}" if folder in WHOLE_FOLDERS else module
+
+    return ModuleOrFolder(config, log)
+
+
 @pytest.fixture(scope="module")
 def direct() -> Iterator[Any]:
     """``interp:tiny`` on eager behind a sync facade, one per module (to compare a served or
