@@ -37,6 +37,10 @@ fixture starts (vllm-static's compiled engines, about a minute each)."""
 FOLDER_ORDER = ("vllm_static", "vllm", "server", "docs", "cli", "analysis", "eager", "core")
 """The folders by how long their tests take, longest first; the others come after these."""
 
+LONG_MODULES = ("vllm/test_vllm_lifecycle.py", "vllm/test_vllm_ray.py", "vllm/test_vllm_families.py")
+"""The modules that start the most engines of their own (scripts, a Ray cluster, every family):
+first in their folder, so that neither process ends on one of them while the other is idle."""
+
 
 def _folder(nodeid: str) -> str:
     """``vllm`` for ``tests/vllm/test_x.py::test_y``; ``""`` for a module directly in ``tests``."""
@@ -45,13 +49,15 @@ def _folder(nodeid: str) -> str:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Order the tests by :data:`FOLDER_ORDER` (each folder keeps its own order), so that under
+    """Order the tests by :data:`FOLDER_ORDER` and :data:`LONG_MODULES` (each folder otherwise
+    keeps its own order), so that under
     ``pytest -n 2`` (scripts/test.sh) the longest groups start first and the two processes
     finish together."""
 
-    def rank(item: pytest.Item) -> int:
+    def rank(item: pytest.Item) -> tuple[int, bool]:
         name = _folder(item.nodeid)
-        return FOLDER_ORDER.index(name) if name in FOLDER_ORDER else len(FOLDER_ORDER)
+        module = item.nodeid.split("::", 1)[0].removeprefix("tests/")
+        return FOLDER_ORDER.index(name) if name in FOLDER_ORDER else len(FOLDER_ORDER), module not in LONG_MODULES
 
     items.sort(key=rank)
 

@@ -11,9 +11,11 @@ engines start from processes that already hold those imports:
 - the engine core forks its workers (it holds the same imports, and has run no OpenMP region).
 
 Each process still gets the environment of the moment it was created (a forkserver child would
-otherwise inherit the server's): :class:`_EnvProcess` carries ``os.environ`` across. The
-spawned path itself stays covered by the tests whose engines run in a process of their own
-(command-line, server and lifecycle scripts), which never call :func:`install`.
+otherwise inherit the server's): :class:`_EnvProcess` carries ``os.environ`` across. What the
+server read at its imports stays as it read it, so an engine on another vLLM platform (the Ray
+tests') is spawned as vLLM spawns it. The spawned path itself stays covered by those engines and
+by the tests whose engines run in a process of their own (command-line, server and lifecycle
+scripts), which never call :func:`install`.
 """
 
 from __future__ import annotations
@@ -70,7 +72,13 @@ _CONTEXT = _EnvContext()
 
 
 def _get_mp_context() -> Any:
-    """The front end's engine cores from the server; an engine core's workers by ``fork``."""
+    """The front end's engine cores from the server; an engine core's workers by ``fork``.
+    An engine on the Ray test platform (``interp_testkit.ray_cpu``) is spawned as vLLM spawns
+    it: the server chose its vLLM platform once, at its imports, without that platform."""
+    from . import ray_cpu
+
+    if os.environ.get(ray_cpu.ENV) == "1":
+        return multiprocessing.get_context("spawn")
     if multiprocessing.parent_process() is None:
         return _CONTEXT
     return multiprocessing.get_context("fork")
