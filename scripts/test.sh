@@ -12,5 +12,5 @@ bash scripts/setup.sh
 # the layering contracts under [tool.importlinter] in pyproject.toml
 .venv/bin/lint-imports
 # two processes (this machine has two cores): tests/conftest.py's scheduler sends a module, or the
-# vllm-static folder, to one process whole, the longest folders first
+# vllm-static folder, to one process whole, the groups with the most tests first
 .venv/bin/python -m pytest -q -p no:cacheprovider --durations=30 -n 2 --dist loadscope "$@"

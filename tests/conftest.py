@@ -35,11 +35,12 @@ WHOLE_FOLDERS = ("vllm_static",)
 fixture starts (vllm-static's compiled engines, about a minute each)."""
 
 FOLDER_ORDER = ("vllm_static", "vllm", "server", "docs", "cli", "analysis", "eager", "core")
-"""The folders by how long their tests take, longest first; the others come after these."""
+"""The folders by how long their tests take, longest first; the others come after these (the
+order of the collection, which decides among groups of as many tests: below)."""
 
 LONG_MODULES = ("vllm/test_vllm_lifecycle.py", "vllm/test_vllm_ray.py", "vllm/test_vllm_families.py")
 """The modules that start the most engines of their own (scripts, a Ray cluster, every family):
-first in their folder, so that neither process ends on one of them while the other is idle."""
+first in their folder's part of the collection."""
 
 
 def _folder(nodeid: str) -> str:
@@ -50,9 +51,7 @@ def _folder(nodeid: str) -> str:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Order the tests by :data:`FOLDER_ORDER` and :data:`LONG_MODULES` (each folder otherwise
-    keeps its own order), so that under
-    ``pytest -n 2`` (scripts/test.sh) the longest groups start first and the two processes
-    finish together."""
+    keeps its own order)."""
 
     def rank(item: pytest.Item) -> tuple[int, bool]:
         name = _folder(item.nodeid)
@@ -66,7 +65,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """pytest-xdist's scheduler for ``pytest -n 2`` (scripts/test.sh): a module goes to one
     process whole (its module-scoped fixtures are set up once), and so does a folder of
-    :data:`WHOLE_FOLDERS`."""
+    :data:`WHOLE_FOLDERS`. pytest-xdist sends the groups with the most tests first (its
+    default), and among groups of as many tests, in the collection's order. That mixes the
+    engine-heavy groups with the thousands of quick ones: sending the collection's order
+    instead (``config.option.loadscopereorder = False``) had both processes start
+    engine-heavy folders at once, overloading the two cores, and the run was slower."""
     from xdist.scheduler import LoadScopeScheduling
 
     class ModuleOrFolder(LoadScopeScheduling):  # type: ignore[misc]
