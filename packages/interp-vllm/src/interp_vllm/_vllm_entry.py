@@ -178,8 +178,10 @@ its workers)."""
 
 
 def _skip_final_collection() -> None:
-    """At exit: move every object to the permanent generation, so that the interpreter's final
-    cyclic collection has nothing to scan (over a loaded engine's heap it takes seconds; the
+    """At exit: collect once (a fraction of a second: the garbage there is now, vLLM's
+    shared-memory caches among it, is finalised and unlinks its segments), then move every object
+    to the permanent generation, so that the interpreter's final cyclic collections after its
+    modules are torn down have nothing to scan (over a loaded engine's heap they take seconds; the
     process's memory goes back to the system whole). Extensions built with nanobind (Triton's,
     which vLLM imports through torch) then report their still-alive objects as leaks on stderr
     as the interpreter ends: that report is of objects the exit frees anyway, so stderr is closed
