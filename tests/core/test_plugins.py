@@ -364,6 +364,7 @@ ERRORS: dict[str, type[BaseException]] = {
     "UnknownWeight": KeyError,
     "UnsupportedOperation": NotImplementedError,
     "InvalidFeatures": ValueError,
+    "CaptureMemoryExceeded": MemoryError,
 }
 
 

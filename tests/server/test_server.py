@@ -645,3 +645,12 @@ def test_import_interp_engine_does_not_import_the_server_stack() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert json.loads(out) == []
+
+
+def test_a_capture_larger_than_the_capture_memory_cap_is_413() -> None:
+    from interp_engine import CaptureMemoryExceeded
+    from interp_engine.server._errors import from_interp
+
+    error = from_interp(CaptureMemoryExceeded("too big", needed=10, limit=4, option="capture_memory_bytes"))
+    assert error.status_code == 413
+    assert error.body() == {"error": "CaptureMemoryExceeded", "message": "too big", "valid": "4"}

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from ._errors import (
     BackendError,
     BackendNotFound,
+    CaptureMemoryExceeded,
     ContextTooLong,
     ForeignEventLoop,
     IncompatibleDependency,
@@ -191,6 +192,7 @@ __all__ = [
     "BackendNotFound",
     "BatchCapture",
     "Cache",
+    "CaptureMemoryExceeded",
     "ChatTokens",
     "CheckedRequest",
     "Completion",

@@ -27,6 +27,8 @@ Every error is an :class:`InterpError` and also the builtin a Python user would 
     ├── UnknownWeight (KeyError)             a weight name the model does not have: .name, .valid
     ├── InvalidFeatures (ValueError)         a bad readout or feature write: id out of range,
     │                                        width mismatch, unknown option
+    ├── CaptureMemoryExceeded (MemoryError)  a request's captured values exceed the backend's
+    │                                        capture memory cap: .needed, .limit, .option
     └── BackendError (RuntimeError)          the backend failed to serve a valid request
         └── IncompatibleDependency           an installed package no longer has the private API
                                              a backend patches (the message names the versions)
@@ -180,3 +182,16 @@ class UnknownWeight(_UnknownName):
 class InvalidFeatures(InterpError, ValueError):
     """A feature readout or feature write that cannot be served: a feature id outside the SAE,
     an SAE whose width does not match its address in this model, a bad readout option."""
+
+
+class CaptureMemoryExceeded(InterpError, MemoryError):
+    """A request whose captured values need more memory than the backend's cap on capture
+    memory allows, even with nothing else in flight: ``needed`` and ``limit`` in bytes, ``option``
+    the setting that raises the cap (requests that fit wait for memory to be freed instead)."""
+
+    def __init__(self, message: str, *, needed: int = 0, limit: int = 0, option: str = "capture_memory_bytes") -> None:
+        super().__init__(message)
+        self.needed = needed
+        self.limit = limit
+        self.option = option
+        self.valid = limit

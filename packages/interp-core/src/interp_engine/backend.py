@@ -30,7 +30,7 @@ The helpers a backend calls while it serves a checked request:
   needs cannot serve), :func:`requirements` (a kind's needs, implied ones included: :data:`IMPLIED`),
   :func:`needing`, :func:`missing_reason`;
 - **positions and heads of a write**: :func:`write_positions`, :func:`heads_of`,
-  :func:`requested_points`;
+  :func:`requested_points`; one token's value shape at an address: :func:`value_shape`;
 - **the write algebra**: :meth:`Write.apply` for one write, :class:`Pipeline` for several writes
   folded into one per-token map (how a compiled graph applies them from a table:
   :data:`PIPELINE_TABLES` are its fields, :func:`run_stages` evaluates them),
@@ -103,6 +103,7 @@ if TYPE_CHECKING:
     from .protocol._checks import (
         heads_of,
         requested_points,
+        value_shape,
         write_positions,
     )
     from .protocol._requests import (
@@ -133,6 +134,7 @@ _LAZY: dict[str, str] = {
     "probe_norm": ".analysis._weights",
     "heads_of": ".protocol._checks",
     "requested_points": ".protocol._checks",
+    "value_shape": ".protocol._checks",
     "write_positions": ".protocol._checks",
     "CheckedLens": ".protocol._requests",
     "read_features": ".sae._readouts",
@@ -234,5 +236,6 @@ __all__ = [
     "requirements",
     "run_stages",
     "select_features",
+    "value_shape",
     "write_positions",
 ]

@@ -11,6 +11,7 @@ the engine's processes. What a request carries and what it gets back is :mod:`._
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
 import contextlib
 import dataclasses
@@ -37,6 +38,9 @@ from interp_engine import (
 )
 from interp_engine.backend import TokenizerMixin, WeightInfo, check_weight_request
 
+from . import _buffers
+from ._buffers import Slab
+from ._capture_memory import CaptureMemory, default_limit
 from ._client import Workers
 from ._compat import RUNNER_ENV
 from ._resolve import resolve_without_weights
@@ -44,7 +48,12 @@ from ._sites import SITES
 from ._weights import merge_info, merge_weight
 from ._wire import FetchedWire, Ping
 
-FRONT_END_OPTIONS = ("tokenizer_path",)
+FRONT_END_OPTIONS = ("tokenizer_path", "capture_transport", "capture_memory_bytes")
+CAPTURE_TRANSPORTS = ("auto", "shared_memory", "rpc")
+"""How captured values leave the workers: ``shared_memory`` (:mod:`._buffers`: the workers write
+them where the front end maps them; only metadata crosses vLLM's RPC path), ``rpc`` (packed into
+the fetch's answer), or ``auto``: shared memory where every worker sees the front end's
+directory (one machine), else the RPC."""
 
 _T = TypeVar("_T")
 
@@ -136,6 +145,16 @@ class EngineClient(TokenizerMixin, ModelBase):
                 f"dtype, enforce_eager)"
             )
         self.path = name_or_path
+        self._transport = options.pop("capture_transport", "auto")
+        if self._transport not in CAPTURE_TRANSPORTS:
+            raise InvalidOption(
+                f"capture_transport must be one of {', '.join(CAPTURE_TRANSPORTS)}, got {self._transport!r}"
+            )
+        memory = options.pop("capture_memory_bytes", None)
+        if memory is not None and (not isinstance(memory, int) or isinstance(memory, bool) or memory < 1):
+            raise InvalidOption(f"capture_memory_bytes must be a positive int (bytes), got {memory!r}")
+        self._buffer_root = _buffers.directory() if self._transport != "rpc" else None
+        self.capture_memory = CaptureMemory(memory or default_limit(self._buffer_root))
         trust = bool(options.get("trust_remote_code", False))
         try:
             config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust)
@@ -245,18 +264,31 @@ class EngineClient(TokenizerMixin, ModelBase):
             raise InvalidOption(f"vLLM rejected the engine arguments: {exc}") from exc
         except Exception as exc:
             raise BackendError(f"the vLLM engine failed to start: {type(exc).__name__}: {exc}") from exc
+        prefix = None if self._buffer_root is None else _buffers.new_prefix(self._buffer_root)
+        probe = None if prefix is None else _buffers.make_probe(prefix)
         try:
-            pings = await Workers(engine).ping()
+            pings = await Workers(engine).ping(probe)
         except Exception as exc:
             engine.shutdown()
             raise BackendError(
                 f"the interp-vllm plugin is not loaded in vLLM's workers ({exc}); is interp-vllm "
                 "installed in the environment the workers run in, and not excluded by VLLM_PLUGINS?"
             ) from exc
+        finally:
+            if probe is not None:
+                _buffers.sweep(prefix or "")
         problem = self._check_workers(pings)
+        if problem is None and self._transport == "shared_memory" and not all(p.sees_probe for p in pings):
+            problem = (
+                f"capture_transport='shared_memory', but not every vLLM worker sees {self._buffer_root} "
+                "(workers on another machine): use capture_transport='auto' or 'rpc'"
+            )
         if problem is not None:
             engine.shutdown()
             raise BackendError(problem)
+        if prefix is not None and all(p.sees_probe for p in pings):
+            self.capture_memory.slab = Slab(prefix)
+            atexit.register(_buffers.sweep, prefix)
         self.tp_size = pings[0].tp_size
         self.pp_size = pings[0].pp_size
         self._stages = _stages(pings)
@@ -497,6 +529,8 @@ class EngineClient(TokenizerMixin, ModelBase):
                 process.join(timeout=10)
             del engine
             gc.collect()  # let AsyncLLM.__del__ run now, not during interpreter teardown
+        if self.capture_memory.slab is not None:  # the slab's segments go back to the system
+            self.capture_memory.slab.close()
 
 
 def _stages(pings: list[Ping]) -> list[tuple[frozenset[int], list[int]]]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Iterable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -37,6 +37,7 @@ from interp_engine import (
 )
 from interp_engine.backend import LensResult, LensTopK, TextPieces
 
+from ._buffers import Region
 from ._client import Workers
 from ._engine import is_engine_dead
 from ._lens_assembly import keyed, lens_at_prompt, lens_of, lens_result, readouts_of, with_lens
@@ -82,6 +83,7 @@ class VllmModel(SaeSync):
         readouts: Iterable[Features] = (),
         *,
         stream: bool = False,
+        regions: Mapping[Address, Region] | None = None,
     ) -> RequestPayload:
         from interp_engine.backend import ELEMENTWISE_OPS, WHOLE_ROW_OPS
 
@@ -96,8 +98,16 @@ class VllmModel(SaeSync):
                 f"are split across ranks, and {split[0].op} needs a projection or a norm over all of them); "
                 f"use {' or '.join(ELEMENTWISE_OPS)} there (ops that need the whole vector: {', '.join(WHOLE_ROW_OPS)})"
             )
+        points = tuple(points)
         return RequestPayload(
-            rid, tuple(points), tuple(writes), n_prompt, n_total, readouts=tuple(readouts), stream=stream
+            rid,
+            points,
+            tuple(writes),
+            n_prompt,
+            n_total,
+            readouts=tuple(readouts),
+            stream=stream,
+            buffers=dict(regions or {}),
         )
 
     async def _decoded(self, answers: Awaitable[list[FetchedWire]], what: str) -> list[Fetched]:
@@ -116,14 +126,25 @@ class VllmModel(SaeSync):
         return every
 
     async def _fetch(
-        self, engine: Any, rid: str, points: Iterable[Address], n: int, readouts: Iterable[Features] = ()
+        self,
+        engine: Any,
+        rid: str,
+        points: Iterable[Address],
+        n: int,
+        readouts: Iterable[Features] = (),
+        regions: Mapping[Address, Region] | None = None,
     ) -> tuple[dict[Address, torch.Tensor], dict[Features, FeatureReadout], LensChunk | None]:
-        """The request's values at ``points`` over its first ``n`` positions, its readouts, and
-        its logit lens as the workers computed it (``None``: it read none)."""
+        """The request's values at ``points`` over its first ``n`` positions (out of its slab
+        regions, or as the workers returned them), its readouts, and its logit lens as the
+        workers computed it (``None``: it read none)."""
         every = await self._decoded(self._fetch_blobs(engine, rid), "values")
         values: dict[Address, torch.Tensor] = {}
         for address in points:
             ranks = [every[i] for i in self._owners(address)]  # the stage that computes it, by TP rank
+            region = (regions or {}).get(address)
+            if region is not None and all(address not in rank.values for rank in ranks):
+                values[address] = self._from_slab(address, region, ranks, n)
+                continue
             if any(address not in rank.values for rank in ranks):
                 raise BackendError(
                     f"the taps for {address} did not fire for this request (is the interp-vllm "
@@ -151,6 +172,23 @@ class VllmModel(SaeSync):
             found[spec] = readout[:n]
         return values, found, lens_of(every)
 
+    def _from_slab(self, address: Address, region: Region, ranks: list[Fetched], n: int) -> torch.Tensor:
+        """``address``'s first ``n`` positions, copied out of its slab region: every rank that
+        writes it (each its heads or columns; a replicated value, rank 0) wrote them all."""
+        writers = ranks if SITES[address.kind].shard is not None else ranks[:1]
+        seen = min((rank.written.get(address, 0) for rank in writers), default=0)
+        if any(address not in rank.written for rank in writers):
+            raise BackendError(
+                f"the taps for {address} did not fire for this request (is the interp-vllm "
+                "plugin active in every worker, with the V1 model runner?)"
+            )
+        if seen < n:
+            raise BackendError(f"the taps for {address} saw {seen} of the {n} positions of this request")
+        slab = self.capture_memory.slab
+        if slab is None:  # pragma: no cover - regions come from the slab
+            raise BackendError("a slab region without a slab")
+        return slab.read(region, n)
+
     async def capture(
         self, token_ids: Sequence[int], points: Iterable[Any], *, steering_spec: SteeringSpec | None = None
     ) -> Results:
@@ -163,17 +201,18 @@ class VllmModel(SaeSync):
         keys = self._use_saes(request)
         try:
             rid = f"interp-{uuid.uuid4().hex}"
-            payload = self._payload(rid, resolved, writes, len(ids), len(ids), request.readouts)
-            params = self._sampling(1, SamplingOptions(), extra_args=keyed(payload, keys).extra_args())
             fetched = False
-            try:
-                async for _ in self._outputs(engine, ids, params, rid, rid):
-                    pass
-                values, readouts, _ = await self._fetch(engine, rid, resolved, len(ids), request.readouts)
-                fetched = True
-            finally:
-                if not fetched:
-                    await self._release(engine, rid)
+            async with self.capture_memory.reserved(resolved, len(ids), self.info) as regions:
+                payload = self._payload(rid, resolved, writes, len(ids), len(ids), request.readouts, regions=regions)
+                params = self._sampling(1, SamplingOptions(), extra_args=keyed(payload, keys).extra_args())
+                try:
+                    async for _ in self._outputs(engine, ids, params, rid, rid):
+                        pass
+                    values, readouts, _ = await self._fetch(engine, rid, resolved, len(ids), request.readouts, regions)
+                    fetched = True
+                finally:
+                    if not fetched:
+                        await self._release(engine, rid)
         finally:
             await self._unuse_saes(engine, keys)
         return request.keyed(values, readouts)
@@ -203,13 +242,34 @@ class VllmModel(SaeSync):
         limit = min(max_tokens + 1, self.info.n_ctx + 1 - n)
         from vllm.sampling_params import RequestOutputKind
 
-        payload = with_lens(self._payload(rid, resolved, writes, n, n + max_tokens + 1, request.readouts), request.lens)
-        params = self._sampling(
-            limit,
-            dataclasses.replace(request.sampling, ignore_eos=True),  # the stop is found here
-            extra_args=keyed(payload, keys).extra_args(),
-            output_kind=RequestOutputKind.DELTA,
-        )
+        async with self.capture_memory.reserved(resolved, n + max_tokens + 1, self.info) as regions:
+            payload = self._payload(rid, resolved, writes, n, n + max_tokens + 1, request.readouts, regions=regions)
+            params = self._sampling(
+                limit,
+                dataclasses.replace(request.sampling, ignore_eos=True),  # the stop is found here
+                extra_args=keyed(with_lens(payload, request.lens), keys).extra_args(),
+                output_kind=RequestOutputKind.DELTA,
+            )
+            tokens, keep, values, readouts, lens = await self._generate_and_fetch(
+                engine, request, rid, params, captures, max_tokens, regions
+            )
+        results = request.keyed(values, readouts)
+        if request.lens is not None:
+            results[request.lens.request] = lens_result(request.lens, lens, n, keep)
+        return self._completion(tokens[:keep], request.sampling), results
+
+    async def _generate_and_fetch(
+        self,
+        engine: Any,
+        request: CheckedRequest,
+        rid: str,
+        params: Any,
+        captures: bool,
+        max_tokens: int,
+        regions: Mapping[Address, Region],
+    ) -> tuple[list[int], int, dict[Address, torch.Tensor], dict[Features, FeatureReadout], LensChunk | None]:
+        """Run a capturing generation to its stop, then fetch what it captured."""
+        ids, resolved, n = request.token_ids, request.addresses, len(request.token_ids)
         tokens: list[int] = []
         keep = max_tokens
         fetched = False
@@ -221,7 +281,9 @@ class VllmModel(SaeSync):
                     break
             keep = min(keep, len(tokens))
             values, readouts, lens = (
-                await self._fetch(engine, rid, resolved, n + keep, request.readouts) if captures else ({}, {}, None)
+                await self._fetch(engine, rid, resolved, n + keep, request.readouts, regions)
+                if captures
+                else ({}, {}, None)
             )
             fetched = True
         finally:
@@ -229,10 +291,7 @@ class VllmModel(SaeSync):
                 await self._done(engine, rid)
             elif not fetched:
                 await self._release(engine, rid)
-        results = request.keyed(values, readouts)
-        if request.lens is not None:
-            results[request.lens.request] = lens_result(request.lens, lens, n, keep)
-        return self._completion(tokens[:keep], request.sampling), results
+        return tokens, keep, values, readouts, lens
 
     async def generate(
         self,

@@ -17,6 +17,7 @@ import torch
 from interp_engine import Address, BackendError, FeatureReadout, Features, FeatureWrite, Sae, UnknownSae, Write
 from interp_engine.backend import write_positions
 
+from ._buffers import Region
 from ._sites import SITES, VllmSite
 from ._wire import LensChunk, RequestPayload
 
@@ -76,6 +77,11 @@ class RequestTaps:
             if write.address is None:  # the front end binds feature writes
                 raise BackendError(f"an unbound feature write reached the worker: {write!r}")
             self.writes[write.address].append(WriteTable(write, mask, row))
+        # captured values: written into the request's regions of the front end's slab as the
+        # steps run (spans: the positions written, per address), or kept here as chunks (no
+        # region: the RPC transport, attention patterns, routing)
+        self.regions: dict[Address, Region] = dict(payload.buffers)
+        self.spans: dict[Address, list[tuple[int, int]]] = defaultdict(list)
         self.values: dict[Address, list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
         self.keys: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # layer -> (positions, keys, step)
         self.steps = 0
@@ -114,6 +120,7 @@ class Slice:
     start: int
     end: int
     positions: torch.Tensor  # [end - start] absolute positions, on the CPU
+    span: tuple[int, int] | None = None  # the positions as one run [first, last + 1), when they are one
     stash: dict[int, torch.Tensor] = field(default_factory=dict)
     lens_keep: torch.Tensor | None = None  # [end - start] bool: rows the lens reads this step
     lens_rows: dict[int, torch.Tensor] = field(default_factory=dict)  # lens layer index -> its kept rows
@@ -125,6 +132,10 @@ class Hook:
 
     members: dict[Address, list[Slice]] = field(default_factory=lambda: defaultdict(list))
     stash_for: list[Slice] = field(default_factory=list)  # resid_mid needs this layer's resid_pre
+
+    def writes(self) -> bool:
+        """Whether any member writes at any of the hook's addresses."""
+        return any(address in sl.taps.writes for address, members in self.members.items() for sl in members)
 
     def add(self, address: Address, sl: Slice) -> None:
         if sl not in self.members[address]:

@@ -49,6 +49,7 @@ from interp_engine import (
 )
 from interp_engine.backend import heads_of, requested_points, write_positions
 
+from ._buffers import Region
 from ._engine import ENGINE_DEFAULTS
 from ._model import VllmModel
 from ._sites import POINT_KINDS as STATIC_POINT_KINDS
@@ -354,8 +355,9 @@ class StaticVllmModel(VllmModel):
         readouts: Iterable[Features] = (),
         *,
         stream: bool = False,
+        regions: Mapping[Address, Region] | None = None,
     ) -> RequestPayload:
-        payload = super()._payload(rid, points, writes, n_prompt, n_total, readouts, stream=stream)
+        payload = super()._payload(rid, points, writes, n_prompt, n_total, readouts, stream=stream, regions=regions)
         plain = [w for w in writes if isinstance(w, Write)]  # feature clamps need no slots
         if plain:
             plans = plan_writes(plain, n_prompt, n_total, lambda a: heads_of(a, self.info))
@@ -403,10 +405,16 @@ class StaticVllmModel(VllmModel):
             self._slots_free.notify_all()
 
     async def _fetch(
-        self, engine: Any, rid: str, points: Iterable[Address], n: int, readouts: Iterable[Features] = ()
+        self,
+        engine: Any,
+        rid: str,
+        points: Iterable[Address],
+        n: int,
+        readouts: Iterable[Features] = (),
+        regions: Mapping[Address, Region] | None = None,
     ) -> tuple[dict[Address, torch.Tensor], dict[Features, FeatureReadout], LensChunk | None]:
         try:
-            return await super()._fetch(engine, rid, points, n, readouts)
+            return await super()._fetch(engine, rid, points, n, readouts, regions)
         finally:
             await self._unreserve(rid)
 

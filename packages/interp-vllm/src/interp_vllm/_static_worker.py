@@ -266,6 +266,8 @@ class StaticTapManager(TapManager):
 
         rid = payload.rid
         try:
+            if payload.buffers:
+                self.writer.forget_gone()
             taps = RequestTaps(payload, self.saes)
         except Exception as exc:  # an SAE this engine was not built with: reported at the fetch
             self.failed[rid] = f"this request cannot be served by this vllm-static engine: {type(exc).__name__}: {exc}"
@@ -401,6 +403,7 @@ class StaticTapManager(TapManager):
         hook = Hook()
         if self.rank == 0:  # the SAEs' rows are whole on every rank
             self._readouts(slices)
+        tapped: dict[Address, list[Slice]] = defaultdict(list)
         for sl in slices:
             for address in sl.taps.points:
                 if not self.owns(address):  # another pipeline stage reads it
@@ -420,10 +423,12 @@ class StaticTapManager(TapManager):
                         address,
                     )
                 else:
-                    rows = self.taps[address].read(sl.start, sl.end)
-                    if site.per_head:
-                        rows = rows.view(rows.shape[0], -1, self.d_head)
-                    sl.taps.values[address].append((sl.positions, rows))
+                    tapped[address].append(sl)
+        for address, members in tapped.items():  # every capturing request's rows at once
+            buffer = self.taps[address].buffer
+            if SITES[address.kind].per_head:
+                buffer = buffer.view(buffer.shape[0], -1, self.d_head)
+            self._capture(address, buffer, members)
         if hook.members:
             self._read_output(output, hook)
 

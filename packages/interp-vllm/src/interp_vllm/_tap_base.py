@@ -16,11 +16,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from interp_engine import Address, BackendError, Sae
 
 from . import _compat
+from ._buffers import HostCopier, SlabWriter
 from ._families import VllmFamily
 from ._request_taps import RequestTaps, Slice
 from ._resolve import resolve
@@ -60,8 +62,9 @@ class TapBase:
         # bring their state back
         self.retired: collections.OrderedDict[str, None] = collections.OrderedDict()
         # where the worker's time goes (nanoseconds), reported by stats(): the whole of each
-        # forward call with taps, the forward alone (SAE readouts and feature clamps in it:
-        # sae_ns), and answering fetches
+        # forward call with taps, the forward alone (in it: the hooks, hook_ns; their copies of
+        # captured rows into the requests' buffers, copy_ns; SAE readouts and feature clamps,
+        # sae_ns; the lens, lens_ns), and answering fetches
         self.timing = {
             "steps": 0,
             "step_ns": 0,
@@ -70,6 +73,8 @@ class TapBase:
             "lens_ns": 0,
             "fetch_ns": 0,
             "fetches": 0,
+            "hook_ns": 0,
+            "copy_ns": 0,
         }
         # requests whose taps raised in this worker: the error, reported at their fetch (the
         # hook gave the forward its values back unchanged, so the engine and the rest of the
@@ -77,6 +82,11 @@ class TapBase:
         self.failed: dict[str, str] = {}
         # SAEs and probes the front end attached, on the model's device (interp_attach)
         self.saes: dict[str, Sae] = {}
+        # captured rows go into the front end's slab (pinned staging and a side stream on a GPU)
+        param = next(self.model.parameters(), None)
+        self.copier = HostCopier(param.device if param is not None else torch.device("cpu"))
+        self.writer = SlabWriter(self.copier)
+        self.step_positions = torch.zeros(0, dtype=torch.long)  # every row's absolute position, this step
         self._sae_math: dict[tuple[int, str], tuple[Sae, SaeMath]] = {}  # batched encoders, per SAE
 
     def total_heads(self, site: VllmSite) -> int:

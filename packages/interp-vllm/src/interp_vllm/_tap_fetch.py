@@ -9,6 +9,7 @@ import torch
 
 from interp_engine import Address
 
+from ._buffers import covered
 from ._request_taps import merged_readouts
 from ._tap_base import TapBase
 from ._wire import Fetched, merge_lens
@@ -25,8 +26,10 @@ class FetchTaps(TapBase):
         began = time.perf_counter_ns()
         try:
             error = self.failed.pop(rid, None)
-            values = self._collect(rid)
-            return values if error is None else Fetched(error=error)
+            if error is not None:
+                self.release(rid)
+                return Fetched(error=error)
+            return self._collect(rid)
         finally:
             self.timing["fetches"] += 1
             self.timing["fetch_ns"] += time.perf_counter_ns() - began
@@ -52,7 +55,8 @@ class FetchTaps(TapBase):
             last = torch.ones_like(positions, dtype=torch.bool)
             last[:-1] = positions[1:] != positions[:-1]
             out[address] = (positions[last], values[last])
-        return Fetched(out, readouts=merged_readouts(taps), lens=merge_lens(taps.lens_values))
+        written = {address: covered(spans) for address, spans in taps.spans.items()}
+        return Fetched(out, readouts=merged_readouts(taps), lens=merge_lens(taps.lens_values), written=written)
 
     def drain(self, rid: str) -> Fetched:
         """A streaming request's readouts so far (then dropped here); the request lives on."""

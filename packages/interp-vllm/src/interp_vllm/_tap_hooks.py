@@ -25,7 +25,7 @@ from ._request_taps import Hook, LocalWrite, Slice, WriteTable, touched_rows
 from ._sites import SITES, HookKey, VllmSite, added_scale, columns, gate_activation, local_write
 from ._tap_recompute import RecomputeTaps
 from ._tap_saes import SaeTaps
-from .hooks import arg_slot, arg_value, copy_rows, flat, forward_pre_hook, part_of, set_arg
+from .hooks import arg_slot, arg_value, flat, forward_pre_hook, part_of, set_arg
 
 
 class HookTaps(SaeTaps, RecomputeTaps):
@@ -67,12 +67,17 @@ class HookTaps(SaeTaps, RecomputeTaps):
         """``function`` (a hook) that, if it raises, leaves the forward's values as they were and
         marks the hook's requests failed instead of taking vLLM's engine down."""
 
+        timing = self.timing
+
         def guarded(*args: Any) -> Any:
+            began = time.perf_counter_ns()
             try:
                 return function(*args)
             except Exception as exc:
                 self._fail([sl for members in hook.members.values() for sl in members] + hook.stash_for, exc)
                 return None
+            finally:
+                timing["hook_ns"] += time.perf_counter_ns() - began
 
         return guarded
 
@@ -100,12 +105,12 @@ class HookTaps(SaeTaps, RecomputeTaps):
                 changed |= self._apply_features(value, group)
                 self.timing["sae_ns"] += time.perf_counter_ns() - began
         readers = []
+        capturing = [sl for sl in members if address in sl.taps.points]
+        if capturing:
+            self._capture(
+                address, value.reshape(value.shape[0], -1, self.d_head) if site.per_head else value, capturing
+            )
         for sl in members:
-            if address in sl.taps.points:
-                rows = value[sl.start : sl.end]
-                if site.per_head:
-                    rows = rows.reshape(rows.shape[0], -1, self.d_head)
-                sl.taps.values[address].append((sl.positions, copy_rows(rows)))
             if address in sl.taps.readouts_at and self.rank == 0:  # the residual is whole on every rank
                 readers.append(sl)
             if sl.lens_keep is not None and address in sl.taps.lens_at:  # a mask picks a copy of the rows
@@ -156,17 +161,22 @@ class HookTaps(SaeTaps, RecomputeTaps):
         return True
 
     # -- hooks ----------------------------------------------------------------------------
-    def _stream(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        return hidden + residual if residual is not None else hidden.clone()
+    def _stream(self, hidden: torch.Tensor, residual: torch.Tensor | None, writes: bool) -> torch.Tensor:
+        """The residual stream: the deferred add done (a new tensor), else the layer's own tensor,
+        copied only where the hook writes to it."""
+        if residual is not None:
+            return hidden + residual
+        return hidden.clone() if writes else hidden
 
     def _layer_in(self, layer: int, hook: Hook) -> Callable[..., Any]:
         # the layer's hidden-states argument and, where it defers the add, its residual one
         hidden_at, residual_at = self.family.hidden_arg, self.family.residual_arg
+        writes = hook.writes()
 
         def pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             hidden = arg_value(args, kwargs, *hidden_at)
             residual = arg_value(args, kwargs, *residual_at) if residual_at is not None else None
-            stream = self._stream(hidden, residual)
+            stream = self._stream(hidden, residual, writes)
             rows = stream[0] if self.family.batched else stream  # a view: writes reach the stream
             changed = False
             for address, _, members in hook.ordered():
@@ -184,13 +194,14 @@ class HookTaps(SaeTaps, RecomputeTaps):
 
     def _layer_out(self, hook: Hook) -> Callable[..., Any]:
         deferred = self.family.deferred_residual
+        writes = hook.writes()
 
         def post(module: nn.Module, args: Any, output: Any) -> Any:
             # a deferring layer returns (hidden, residual); others the stream (or a tuple starting with it)
             if deferred and isinstance(output, tuple):
-                stream = self._stream(output[0], output[1])
+                stream = self._stream(output[0], output[1], writes)
             else:
-                stream = (output[0] if isinstance(output, tuple) else output).clone()
+                stream = self._stream(output[0] if isinstance(output, tuple) else output, None, writes)
             rows = stream[0] if self.family.batched else stream  # a view: writes reach the stream
             changed = False
             for address, _, members in hook.ordered():

@@ -12,11 +12,11 @@ from interp_engine import Address
 
 from ._request_taps import Hook, Slice
 from ._sites import SITES
-from ._tap_base import TapBase
+from ._tap_capture import CaptureTaps
 from .hooks import attr_path, copy_rows
 
 
-class RecomputeTaps(TapBase):
+class RecomputeTaps(CaptureTaps):
     """Routing, attention recompute and the model's output reads."""
 
     def route(self, layer: int, hidden: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,14 +90,14 @@ class RecomputeTaps(TapBase):
 
     def _read_output(self, output: Any, hook: Hook) -> None:
         hidden = output[0] if isinstance(output, tuple) else output
-        for sl in hook.members.get(Address("final_norm"), ()):
-            sl.taps.values[Address("final_norm")].append((sl.positions, copy_rows(hidden[sl.start : sl.end])))
-        for sl in hook.members.get(Address("logits_raw"), ()):  # every rank joins the gather (a TP collective)
-            raw = self.unembed(hidden[sl.start : sl.end])
-            sl.taps.values[Address("logits_raw")].append((sl.positions, copy_rows(raw)))
-        for sl in hook.members.get(Address("logits"), ()):  # every rank computes logits (a TP collective)
+        final, bare, served = Address("final_norm"), Address("logits_raw"), Address("logits")
+        if hook.members.get(final):
+            self._capture(final, hidden, hook.members[final])
+        for sl in hook.members.get(bare, ()):  # every rank joins the gather (a TP collective)
+            self._capture(bare, self.unembed(hidden[sl.start : sl.end]), [sl], base=sl.start)
+        for sl in hook.members.get(served, ()):  # every rank computes logits (a TP collective)
             logits = self.model.compute_logits(hidden[sl.start : sl.end])  # type: ignore[operator]
-            sl.taps.values[Address("logits")].append((sl.positions, copy_rows(logits)))
+            self._capture(served, logits, [sl], base=sl.start)
 
     def unembed(self, hidden: torch.Tensor) -> torch.Tensor:
         """The bare unembedding of final-norm outputs: what vLLM's logits processor computes

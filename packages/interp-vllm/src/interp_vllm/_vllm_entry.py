@@ -29,6 +29,7 @@ from interp_engine import IncompatibleDependency
 
 from . import _compat
 from . import _wire as wire
+from ._buffers import sees
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +68,9 @@ def _after_load(runner: Any) -> None:
         runner._interp_taps = StaticTapManager(runner, config)
 
 
-def interp_ping(self: Any) -> Any:
-    """Which runner serves this worker, and whether it carries the taps (a :class:`~._wire.Ping`)."""
+def interp_ping(self: Any, probe: str | None = None) -> Any:
+    """Which runner serves this worker, whether it carries the taps, and whether it sees the
+    front end's shared-memory ``probe`` file (a :class:`~._wire.Ping`)."""
     runner = self.model_runner
     if _INCOMPATIBLE or not _compat.runner_is_patched(runner):
         return wire.to_wire(
@@ -94,6 +96,7 @@ def interp_ping(self: Any) -> Any:
             layers=tuple(getattr(taps, "owned", ())),
             # what picked the runner in this worker (a Ray worker on another node has its own env)
             v2_runner_env=os.environ.get("VLLM_USE_V2_MODEL_RUNNER"),
+            sees_probe=sees(probe),
         )
     )
 

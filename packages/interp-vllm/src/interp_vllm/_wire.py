@@ -32,6 +32,8 @@ import torch
 
 from interp_engine import Address, BackendError, FeatureReadout, Features, FeatureWrite, SteeringSpec, Write
 
+from ._buffers import Region, Written
+
 PAYLOAD_KEY = "interp_engine"
 """The ``SamplingParams.extra_args`` entry that carries a request's payload."""
 CONFIG_KEY = "interp_engine_static"
@@ -137,6 +139,9 @@ class Ping(msgspec.Struct, frozen=True):
     """``VLLM_USE_V2_MODEL_RUNNER`` as this worker saw it (a Ray worker has its own environment)."""
     incompatible: str | None = None
     """Why the runner could not be patched (``interp_engine.IncompatibleDependency``), if it could not."""
+    sees_probe: bool = False
+    """Whether the worker sees the front end's shared-memory probe file (``interp_ping``'s
+    argument): then captured values travel through shared memory (:mod:`._buffers`)."""
 
 
 class FinalNorm(msgspec.Struct, frozen=True):
@@ -237,6 +242,9 @@ class RequestPayload:
     lens_top_k: int = 0
     lens_positions: tuple[int, ...] = ()
     """Prompt positions (absolute) the lens reads besides every position from ``n_prompt - 1`` on."""
+    buffers: Mapping[Address, Region] = field(default_factory=dict)
+    """Per captured address, the slab region the workers write its values into (:mod:`._buffers`);
+    an address without one is returned through the fetch RPC."""
 
     def encode(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -253,6 +261,8 @@ class RequestPayload:
             data["stream"] = True
         if self.sae_keys:
             data["sae_keys"] = dict(self.sae_keys)
+        if self.buffers:
+            data["buffers"] = {str(a): to_wire(r) for a, r in self.buffers.items()}
         if self.lens_layers:
             data["lens"] = {
                 "layers": list(self.lens_layers),
@@ -277,6 +287,7 @@ class RequestPayload:
             lens_layers=tuple(int(layer) for layer in lens.get("layers", ())),
             lens_top_k=int(lens.get("top_k", 0)),
             lens_positions=tuple(int(p) for p in lens.get("positions", ())),
+            buffers={Address.parse(a): from_wire(Region, r) for a, r in (data.get("buffers") or {}).items()},
         )
 
     def extra_args(self) -> dict[str, Any]:
@@ -361,11 +372,13 @@ class LensWire(msgspec.Struct, frozen=True):
 
 
 class FetchedWire(msgspec.Struct, frozen=True):
-    """:class:`Fetched` as it crosses ``collective_rpc``: its tensors as safetensors bytes."""
+    """:class:`Fetched` as it crosses ``collective_rpc``: its tensors as safetensors bytes, and
+    what was written into the slab as positions covered."""
 
     error: str | None = None
     values: bytes = b""
     lens: LensWire | None = None
+    written: list[Written] = []
 
 
 def compact(readout: FeatureReadout, dtype: str, d_sae: int) -> FeatureReadout:
@@ -392,6 +405,9 @@ class Fetched:
     error: str | None = None
     readouts: Mapping[Features, tuple[torch.Tensor, FeatureReadout]] = field(default_factory=dict)
     lens: LensChunk | None = None
+    written: Mapping[Address, int] = field(default_factory=dict)
+    """Per address written into the request's slab region: how many leading positions were
+    written (the values are read out of the slab by the front end)."""
 
     def encode(self) -> FetchedWire:
         """What crosses ``collective_rpc`` (as :func:`to_wire`'s plain data)."""
@@ -403,12 +419,13 @@ class Fetched:
             tensors[f"rpositions/{spec}"] = positions.to(torch.int32).contiguous()
             tensors.update(readout.tensors(f"readout/{spec}"))
         lens = None if self.lens is None else LensWire.of(self.lens)
-        return FetchedWire(self.error, pack(tensors), lens)
+        written = [Written(str(address), n) for address, n in self.written.items()]
+        return FetchedWire(self.error, pack(tensors), lens, written)
 
     @classmethod
     def decode(cls, wire: FetchedWire) -> Fetched:
         tensors = unpack(wire.values)
-        values = {
+        values: dict[Address, tuple[torch.Tensor, torch.Tensor]] = {
             Address.parse(key.partition("/")[2]): (tensors[key], tensors[f"values/{key.partition('/')[2]}"])
             for key in tensors
             if key.startswith("positions/")
@@ -420,7 +437,8 @@ class Fetched:
                 readout = FeatureReadout.from_tensors(tensors, f"readout/{name}")
                 readouts[Features.parse(name)] = (tensors[key].long(), readout)
         lens = None if wire.lens is None else wire.lens.tensors()
-        return cls(values, wire.error, readouts, lens)
+        written = {Address.parse(w.address): w.covered for w in wire.written}
+        return cls(values, wire.error, readouts, lens, written)
 
     def raise_error(self) -> None:
         if self.error is not None:

@@ -112,16 +112,22 @@ class TapManager(HookTaps, LensTaps, FetchTaps):
 
         # a copy: the runner reuses its positions buffer every step
         flat_positions = (positions if positions.dim() == 1 else positions[0])[: starts[-1]].to("cpu", copy=True)
+        self.step_positions = flat_positions
+        # each request's first and last position (one run when they are as far apart as its rows)
+        present = [(index, taps) for index, taps in wanted if starts[index + 1] > starts[index]]
+        ends = torch.tensor([(starts[index], starts[index + 1] - 1) for index, _ in present], dtype=torch.long)
+        bounds = flat_positions[ends.flatten()].tolist() if present else []
         slices = []
-        for index, taps in wanted:
+        for i, (index, taps) in enumerate(present):
             start, end = starts[index], starts[index + 1]
-            if end > start:
-                taps.steps += 1
-                sl = Slice(taps, start, end, flat_positions[start:end])
-                if taps.lens_at and self.last_stage:  # the final norm and unembedding live there
-                    keep = taps.lens_keep(sl.positions)
-                    sl.lens_keep = keep if bool(keep.any()) else None
-                slices.append(sl)
+            taps.steps += 1
+            first, last = bounds[2 * i], bounds[2 * i + 1]
+            span = (first, last + 1) if last + 1 - first == end - start else None
+            sl = Slice(taps, start, end, flat_positions[start:end], span=span)
+            if taps.lens_at and self.last_stage:  # the final norm and unembedding live there
+                keep = taps.lens_keep(sl.positions)
+                sl.lens_keep = keep if bool(keep.any()) else None
+            slices.append(sl)
         return slices
 
     def _admit_safely(self, rid: str, params: Any) -> RequestTaps | None:
@@ -154,6 +160,8 @@ class TapManager(HookTaps, LensTaps, FetchTaps):
 
     def _admit(self, payload: RequestPayload) -> RequestTaps:
         """The state of a request seen for the first time."""
+        if payload.buffers:
+            self.writer.forget_gone()  # segments the front end removed since
         return RequestTaps(payload, self.saes)
 
     # -- one forward ----------------------------------------------------------------------
@@ -162,6 +170,7 @@ class TapManager(HookTaps, LensTaps, FetchTaps):
         try:
             return self._run(forward, args, kwargs)
         finally:
+            self.copier.step_done()
             self.timing["steps"] += 1
             self.timing["step_ns"] += time.perf_counter_ns() - began
 

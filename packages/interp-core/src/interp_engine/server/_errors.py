@@ -7,7 +7,8 @@
   -- no SAE attached under that name, ``valid`` the attached ones -- ``InvalidFeatures`` and
   ``UnsupportedSae``): ``400``,
   ``error`` is the type's name (an unknown SAE is a 400 like an unknown address, not a 404);
-- a :class:`ServerLimits` bound exceeded: ``413``, ``error: "LimitExceeded"``;
+- a :class:`ServerLimits` bound exceeded: ``413``, ``error: "LimitExceeded"``; a request whose
+  captured values exceed the backend's capture memory cap: ``413``, ``error: "CaptureMemoryExceeded"``;
 - ``ModelClosed`` or a model not loaded yet: ``503``; ``BackendError`` and anything else: ``500``
   (no traceback is sent; the server logs it).
 
@@ -31,6 +32,7 @@ from fastapi import HTTPException
 from fastapi.responses import JSONResponse
 
 from .._errors import (
+    CaptureMemoryExceeded,
     InterpError,
     InvalidActivations,
     InvalidAddress,
@@ -155,6 +157,8 @@ def _json_valid(valid: Any) -> Any:
 def status_of(exc: InterpError) -> int:
     if isinstance(exc, _CLIENT_ERRORS):
         return 400
+    if isinstance(exc, CaptureMemoryExceeded):  # one request's values larger than the whole cap
+        return 413
     if isinstance(exc, ModelClosed):
         return 503
     return 500
