@@ -202,9 +202,9 @@ async def timed(run: Callable[[], Awaitable[int]]) -> float:
 
 
 TARGETS = {
-    "capture_1": "0.95",
-    "capture_all": "0.60",
-    "steer_1": "0.95",
+    "capture_1": "0.98",
+    "capture_all": "0.97",
+    "steer_1": "0.98",
     "capture_z_1": "0.95",
     "ablate_head_1": "0.95",
     "capture_mlp_pre_1": "0.95",
