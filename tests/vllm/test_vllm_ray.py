@@ -81,9 +81,9 @@ def local_ray_cluster(n_workers: int) -> Iterator[str]:
         )
     try:
         deadline = time.monotonic() + 120
-        while True:
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
+        while True:  # the head's port open and its node registered (a loaded machine lags between them)
+            with socket.socket() as s, open(os.path.join(folder, "start.log")) as started:
+                if s.connect_ex(("127.0.0.1", port)) == 0 and "Ray runtime started" in started.read():
                     break
             if head.poll() is not None or time.monotonic() > deadline:
                 with open(os.path.join(folder, "start.log")) as failed:
