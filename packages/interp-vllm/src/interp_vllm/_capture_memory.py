@@ -115,12 +115,14 @@ class CaptureMemory:
     def _regions(self, shapes: list[tuple[int, list[int]]]) -> list[Region] | None:
         """Regions for ``shapes`` (``None``: the directory cannot hold them: their values travel
         through the RPC)."""
-        assert self.slab is not None
+        slab = self.slab
+        if slab is None:
+            return None
         try:
-            return self.slab.allocate(shapes)
+            return slab.allocate(shapes)
         except OSError:
-            self.slab.trim()
+            slab.trim()
             try:
-                return self.slab.allocate(shapes)
+                return slab.allocate(shapes)
             except OSError:
                 return None

@@ -70,8 +70,6 @@ class CaptureTaps(TapBase):
         steps = torch.zeros(at.shape[0], dtype=torch.long)
         steps[offsets] = torch.diff(firsts, prepend=firsts.new_zeros(1))
         index = steps.cumsum(0) + at
-        if site.per_head:
-            src = src.reshape(src.shape[0], -1, self.d_head)
         region = group[0][1]
         block = self._block(site, tuple(src.shape[1:]), tuple(region.shape))
         if block is None and tuple(src.shape[1:]) != tuple(region.shape):
