@@ -47,6 +47,7 @@ class _Taps:
 
     def __init__(self, regions: dict[Address, Region]) -> None:
         self.regions = regions
+        self.first_rows = {address: region.first_row for address, region in regions.items()}
         self.values: dict[Address, list[Any]] = defaultdict(list)
         self.spans: dict[Address, list[tuple[int, int]]] = defaultdict(list)
 
@@ -276,3 +277,54 @@ def test_a_request_larger_than_the_cap_is_refused_and_others_wait(slab: Slab) ->
 
     assert asyncio.run(run()) == ["a in", "a out", "b in", "b out"]
     assert memory.used == 0
+
+
+def test_long_runs_are_copied_whole_beside_the_indexed_short_rows(slab: Slab) -> None:
+    from interp_vllm._tap_capture import LONG_RUN
+
+    address = Address("resid_post", 3)
+    n = LONG_RUN + 4
+    a, b, c = (_Taps(dict(zip([address], slab.allocate([(n + 2, [64])]), strict=True))) for _ in range(3))
+    worker = _Worker()
+    values = torch.randn(n + 1 + n, 64)
+    # a's prefill chunk (a long run), b's decode row, c's prefill chunk from position 2 on
+    slices = _step(worker, [(a, 0, n), (b, 5, 6), (c, 2, n + 2)])
+    rows = worker.step_rows(slices, 0)
+    assert [k for k, *_ in rows.runs] == [0, 2] and rows.rest == [1]
+    worker._capture(address, values, slices)
+    assert torch.equal(slab.read(a.regions[address], n), values[:n])
+    assert torch.equal(slab.read(b.regions[address], 6)[5], values[n])
+    assert torch.equal(slab.read(c.regions[address], n + 2)[2:], values[n + 1 :])
+    assert a.spans[address] == [(0, n)] and b.spans[address] == [(5, 6)] and c.spans[address] == [(2, n + 2)]
+
+
+def test_a_long_run_on_a_tensor_parallel_rank_writes_its_heads_only(slab: Slab) -> None:
+    from interp_vllm._tap_capture import LONG_RUN
+
+    heads = Address("attn_z", 1)
+    n = LONG_RUN
+    [region] = slab.allocate([(n, [4, 16])])
+    whole = torch.randn(n, 4, 16)
+    for rank in (0, 1):
+        taps = _Taps({heads: region})
+        worker = _Worker(rank=rank, tp_size=2)
+        worker._capture(heads, whole[:, 2 * rank : 2 * rank + 2], _step(worker, [(taps, 0, n)]))
+    assert torch.equal(slab.read(region, n), whole)
+
+
+def test_on_a_gpu_a_long_run_is_staged_and_written_as_one_block(slab: Slab) -> None:
+    from interp_vllm._tap_capture import LONG_RUN
+
+    cuda = _FakeCuda()
+    copier = HostCopier(torch.device("cuda"), cuda=cuda)  # type: ignore[arg-type]
+    address = Address("resid_post", 0)
+    n = LONG_RUN + 1
+    a, b = (_Taps(dict(zip([address], slab.allocate([(n + 1, [64])]), strict=True))) for _ in range(2))
+    worker = _Worker(copier=copier)
+    values = torch.randn(n + 1, 64)
+    worker._capture(address, values, _step(worker, [(a, 1, n + 1), (b, 0, 1)]))
+    assert cuda.log.count("pinned") == 2  # the short row's indexed copy and the long run's block
+    assert not torch.equal(slab.read(a.regions[address], n + 1)[1:], values[:n])  # not before the step ends
+    copier.step_done()
+    assert torch.equal(slab.read(a.regions[address], n + 1)[1:], values[:n])
+    assert torch.equal(slab.read(b.regions[address], 1), values[n:])

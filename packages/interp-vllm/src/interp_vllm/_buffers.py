@@ -6,19 +6,21 @@ The front end keeps a slab of shared-memory segments (files in ``/dev/shm``, cre
 worker) and gives each capturing request, before it is submitted, one :class:`Region` per
 captured address: ``rows`` rows of the address's whole value (float32, every head and column),
 at a byte offset that is a multiple of the row's size. The payload carries the regions; in each
-step a worker writes every capturing request's rows at their absolute positions with one
-``index_copy_`` per address and segment (:class:`SlabWriter`), whatever the number of requests;
-under tensor parallelism each rank writes its own heads or columns of the row (a replicated
-value: rank 0 alone), and a pipeline stage writes the layers it holds. A recomputed position is
-written again (it keeps its last value). The fetch answers, per address, which positions were
-written (:class:`Written`); the front end copies the rows out (:meth:`Slab.read`) and returns the
-region to the slab, whose pages stay mapped and warm for the next request.
+step a worker writes every capturing request's rows at their absolute positions
+(:class:`SlabWriter`): a long run of one request's rows as one plain copy, the other requests'
+rows in one ``index_copy_`` per address and segment, whatever their number; under tensor
+parallelism each rank writes its own heads or columns of the row (a replicated value: rank 0
+alone), and a pipeline stage writes the layers it holds. A recomputed position is written again
+(it keeps its last value). The fetch answers, per address, which positions were written
+(:class:`Written`); the front end hands out tensors viewing the rows in place (:meth:`Slab.read`)
+and the region returns to the slab when they are freed, its pages still mapped and warm for the
+next request.
 
-Bytes copied per captured value: the worker's write into the slab (one more where a step's
-capturing rows are not one run of the batch: they are gathered first) and the front end's copy
-out of it. On a GPU the rows are gathered on the device, copied to pinned host staging buffers
-by non-blocking copies on a side stream, and written into the slab once per step, after the
-stream is synchronised (:class:`HostCopier`).
+Bytes copied per captured value: one, the worker's write into the slab (two where a step's
+short runs of capturing rows are not one run of the batch: they are gathered first). On a GPU
+the rows are gathered on the device, copied to pinned host staging buffers by non-blocking
+copies on a side stream, and written into the slab once per step, after the stream is
+synchronised (:class:`HostCopier`).
 """
 
 from __future__ import annotations
@@ -143,7 +145,8 @@ class CudaRuntime:
 
 
 class HostCopier:
-    """Rows of a step's values written into slab rows: ``dst.index_copy_(0, index, src)``.
+    """Rows of a step's values written into slab rows: ``dst.index_copy_(0, index, src)``, or,
+    where ``index`` is an int, ``src`` as one block of rows from row ``index`` (a plain copy).
 
     On the CPU each write runs as it is issued. On a CUDA device the source rows are gathered on
     the device on the forward's stream (a snapshot: vLLM's fused norms later work in place on
@@ -157,11 +160,11 @@ class HostCopier:
         self.device = device
         self.cuda = cuda if cuda is not None else (CudaRuntime() if device.type == "cuda" else None)
         self.stream: Any = None
-        self.staged: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.staged: list[tuple[torch.Tensor, torch.Tensor | int, torch.Tensor]] = []
 
-    def write(self, dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+    def write(self, dst: torch.Tensor, index: torch.Tensor | int, src: torch.Tensor) -> None:
         if self.cuda is None:
-            dst.index_copy_(0, index, src if src.dtype == DTYPE else src.to(DTYPE))
+            _put(dst, index, src)
             return
         if self.stream is None:
             self.stream = self.cuda.stream_for(self.device)
@@ -180,7 +183,15 @@ class HostCopier:
         self.stream.synchronize()
         staged, self.staged = self.staged, []
         for dst, index, host in staged:
-            dst.index_copy_(0, index, host)
+            _put(dst, index, host)
+
+
+def _put(dst: torch.Tensor, index: torch.Tensor | int, src: torch.Tensor) -> None:
+    """``src``'s rows into ``dst`` at rows ``index`` (a tensor), or from row ``index`` on (an int)."""
+    if isinstance(index, int):
+        dst.narrow(0, index, src.shape[0]).copy_(src)
+    else:
+        dst.index_copy_(0, index, src if src.dtype == DTYPE else src.to(DTYPE))
 
 
 class SlabWriter:
@@ -214,9 +225,11 @@ class SlabWriter:
             for key in [k for k in self.views if k[0] == path]:
                 del self.views[key]
 
-    def write(self, region: Region, index: torch.Tensor, src: torch.Tensor, block: tuple[int, int] | None) -> None:
-        """``src`` rows at slab rows ``index`` of ``region``'s segment; ``block``: the heads (or
-        columns) of the row this rank holds."""
+    def write(
+        self, region: Region, index: torch.Tensor | int, src: torch.Tensor, block: tuple[int, int] | None
+    ) -> None:
+        """``src`` rows at slab rows ``index`` of ``region``'s segment (an int: from that row on);
+        ``block``: the heads (or columns) of the row this rank holds."""
         dst = self.view(region)
         if block is not None:
             dst = dst[:, block[0] : block[1]]

@@ -9,7 +9,7 @@ write its addresses in a :class:`Hook`.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +32,7 @@ class WriteTable:
     write: Write | FeatureWrite
     mask: torch.Tensor  # [n_total] bool: positions the write touches
     row: torch.Tensor  # [n_total] long: the (per-position) vector and target row for each touched position
+    every: bool = False  # the write touches every position of the sequence
     local: dict[tuple[int, torch.device, torch.dtype], LocalWrite | None] = field(default_factory=dict)
 
 
@@ -41,7 +42,7 @@ class RequestTaps:
     def __init__(self, payload: RequestPayload, saes: dict[str, Sae] | None = None) -> None:
         self.payload = payload
         self.rid = payload.rid
-        self.points = list(payload.points)
+        self.points = dict.fromkeys(payload.points)  # in the payload's order; a dict to look up
         self.n_prompt = payload.n_prompt
         self.n_total = payload.n_total
         # the SAEs by the names the request uses, each the one it was checked with (held by
@@ -76,22 +77,30 @@ class RequestTaps:
             row[index] = torch.arange(len(index))
             if write.address is None:  # the front end binds feature writes
                 raise BackendError(f"an unbound feature write reached the worker: {write!r}")
-            self.writes[write.address].append(WriteTable(write, mask, row))
+            self.writes[write.address].append(WriteTable(write, mask, row, every=bool(mask.all())))
         # captured values: written into the request's regions of the front end's slab as the
         # steps run (spans: the positions written, per address), or kept here as chunks (no
         # region: the RPC transport, attention patterns, routing)
         self.regions: dict[Address, Region] = dict(payload.buffers)
         self.spans: dict[Address, list[tuple[int, int]]] = defaultdict(list)
         self.values: dict[Address, list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
+        self.first_rows = {address: region.first_row for address, region in self.regions.items()}
         self.keys: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # layer -> (positions, keys, step)
         self.steps = 0
+        # what the request does at each of its addresses, looked up once per hook and step
+        self.roles = {
+            address: Role(
+                tuple(self.writes.get(address, ())),
+                address in self.points,
+                address in self.readouts_at,
+                self.lens_at.get(address),
+            )
+            for address in dict.fromkeys([*self.points, *self.writes, *self.readouts_at, *self.lens_at])
+        }
 
-    def addresses(self) -> set[Address]:
-        return set(self.points) | set(self.writes) | set(self.readouts_at) | set(self.lens_at)
-
-    def serves(self, address: Address) -> bool:
-        """Whether the request reads or writes ``address`` besides its lens."""
-        return address in self.points or address in self.writes or address in self.readouts_at
+    def addresses(self) -> Iterable[Address]:
+        """Every address the request reads or writes (its lens layers included)."""
+        return self.roles.keys()
 
     def lens_keep(self, positions: torch.Tensor) -> torch.Tensor:
         """Which of ``positions`` the lens reads."""
@@ -99,6 +108,17 @@ class RequestTaps:
         if len(self.lens_prompt):
             keep |= torch.isin(positions, self.lens_prompt)
         return keep
+
+
+@dataclass(frozen=True, slots=True)
+class Role:
+    """What one request does at one address: its writes there (in order), whether it captures the
+    value, reads SAE features from it, and which lens layer it is (``None``: none)."""
+
+    writes: tuple[WriteTable, ...]
+    captures: bool
+    reads: bool
+    lens: int | None
 
 
 def held_sae(saes: dict[str, Sae] | None, name: str, keys: Mapping[str, str] | None = None) -> Sae:
@@ -132,22 +152,27 @@ class Hook:
 
     members: dict[Address, list[Slice]] = field(default_factory=lambda: defaultdict(list))
     stash_for: list[Slice] = field(default_factory=list)  # resid_mid needs this layer's resid_pre
+    _seen: set[tuple[Address, int]] = field(default_factory=set)
 
     def writes(self) -> bool:
         """Whether any member writes at any of the hook's addresses."""
         return any(address in sl.taps.writes for address, members in self.members.items() for sl in members)
 
     def add(self, address: Address, sl: Slice) -> None:
-        if sl not in self.members[address]:
+        key = (address, id(sl))
+        if key not in self._seen:
+            self._seen.add(key)
             self.members[address].append(sl)
 
     def ordered(self) -> list[tuple[Address, VllmSite, list[Slice]]]:
         """The hook's addresses in the order their values are computed (the site table's)."""
-        order = {kind: i for i, kind in enumerate(SITES)}
         return [
             (address, SITES[address.kind], members)
-            for address, members in sorted(self.members.items(), key=lambda kv: order[kv[0].kind])
+            for address, members in sorted(self.members.items(), key=lambda kv: _ORDER[kv[0].kind])
         ]
+
+
+_ORDER = {kind: i for i, kind in enumerate(SITES)}
 
 
 def merged_readouts(taps: RequestTaps) -> dict[Features, tuple[torch.Tensor, FeatureReadout]]:
@@ -170,6 +195,12 @@ def merged_readouts(taps: RequestTaps) -> dict[Features, tuple[torch.Tensor, Fea
             FeatureReadout(values[keep], None if ids is None else ids[keep], None if error is None else error[keep]),
         )
     return out
+
+
+def touches_run(sl: Slice, table: WriteTable) -> bool:
+    """Whether ``table``'s write touches every row of ``sl``, whose positions are one run inside
+    the request's sequence (its rows are then a slice of the batch, no index needed)."""
+    return table.every and sl.span is not None and sl.span[1] <= sl.taps.n_total
 
 
 def touched_rows(sl: Slice, table: WriteTable) -> torch.Tensor | None:

@@ -88,6 +88,7 @@ class TapBase:
         self.writer = SlabWriter(self.copier)
         self.step_positions = torch.zeros(0, dtype=torch.long)  # every row's absolute position, this step
         self._sae_math: dict[tuple[int, str], tuple[Sae, SaeMath]] = {}  # batched encoders, per SAE
+        self._hook_keys: dict[Address, HookKey | None] = {}  # the hook of each address here (None: not here)
 
     def total_heads(self, site: VllmSite) -> int:
         return self.n_kv_heads if site.shard == "kv_heads" else self.n_heads

@@ -21,7 +21,7 @@ from torch import nn
 
 from interp_engine import Address, BackendError, FeatureWrite, Write
 
-from ._request_taps import Hook, LocalWrite, Slice, WriteTable, touched_rows
+from ._request_taps import Hook, LocalWrite, Slice, WriteTable, touched_rows, touches_run
 from ._sites import SITES, HookKey, VllmSite, added_scale, columns, gate_activation, local_write
 from ._tap_recompute import RecomputeTaps
 from ._tap_saes import SaeTaps
@@ -85,14 +85,46 @@ class HookTaps(SaeTaps, RecomputeTaps):
         """Apply each member's writes at ``address`` to ``value`` (in place), then record its
         reads. Returns whether anything was written."""
         site = SITES[address.kind]
+        writers: list[tuple[Slice, tuple[WriteTable, ...]]] = []
+        capturing: list[Slice] = []
+        readers: list[Slice] = []
+        lensing: list[tuple[Slice, int]] = []
+        whole = self.rank == 0  # SAE readouts: the residual is whole on every rank
+        for sl in members:  # one look at each member's role here
+            role = sl.taps.roles.get(address)
+            if role is None:
+                continue
+            if role.writes:
+                writers.append((sl, role.writes))
+            if role.captures:
+                capturing.append(sl)
+            if role.reads and whole:
+                readers.append(sl)
+            if role.lens is not None and sl.lens_keep is not None:
+                lensing.append((sl, role.lens))
+        changed = self._write_all(value, writers, site) if writers else False
+        if capturing:
+            self._capture(
+                address, value.reshape(value.shape[0], -1, self.d_head) if site.per_head else value, capturing
+            )
+        for sl, index in lensing:  # a mask picks a copy of the rows
+            rows = value[sl.start : sl.end]
+            sl.lens_rows[index] = rows[sl.lens_keep.to(rows.device)]  # type: ignore[union-attr]
+        if readers:
+            began = time.perf_counter_ns()
+            self._read_features_many(readers, value, address)
+            self.timing["sae_ns"] += time.perf_counter_ns() - began
+        return changed
+
+    def _write_all(
+        self, value: torch.Tensor, writers: list[tuple[Slice, tuple[WriteTable, ...]]], site: VllmSite
+    ) -> bool:
+        """The writers' writes, write ``i`` of every writer in one round (their rows are disjoint,
+        so only each writer's own order matters): a round's feature clamps of one SAE are one batch."""
         changed = False
-        # write i of every member in one round (members' rows are disjoint, so only each
-        # member's own order matters): the round's feature clamps of one SAE are one batch
-        depth = max((len(sl.taps.writes.get(address, ())) for sl in members), default=0)
-        for i in range(depth):
+        for i in range(max(len(tables) for _, tables in writers)):
             clamps: dict[int, list[tuple[Slice, WriteTable]]] = defaultdict(list)
-            for sl in members:
-                tables = sl.taps.writes.get(address, ())
+            for sl, tables in writers:
                 if i >= len(tables):
                     continue
                 write = tables[i].write
@@ -104,22 +136,6 @@ class HookTaps(SaeTaps, RecomputeTaps):
                 began = time.perf_counter_ns()
                 changed |= self._apply_features(value, group)
                 self.timing["sae_ns"] += time.perf_counter_ns() - began
-        readers = []
-        capturing = [sl for sl in members if address in sl.taps.points]
-        if capturing:
-            self._capture(
-                address, value.reshape(value.shape[0], -1, self.d_head) if site.per_head else value, capturing
-            )
-        for sl in members:
-            if address in sl.taps.readouts_at and self.rank == 0:  # the residual is whole on every rank
-                readers.append(sl)
-            if sl.lens_keep is not None and address in sl.taps.lens_at:  # a mask picks a copy of the rows
-                rows = value[sl.start : sl.end]
-                sl.lens_rows[sl.taps.lens_at[address]] = rows[sl.lens_keep.to(rows.device)]
-        if readers:
-            began = time.perf_counter_ns()
-            self._read_features_many(readers, value, address)
-            self.timing["sae_ns"] += time.perf_counter_ns() - began
         return changed
 
     def _local(self, table: WriteTable, site: VllmSite, value: torch.Tensor) -> LocalWrite | None:
@@ -142,12 +158,18 @@ class HookTaps(SaeTaps, RecomputeTaps):
         local = self._local(table, site, value)
         if local is None:
             return False
+        write, vec, target = local
+        if not (write.per_position or write.target_per_position) and touches_run(sl, table):
+            current = value[sl.start : sl.end]  # a view: every row of the request in this step
+            if site.per_head:
+                current = current.reshape(sl.end - sl.start, -1, self.d_head)
+            value[sl.start : sl.end] = write.apply(current, vec, target).reshape(sl.end - sl.start, -1).to(value.dtype)
+            return True
         positions = sl.positions
         local_rows = touched_rows(sl, table)
         if local_rows is None:
             return False
         rows = (local_rows + sl.start).to(value.device)
-        write, vec, target = local
         if write.per_position or write.target_per_position:
             picked = table.row[positions[local_rows]].to(value.device)
             if write.per_position:

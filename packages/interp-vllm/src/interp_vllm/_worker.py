@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from interp_engine import BackendError, IncompatibleDependency, UnsupportedArchitecture
+from interp_engine import Address, BackendError, IncompatibleDependency, UnsupportedArchitecture
 
 from . import _compat
 from ._request_taps import Hook, RequestTaps, Slice
@@ -130,6 +130,15 @@ class TapManager(HookTaps, LensTaps, FetchTaps):
             slices.append(sl)
         return slices
 
+    def _hook_key(self, address: Address) -> HookKey | None:
+        """The hook serving ``address`` on this worker (``None``: another pipeline stage's)."""
+        try:
+            return self._hook_keys[address]
+        except KeyError:
+            key = hook_key(address, self.family) if self.owns(address) else None
+            self._hook_keys[address] = key
+            return key
+
     def _admit_safely(self, rid: str, params: Any) -> RequestTaps | None:
         """:meth:`_admit`, or if the request's taps cannot be set up here (a payload this worker
         cannot read, an SAE it does not hold), a request that reads and writes nothing, its error
@@ -180,12 +189,13 @@ class TapManager(HookTaps, LensTaps, FetchTaps):
             return self._timed_forward(forward, args, kwargs)
         hooks: dict[HookKey, Hook] = defaultdict(Hook)
         for sl in slices:
-            for address in sl.taps.addresses():
-                if not self.owns(address):  # another pipeline stage serves it
+            for address, role in sl.taps.roles.items():
+                key = self._hook_key(address)
+                if key is None:  # another pipeline stage serves it
                     continue
-                if sl.lens_keep is None and address in sl.taps.lens_at and not sl.taps.serves(address):
+                if sl.lens_keep is None and not (role.writes or role.captures or role.reads):
                     continue  # a lens layer with no row to read in this step (an early prefill chunk)
-                hooks[hook_key(address, self.family)].add(address, sl)
+                hooks[key].add(address, sl)
                 if address.kind == "resid_mid":  # needs this layer's resid_pre
                     stash = hooks[("layer_in", None, address.layer or 0)]
                     if sl not in stash.stash_for:
