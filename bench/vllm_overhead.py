@@ -35,11 +35,13 @@ size of what the workers return for the lens streams' drains, per generated toke
 pickled size of what they return for ``capture_generation`` of the same 4 layers' ``resid_post``
 (dense), per captured position.
 
-Throughput is generated tokens per second (median over rounds), reported relative to
-``plain``. What the scores cost per token of context is measured apart, one request at a time
-(no batching to hide it): a prompt of 64, 256 and 448 tokens generates 32 tokens plainly and
-with ``attn_scores.6`` captured, alternating, 3 times each; the extra milliseconds per generated
-token over plain, against the context length, give its cost per 100 tokens of context (the slope).
+Every variant runs once as a warm-up first. Throughput is generated tokens per second (median
+over rounds), reported relative to ``plain``, with each variant's round-to-round spread
+((fastest - slowest) / median) beside plain's in the same run. What the scores cost per token
+of context is measured apart, one request at a time (no batching to hide it): a prompt of 64,
+256 and 448 tokens generates 32 tokens plainly and with ``attn_scores.6`` captured, alternating,
+3 times each; the extra milliseconds per generated token over plain, against the context length,
+give its cost per 100 tokens of context (the slope).
 
 Then 32 prompt captures are run concurrently and one after another. Ends with
 ``RESULT <name> <ratio> (target <t>)`` lines. ``--only`` runs ``plain`` and the named variants
@@ -214,16 +216,28 @@ TARGETS = {
 }
 
 
-def report(median: dict[str, float]) -> None:
-    """The table of medians and a ``RESULT`` line per variant, relative to ``plain``."""
+def spread(values: list[float]) -> float:
+    """How far apart a variant's rounds are: (fastest - slowest) / median."""
+    return (max(values) - min(values)) / statistics.median(values) if values else float("nan")
+
+
+def report(median: dict[str, float], rates: dict[str, list[float]]) -> None:
+    """The table of medians and round spreads, a ``RESULT`` line per variant relative to
+    ``plain``, and, over two rounds or more, each variant's spread against ``plain``'s."""
     print()
-    print(f"{'variant':<18} {'tok/s (median)':>15} {'vs plain':>9}")
+    print(f"{'variant':<18} {'tok/s (median)':>15} {'vs plain':>9} {'spread':>7}")
     for name, rate in median.items():
-        print(f"{name:<18} {rate:>15.1f} {rate / median['plain']:>9.3f}")
+        print(f"{name:<18} {rate:>15.1f} {rate / median['plain']:>9.3f} {spread(rates[name]):>7.3f}")
     print()
     for name, rate in median.items():
         if name != "plain":
             print(f"RESULT {name}_vs_plain {rate / median['plain']:.3f} (target {TARGETS[name]})")
+    if len(rates["plain"]) >= 2:
+        for name in median:
+            if name != "plain":
+                print(
+                    f"RESULT {name}_spread {spread(rates[name]):.3f} (target <= plain's {spread(rates['plain']):.3f})"
+                )
 
 
 def report_lens(lens: Any, sizes: tuple[float, float] | None) -> None:
@@ -292,8 +306,8 @@ async def main(args: argparse.Namespace) -> int:
             return 2
         variants = {name: run for name, run in variants.items() if name == "plain" or name in args.only}
     if args.rounds:
-        await timed(variants["plain"])  # warm-up of every path
-        await timed(variants[next(name for name in variants if name != "plain")])
+        for run in variants.values():  # warm-up of every path (and the slab's pages for each capture)
+            await timed(run)
     rates: dict[str, list[float]] = {name: [] for name in variants}
     for round_index in range(args.rounds):
         order = list(variants) if round_index % 2 == 0 else list(reversed(variants))
@@ -305,7 +319,7 @@ async def main(args: argparse.Namespace) -> int:
     lens_sizes = await lens_bytes(model, prompts[:8], lens) if "lens_4" in variants else None
     if args.only:
         await model.shutdown()
-        report(median)
+        report(median, rates)
         report_lens(lens, lens_sizes)
         return 0
 
@@ -319,7 +333,7 @@ async def main(args: argparse.Namespace) -> int:
     extra = await scores_cost(model, middle, lengths) if "attn_scores" in served else []
     await model.shutdown()
 
-    report(median)
+    report(median, rates)
     report_lens(lens, lens_sizes)
     print(f"32 captures: concurrent {concurrent:.2f} s, sequential {sequential:.2f} s")
     print(f"32 plain vLLM prefills: concurrent {plain_concurrent:.2f} s, sequential {plain_sequential:.2f} s")
