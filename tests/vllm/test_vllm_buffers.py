@@ -328,3 +328,32 @@ def test_on_a_gpu_a_long_run_is_staged_and_written_as_one_block(slab: Slab) -> N
     copier.step_done()
     assert torch.equal(slab.read(a.regions[address], n + 1)[1:], values[:n])
     assert torch.equal(slab.read(b.regions[address], 1), values[n:])
+
+
+def test_segments_a_killed_front_end_left_are_swept_and_live_ones_kept(tmp_path: Any) -> None:
+    import subprocess
+    import sys
+
+    from interp_vllm._buffers import hold, sweep_orphans
+
+    root = str(tmp_path)
+    # a front end that allocates a region and is then killed: nothing of its own removes its files
+    script = (
+        "import os, signal, sys\n"
+        "from interp_vllm._buffers import Slab, hold, new_prefix\n"
+        "prefix = new_prefix(sys.argv[1])\n"
+        "slab = Slab(prefix, held=hold(prefix))\n"
+        "slab.allocate([(4, [64])])\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    subprocess.run([sys.executable, "-c", script, root], check=False)
+    dead = set(os.listdir(root))
+    assert any(name.endswith(".lock") for name in dead) and any(".slab-" in name for name in dead)
+    prefix = new_prefix(root)
+    live = Slab(prefix, held=hold(prefix))
+    live.allocate([(4, [64])])
+    mine = set(os.listdir(root)) - dead
+    assert sweep_orphans(root) == len(dead)
+    assert set(os.listdir(root)) == mine  # the live slab's lock and segment stay
+    live.close()
+    assert not os.listdir(root)

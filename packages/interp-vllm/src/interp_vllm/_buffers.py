@@ -26,6 +26,7 @@ synchronised (:class:`HostCopier`).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import glob
 import mmap
 import os
@@ -89,6 +90,38 @@ def directory() -> str | None:
 def new_prefix(where: str) -> str:
     """A fresh path prefix for one engine's files."""
     return os.path.join(where, f"interp-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+
+
+def hold(prefix: str) -> int:
+    """Mark ``prefix`` as in use for as long as this process lives: an exclusive ``flock`` on
+    ``prefix.lock``, released by the kernel when the process ends however it ends (the returned
+    descriptor stays open until then). :func:`sweep_orphans` leaves held prefixes alone."""
+    fd = os.open(f"{prefix}.lock", os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd
+
+
+def sweep_orphans(where: str) -> int:
+    """Unlink the files of every prefix under ``where`` whose owner died without removing them
+    (a front end killed by a signal): its lock is no longer held. A lock is checked with a
+    non-blocking ``flock``, which holds across PID namespaces sharing the directory. Returns how
+    many files went."""
+    removed = 0
+    for lock in glob.glob(os.path.join(glob.escape(where), "interp-*.lock")):
+        try:
+            fd = os.open(lock, os.O_RDWR)
+        except OSError:  # gone meanwhile, or another user's
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # its owner is alive
+            os.close(fd)
+            continue
+        try:
+            removed += sweep(lock[: -len(".lock")])
+        finally:
+            os.close(fd)
+    return removed
 
 
 def make_probe(prefix: str) -> str:
@@ -280,10 +313,12 @@ class Slab:
     (:meth:`read`), belongs to the tensor it became: it returns to the slab when that tensor (and
     every view of it) is freed, and is then reused, its pages already mapped in the workers. A
     region whose request never reached :meth:`read` returns at :meth:`release`. Thread-safe (a
-    tensor may be freed on any thread)."""
+    tensor may be freed on any thread). ``held``: the descriptor of the prefix's lock
+    (:func:`hold`), closed with the slab."""
 
-    def __init__(self, prefix: str) -> None:
+    def __init__(self, prefix: str, held: int | None = None) -> None:
         self.prefix = prefix
+        self.held = held
         self.segments: dict[str, _Segment] = {}
         self._lock = threading.Lock()
         self._read: set[tuple[str, int]] = set()
@@ -370,9 +405,15 @@ class Slab:
                     os.unlink(path)
 
     def close(self) -> None:
-        """Unlink every segment (tensors still viewing one keep its memory until they are freed)."""
+        """Unlink every segment (tensors still viewing one keep its memory until they are freed),
+        then the prefix's lock."""
         with self._lock:
             for path in list(self.segments):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
             self.segments.clear()
+            if self.held is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(f"{self.prefix}.lock")
+                os.close(self.held)
+                self.held = None

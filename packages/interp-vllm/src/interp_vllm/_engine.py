@@ -265,6 +265,8 @@ class EngineClient(TokenizerMixin, ModelBase):
         except Exception as exc:
             raise BackendError(f"the vLLM engine failed to start: {type(exc).__name__}: {exc}") from exc
         prefix = None if self._buffer_root is None else _buffers.new_prefix(self._buffer_root)
+        if self._buffer_root is not None:  # what front ends killed by a signal left behind
+            _buffers.sweep_orphans(self._buffer_root)
         probe = None if prefix is None else _buffers.make_probe(prefix)
         try:
             pings = await Workers(engine).ping(probe)
@@ -287,7 +289,7 @@ class EngineClient(TokenizerMixin, ModelBase):
             engine.shutdown()
             raise BackendError(problem)
         if prefix is not None and all(p.sees_probe for p in pings):
-            self.capture_memory.slab = Slab(prefix)
+            self.capture_memory.slab = Slab(prefix, held=_buffers.hold(prefix))
             atexit.register(_buffers.sweep, prefix)
         self.tp_size = pings[0].tp_size
         self.pp_size = pings[0].pp_size
