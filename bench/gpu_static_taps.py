@@ -11,7 +11,14 @@ on every layer's output), captures one forward in a ``torch.cuda.CUDAGraph`` and
 2. with per-token steering indices (add on some tokens, ablate on others, set on one): logits
    equal an eager HF forward with the same edits written as ordinary hooks, and the unsteered
    tokens of the tapped layers are bit-identical to the plain run;
-3. timing: replay with taps against replay of the same model captured without them.
+3. timing: replay with taps against replay of the same model captured without them;
+4. the transport out of the taps (``interp_vllm._buffers``): after each replay every layer's
+   tapped rows go into a shared-memory slab region of their own as the vllm backends' workers
+   write them, through :class:`~interp_vllm._buffers.HostCopier` (on CUDA: a device gather,
+   a non-blocking copy to pinned host memory on a side stream, one synchronisation per step,
+   then the write into the slab), half the layers as one block of rows and half through an
+   indexed copy (prefill chunks and decode rows); the slab's rows must equal the taps', and
+   the replay plus transport is timed against the plain replay.
 
 On ``--device cpu`` (no CUDA) the same static forward runs eagerly, which checks the harness but
 not graph capture. Ends with ``RESULT`` lines.
@@ -29,6 +36,7 @@ from typing import Any
 import torch
 
 from interp_engine import Write
+from interp_vllm._buffers import HostCopier, Slab, SlabWriter, new_prefix
 from interp_vllm._static import StaticTap, StaticWrites
 
 
@@ -174,16 +182,45 @@ def main() -> int:
     plain_time = timing(plain_replay, device, args.reps)
     del plain_logits
 
+    # 4. the taps' rows into a shared-memory slab after each replay, as the workers write them
+    slab = Slab(new_prefix("/dev/shm"))
+    try:
+        regions = slab.allocate([(n, [width])] * len(taps))
+        writer = SlabWriter(HostCopier(torch.device(device)))
+        index = torch.arange(n)
+
+        def transport() -> None:
+            replay()
+            for i, (tap, region) in enumerate(zip(taps, regions, strict=True)):
+                # slab rows: the region's first row on (a block), or its first row + each position
+                at = region.first_row if i % 2 == 0 else index + region.first_row
+                writer.write(region, at, tap.buffer[:n].detach(), None)
+            writer.copier.step_done()
+
+        transport()
+        slab_equal = all(
+            torch.equal(slab.read(region, n), tap.buffer[:n].cpu()) for tap, region in zip(taps, regions, strict=True)
+        )
+        regions = slab.allocate([(n, [width])] * len(taps))  # the read ones belong to their tensors now
+        transport_time = timing(transport, device, args.reps)
+    finally:
+        slab.close()
+
     print(f"device {device}, {args.layers} layers x {args.width}, {n} tokens")
     print(f"captures vs HF hidden states: max rel diff {capture_err:.2e}")
     print(f"logits (no writes) vs plain:   max rel diff {logits_err:.2e}")
     print(f"steered logits vs eager hooks: max rel diff {steer_err:.2e}")
     print(f"unsteered rows bit-identical:  {bit_identical}")
     print(f"replay: taps {tapped_time * 1e3:.3f} ms, plain {plain_time * 1e3:.3f} ms")
+    megabytes = len(taps) * n * width * 4 / 1e6
+    print(f"replay + every tap's rows into the slab ({megabytes:.1f} MB): {transport_time * 1e3:.3f} ms")
+    print(f"slab rows equal the taps':     {slab_equal}")
     ok = capture_err <= 1e-4 and logits_err <= 1e-4 and steer_err <= 1e-4 and bit_identical
     print(f"RESULT static_taps_correct {int(ok)} (target 1)")
+    print(f"RESULT slab_transport_correct {int(slab_equal)} (target 1)")
     print(f"RESULT replay_taps_vs_plain {tapped_time / plain_time:.3f} (target -)")
-    return 0 if ok else 1
+    print(f"RESULT replay_taps_slab_vs_plain {transport_time / plain_time:.3f} (target -)")
+    return 0 if ok and slab_equal else 1
 
 
 if __name__ == "__main__":
