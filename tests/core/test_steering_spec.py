@@ -273,6 +273,20 @@ def test_check_token_ids_accepts_lists_and_tensors() -> None:
     assert check_token_ids(list(range(INFO.n_ctx)), INFO) == list(range(INFO.n_ctx))
 
 
+def test_check_token_ids_returns_a_new_list_of_plain_ints() -> None:
+    given = [4, 5, 6]
+    ids = check_token_ids(given, INFO)
+    assert ids == given and ids is not given  # the caller's list is never handed back to be mutated
+    ids.append(7)
+    assert given == [4, 5, 6]
+
+    class Id(int):
+        pass
+
+    mixed = check_token_ids([Id(3), 4], INFO)  # an int subclass among plain ints
+    assert mixed == [3, 4] and [type(i) for i in mixed] == [int, int]
+
+
 BAD_TOKENS: dict[str, Any] = {
     "empty list": [],
     "empty tensor": torch.tensor([], dtype=torch.long),

@@ -42,11 +42,14 @@ def check_token_ids(token_ids: Any, info: ModelInfo, *, extra: int = 0) -> list[
         raise InvalidTokens(f"token ids must be a list of ints, got {type(token_ids).__name__}") from None
     if not listed:
         raise InvalidTokens("the token list is empty; a request needs at least one token")
-    if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in listed):
-        raise InvalidTokens("token ids must all be ints")
-    ids = [int(t) for t in listed]
-    bad = [t for t in ids if not 0 <= t < info.vocab_size]
-    if bad:
+    if set(map(type, listed)) == {int}:  # plain ints (what tolist() gives): the type test at C speed
+        ids = listed
+    else:  # other integral types (numpy's) become ints; bools and non-integers are refused
+        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in listed):
+            raise InvalidTokens("token ids must all be ints")
+        ids = [int(t) for t in listed]
+    if min(ids) < 0 or max(ids) >= info.vocab_size:
+        bad = [t for t in ids if not 0 <= t < info.vocab_size]
         raise InvalidTokens(f"token id {bad[0]} is outside the vocabulary [0, {info.vocab_size}) ({len(bad)} such ids)")
     if len(ids) + extra > info.n_ctx:
         more = f" plus {extra} to generate" if extra else ""
