@@ -41,7 +41,8 @@ def token_rows(model: InterpModel, tokens: Tokens) -> list[Row]:
         if tokens.dim() == 1:
             return [tokens.tolist()]
         if tokens.dim() == 2:
-            return [row.tolist() for row in tokens]
+            rows: list[Row] = tokens.tolist()  # one copy off the device, not one per row
+            return rows
         raise InvalidTokens(f"token ids are [n] or [batch, n], got a tensor of shape {list(tokens.shape)}")
     items: list[Any] = list(tokens)
     if not items:

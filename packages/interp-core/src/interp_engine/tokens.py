@@ -16,7 +16,11 @@ from ._errors import InvalidTokens
 
 def pad_rows(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-pad id lists into ``(ids [batch, n_max], attention mask [batch, n_max])``."""
-    longest = max(len(r) for r in rows)
+    lengths = [len(r) for r in rows]
+    longest = max(lengths)
+    if min(lengths) == longest:  # nothing to pad: every row in one conversion
+        ids = torch.tensor([list(row) for row in rows], dtype=torch.long)
+        return ids, torch.ones_like(ids)
     ids = torch.full((len(rows), longest), int(pad_id), dtype=torch.long)
     mask = torch.zeros((len(rows), longest), dtype=torch.long)
     for i, row in enumerate(rows):
