@@ -198,6 +198,18 @@ def test_parse_error_is_bounded_in_size() -> None:
     assert len(str(info.value)) < 400
 
 
+def test_parse_gives_the_same_address_every_time_and_the_same_error_every_time() -> None:
+    for text in ("resid_post.5", " resid_post.5 ", "blocks.5.hook_resid_post", "resid_post.0005"):
+        assert Address.parse(text) == Address.parse(text) == Address("resid_post", 5)
+    padded = "resid_post." + "0" * 200 + "7"  # longer than the parses kept, read all the same
+    assert Address.parse(padded) == Address.parse(padded) == Address("resid_post", 7)
+    for _ in range(2):  # a refused string is refused again, never remembered as an address
+        with pytest.raises(UnknownKind):
+            Address.parse("residual.3")
+        with pytest.raises(LayerTypeError):
+            Address.parse("resid_post.x")
+
+
 def test_layer_type_error_is_catchable_as_both_builtins() -> None:
     with pytest.raises(TypeError):
         Address("resid_post", "5")  # type: ignore[arg-type]

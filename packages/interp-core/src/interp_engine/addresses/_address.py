@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import Literal
@@ -110,6 +111,11 @@ class Address:
                 address=text,
                 valid=("kind", "kind.layer"),
             )
+        return _parse_text(text) if len(text) <= _KEPT_LENGTH else Address._from_text(text)
+
+    @classmethod
+    def _from_text(cls, text: str) -> Address:
+        """:meth:`parse` of a string, uncached."""
         text = text.strip()
         if is_tl_name(text):
             return cls(*parse_tl_name(text))
@@ -155,6 +161,18 @@ class Address:
         if self.layer is None:
             return (KINDS[self.kind].order, 0)
         return (self.layer, KINDS[self.kind].order)
+
+
+_KEPT_LENGTH = 64
+"""The longest string whose parse is kept (every address's own spelling is far shorter; a longer
+one, padded or zero-filled, is parsed each time, so the kept parses stay small)."""
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_text(text: str) -> Address:
+    """:meth:`Address.parse` of a string, kept per string: an ``Address`` is immutable, and a
+    request names the same few points call after call (an error is raised again each time)."""
+    return Address._from_text(text)
 
 
 AddressLike = Address | str
