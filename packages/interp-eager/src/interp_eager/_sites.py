@@ -341,6 +341,7 @@ class Architecture:
         }
         self.sandwich = "attn_out_post" in self._paths
         """Whether a post-attention norm sits between ``attn_out`` and the residual (Gemma 2/3, OLMo 2)."""
+        self._site_of: dict[Address, Site] = {}
 
     def path(self, kind: str) -> str | None:
         """The module path :data:`SITES` names for ``kind`` in this family (``None``: none is set)."""
@@ -437,7 +438,14 @@ class Architecture:
         return HeadSlice(heads, self.d_head, layout=family.qk_norm_layout)
 
     def site(self, address: Address) -> Site:
-        """Where ``address`` is read and written (not for derived ``resid_mid``), from its :data:`SITES` row."""
+        """Where ``address`` is read and written (not for derived ``resid_mid``), from its :data:`SITES` row;
+        kept per address, as the modules it names are the loaded model's own (like :attr:`layers`)."""
+        found = self._site_of.get(address)
+        if found is None:
+            found = self._site_of[address] = self._find_site(address)
+        return found
+
+    def _find_site(self, address: Address) -> Site:
         row = SITES.get(address.kind)
         if row is None or row.when in ("result", "derived"):
             raise UnsupportedAddress(f"{address} has no hook site in the eager backend", address=address)
