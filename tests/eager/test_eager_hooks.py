@@ -72,3 +72,13 @@ def test_capture_returns_only_what_was_asked_and_results_are_independent_copies(
     second = run_with_cache(model, PROMPT, points)
     first[points[1]].add_(1.0)  # mutating one result must not leak into another
     assert not torch.equal(first[points[1]], second[points[1]])
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "phi3"])
+def test_captured_values_are_contiguous_even_where_read_as_views(family: str) -> None:
+    # queries and keys are read transposed (Phi-3's from a fused projection), heads as views of a
+    # wider tensor: each value is one contiguous copy
+    model = eager_model(family)
+    points = [f"{kind}.0" if info.per_layer else kind for kind, info in model.points().items()]
+    cache = run_with_cache(model, [PROMPT, PROMPT], points)
+    assert [point for point in points if not cache[point].is_contiguous()] == []

@@ -248,8 +248,8 @@ class Plan:
         return rows + delta
 
     def _record(self, address: Address, rows: torch.Tensor) -> None:
-        if address in self.wanted:
-            self.values[address].append(rows.detach().clone())
+        if address in self.wanted:  # contiguous, as a concatenation of the chunks would be
+            self.values[address].append(rows.detach().clone(memory_format=torch.contiguous_format))
         keep = self._rows_at.get(address)
         if keep is not None:
             offset = self.chunk.offset
@@ -413,7 +413,9 @@ class Plan:
         """Every requested value, concatenated over the forwards run, ``[batch, pos, ...]``."""
         out: dict[Address, torch.Tensor] = {}
         for address, chunks in self.values.items():
-            if address.info.width == "heads x keys":  # [batch, heads, queries, keys]: later chunks see more keys
+            if len(chunks) == 1:  # one forward: its copy is the value (no second copy)
+                out[address] = chunks[0]
+            elif address.info.width == "heads x keys":  # [batch, heads, queries, keys]: later chunks see more keys
                 keys = max(c.shape[-1] for c in chunks)
                 fill = float("-inf") if address.kind == "attn_scores" else 0.0  # keys not yet made: masked
                 padded = [torch.nn.functional.pad(c, (0, keys - c.shape[-1]), value=fill) for c in chunks]
