@@ -82,3 +82,27 @@ def test_captured_values_are_contiguous_even_where_read_as_views(family: str) ->
     points = [f"{kind}.0" if info.per_layer else kind for kind, info in model.points().items()]
     cache = run_with_cache(model, [PROMPT, PROMPT], points)
     assert [point for point in points if not cache[point].is_contiguous()] == []
+
+
+def test_attention_lookups_are_wrapped_only_while_a_capture_reads_attention() -> None:
+    # the lookup is process-wide: outside a capture that taps attention, every model in the process
+    # (another tool's, a plain HF one) gets transformers' own attention function
+    from transformers import modeling_utils
+
+    interface = modeling_utils.ALL_ATTENTION_FUNCTIONS
+    model = eager_model("gpt2")
+    attention = model.hf_model.transformer.h[0].attn
+    looked_up: list[Any] = []
+
+    def lookup(module: nn.Module, args: Any) -> None:
+        looked_up.append(interface.get_interface("sdpa", None))
+
+    handle = attention.register_forward_pre_hook(lookup)
+    try:
+        run_with_cache(model, PROMPT, ["attn_q.0"])  # the interface is patched from here on
+        run_with_cache(model, PROMPT, ["resid_post.0"])
+    finally:
+        handle.remove()
+    own = interface["sdpa"]
+    assert looked_up[0] is not own and looked_up[1] is own
+    assert interface.get_interface("sdpa", None) is own

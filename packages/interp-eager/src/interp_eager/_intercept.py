@@ -17,6 +17,7 @@ what the plan returns, so a write there reroutes.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -113,9 +114,26 @@ def _run_taps(module: Any, make_call: Callable[[], AttentionCall]) -> AttentionC
     return call
 
 
+_interface_taps = 0
+"""How many modules have taps that transformers' attention interface calls; while none has, a
+lookup hands out the attention function itself (every other model in the process runs as if
+unpatched)."""
+_count_lock = threading.Lock()
+
+
+def _count_interface_taps(change: int) -> None:
+    global _interface_taps
+    with _count_lock:
+        _interface_taps += change
+
+
 def _tapped(function: Callable[..., Any]) -> Callable[..., Any]:
     """``function`` (an attention implementation) calling the taps of the module it runs for
-    (a fresh closure per lookup: caching them would keep every function ever looked up alive)."""
+    (a fresh closure per lookup: caching them would keep every function ever looked up alive);
+    ``function`` itself while no module has such taps (they are installed before the forward
+    whose lookups should see them)."""
+    if not _interface_taps:
+        return function
 
     def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *a: Any, **kw: Any) -> Any:
         call = _run_taps(
@@ -139,6 +157,8 @@ class _TapHandle:
         taps: list[AttentionTap] = self.module.__dict__.get(_TAPS, [])
         if self.tap in taps:
             taps.remove(self.tap)
+            if not taps and self.method is None:
+                _count_interface_taps(-1)
         if not taps:
             self.module.__dict__.pop(_TAPS, None)
             if self.method is not None:
@@ -259,6 +279,7 @@ def add_attention_tap(
     if not taps:
         if method is None:
             tap_attention_interface(_tapped)
+            _count_interface_taps(1)
         elif method == "forward":  # the module's own attention computation: read at its products
             prior = module.__dict__.get("forward")
             original_forward = module.forward
