@@ -35,9 +35,11 @@ size of what the workers return for the lens streams' drains, per generated toke
 pickled size of what they return for ``capture_generation`` of the same 4 layers' ``resid_post``
 (dense), per captured position.
 
-Every variant runs once as a warm-up first. Throughput is generated tokens per second (median
-over rounds), reported relative to ``plain``, with each variant's round-to-round spread
-((fastest - slowest) / median) beside plain's in the same run. What the scores cost per token
+Every variant runs once as a warm-up first. The worker's own timers (``worker_stats()``: its
+steps, the forwards, the hooks' time inside them and the copies into captured values, SAE and
+lens work, fetches) are printed per variant and round. Throughput is generated tokens per
+second (median over rounds), reported relative to ``plain``, with each variant's round-to-round
+spread ((fastest - slowest) / median) beside plain's in the same run. What the scores cost per token
 of context is measured apart, one request at a time (no batching to hide it): a prompt of 64,
 256 and 448 tokens generates 32 tokens plainly and with ``attn_scores.6`` captured, alternating,
 3 times each; the extra milliseconds per generated token over plain, against the context length,
@@ -216,6 +218,21 @@ TARGETS = {
 }
 
 
+WORKER_TIMES = ("step_ns", "forward_ns", "hook_ns", "copy_ns", "sae_ns", "lens_ns", "fetch_ns")
+
+
+def report_worker(worker: dict[str, dict[str, int]], rounds: int) -> None:
+    """Where the worker's (rank 0's) time went per round: its steps, the forwards in them, our
+    hooks inside the forwards (of which the copies into captured values), SAE and lens work,
+    and the fetches."""
+    if not rounds:
+        return
+    print()
+    print("worker seconds per round: " + ", ".join(key.removesuffix("_ns") for key in WORKER_TIMES))
+    for name, times in worker.items():
+        print(f"{name:<18} " + " ".join(f"{times.get(key, 0) / rounds / 1e9:8.3f}" for key in WORKER_TIMES))
+
+
 def spread(values: list[float]) -> float:
     """How far apart a variant's rounds are: (fastest - slowest) / median."""
     return (max(values) - min(values)) / statistics.median(values) if values else float("nan")
@@ -309,11 +326,17 @@ async def main(args: argparse.Namespace) -> int:
         for run in variants.values():  # warm-up of every path (and the slab's pages for each capture)
             await timed(run)
     rates: dict[str, list[float]] = {name: [] for name in variants}
+    worker: dict[str, dict[str, int]] = {name: {} for name in variants}  # rank 0's counters, summed
     for round_index in range(args.rounds):
         order = list(variants) if round_index % 2 == 0 else list(reversed(variants))
         for name in order:
+            (before,) = (await model.worker_stats())[:1]
             rates[name].append(await timed(variants[name]))
+            (after,) = (await model.worker_stats())[:1]
+            for key in WORKER_TIMES:
+                worker[name][key] = worker[name].get(key, 0) + after.get(key, 0) - before.get(key, 0)
         print(f"round {round_index + 1}: " + ", ".join(f"{n} {rates[n][-1]:.1f} tok/s" for n in variants), flush=True)
+    report_worker(worker, args.rounds)
 
     median = {name: statistics.median(values) if values else float("nan") for name, values in rates.items()}
     lens_sizes = await lens_bytes(model, prompts[:8], lens) if "lens_4" in variants else None
