@@ -21,6 +21,7 @@ import torch
 from interp_engine import (
     Address,
     BatchCapture,
+    BlockingCapture,
     ContextTooLong,
     InterpError,
     InvalidActivations,
@@ -110,12 +111,13 @@ def test_every_backend_builds_on_the_core_base(subject: Subject) -> None:
     assert isinstance(subject.model, ModelBase)
 
 
-CAPABILITIES = {"eager": {BatchCapture}, "toy": set(), "vllm": {WorkerStats}}
+CAPABILITIES = {"eager": {BatchCapture, BlockingCapture}, "toy": set(), "vllm": {WorkerStats}}
 
 
 def test_optional_capabilities_are_declared_protocols(subject: Subject) -> None:
     model = subject.model
-    held = {protocol for protocol in (BatchCapture, StaticTaps, WorkerStats) if isinstance(model, protocol)}
+    protocols = (BatchCapture, BlockingCapture, StaticTaps, WorkerStats)
+    held = {protocol for protocol in protocols if isinstance(model, protocol)}
     assert held == CAPABILITIES[subject.name]
 
 

@@ -164,6 +164,68 @@ def _refused(call: Callable[[], Any]) -> RunningLoopError:
     return error
 
 
+def test_run_with_cache_captures_without_the_facades_loop() -> None:
+    """The eager model captures blocking (``BlockingCapture``): ``run_with_cache`` calls it from
+    the caller's thread, never through the facade's loop, and gets what the async path gets."""
+    model = own_model()
+    sync = sync_model(model)
+    ids = [ids_of(p) for p in PROMPTS[:2]]
+    spec = specs()[1]
+    expected = asyncio.run(model.capture_batch(ids, POINTS, steering_spec=spec))
+
+    def no_loop(make: Any) -> Any:
+        raise AssertionError("run_with_cache went through the facade's event loop")
+
+    sync.run = no_loop  # type: ignore[method-assign]
+    try:
+        cache = run_with_cache(model, ids, POINTS, steering_spec=spec)
+    finally:
+        del sync.run
+    assert len(cache) == len(expected) == len(POINTS)
+    for point in POINTS:
+        assert torch.equal(cache[point], expected[point])
+    sync.shutdown()
+
+
+def test_a_blocking_capture_runs_on_the_worker_thread_under_inference_mode() -> None:
+    """The forward runs where every eager forward runs (the model's worker thread, with torch's
+    per-thread state its own, not the caller's), under inference mode."""
+    model = eager_model("gpt2")
+    seen: list[tuple[str, bool, bool]] = []
+
+    def spy(module: Any, args: Any) -> None:
+        seen.append((threading.current_thread().name, torch.is_inference_mode_enabled(), torch.is_grad_enabled()))
+
+    handle = model.arch.layers[0].register_forward_pre_hook(spy)
+    try:
+        with torch.enable_grad():
+            cache = run_with_cache(model, PROMPT, ["resid_post.0"])
+    finally:
+        handle.remove()
+    assert len(seen) == 1
+    thread, inference, grad = seen[0]
+    assert thread.startswith("interp-eager") and thread != threading.current_thread().name
+    assert inference and not grad
+    assert cache["resid_post.0"].is_inference()
+
+
+def test_blocking_captures_from_four_threads_equal_serial_calls() -> None:
+    model = eager_model("gpt2")
+    jobs = [(ids_of(p), spec) for p, spec in zip(PROMPTS, specs(), strict=True)] * 2
+    serial = [run_with_cache(model, ids, POINTS, steering_spec=spec) for ids, spec in jobs]
+    barrier = threading.Barrier(4)
+
+    def work(job: tuple[list[int], SteeringSpec | None]) -> Any:
+        with contextlib.suppress(threading.BrokenBarrierError):
+            barrier.wait(timeout=2)
+        return run_with_cache(model, job[0], POINTS, steering_spec=job[1])
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        threaded = list(pool.map(work, jobs))
+    for got, expected in zip(threaded, serial, strict=True):
+        assert all(torch.equal(got[p], expected[p]) for p in POINTS)
+
+
 def test_sync_calls_refuse_inside_a_running_loop() -> None:
     model = eager_model("gpt2")
     sync = sync_model(model)  # built outside any loop

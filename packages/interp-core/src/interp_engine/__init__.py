@@ -95,6 +95,7 @@ if TYPE_CHECKING:
     from .protocol._base import ModelBase
     from .protocol._protocol import (
         BatchCapture,
+        BlockingCapture,
         Completion,
         GradientCapture,
         GradientMetric,
@@ -154,6 +155,7 @@ _LAZY: dict[str, str] = {
     "ModelBase": ".protocol._base",
     "SamplingOptions": ".protocol._requests",
     "BatchCapture": ".protocol._protocol",
+    "BlockingCapture": ".protocol._protocol",
     "Completion": ".protocol._protocol",
     "GradientCapture": ".protocol._protocol",
     "GradientMetric": ".protocol._protocol",
@@ -191,6 +193,7 @@ __all__ = [
     "BackendError",
     "BackendNotFound",
     "BatchCapture",
+    "BlockingCapture",
     "Cache",
     "CaptureMemoryExceeded",
     "ChatTokens",

@@ -186,7 +186,11 @@ def run_with_cache(
     selected = None
     if positions is not None:  # checked before any compute
         selected = [select_positions(positions, row, len(row), len(row)) for row in rows]
-    values = facade.run(lambda: capture_rows(facade.model, rows, resolved, steering_spec))
+    blocking = facade.blocking
+    if blocking is not None:  # no trip through the facade's loop
+        values = facade.call(lambda: blocking.capture_batch_blocking(rows, resolved, steering_spec=steering_spec))
+    else:
+        values = facade.run(lambda: capture_rows(facade.model, rows, resolved, steering_spec))
     n_layers = facade.model.info.n_layers
     if selected is None:
         return Cache(values, lengths=_lengths(rows), n_layers=n_layers, chat=_chats(rows))

@@ -1,8 +1,10 @@
 """The sync facade: every async method of a model, minus the ``await``.
 
 One background event loop per model runs the model's coroutines, so a vLLM engine built
-through the facade belongs to that loop. Calls from several threads are safe; a call from
-inside a running event loop is refused instead of deadlocking.
+through the facade belongs to that loop; a model with a blocking batched capture
+(:class:`~interp_engine.BlockingCapture`, the eager backend's) is called for ``run_with_cache``
+from the calling thread instead. Calls from several threads are safe; a call from inside a
+running event loop is refused instead of deadlocking.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from ._errors import ModelClosed, RunningLoopError, UnsupportedOperation
 from .addresses._address import Address
 from .chat._spans import ChatTokens
-from .protocol._protocol import Activations, Completion, InterpModel, Points, Results, StreamStep
+from .protocol._protocol import Activations, BlockingCapture, Completion, InterpModel, Points, Results, StreamStep
 from .results._lens import LensRequest
 from .steering._spec import SteeringSpec
 
@@ -60,6 +62,9 @@ class SyncModel:
 
     def __init__(self, model: InterpModel) -> None:
         self.model = model
+        self.blocking: BlockingCapture | None = model if isinstance(model, BlockingCapture) else None
+        """The model, when it captures without an event loop (:class:`BlockingCapture`): batched
+        captures then go to it from the calling thread (:meth:`call`), not through this loop."""
         self._loop = asyncio.new_event_loop()
         self._closed = False
         self._thread = threading.Thread(
@@ -92,6 +97,14 @@ class SyncModel:
         except BaseException:
             future.cancel()
             raise
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """``fn()`` -- a blocking method of the model -- in the calling thread, refused where
+        :meth:`run` would refuse it."""
+        refuse_inside_running_loop("this sync model call")
+        if self._closed:
+            raise ModelClosed("this sync model was shut down; load a new model")
+        return fn()
 
     def __getattr__(self, name: str) -> Any:
         # Anything the protocol does not name (backend extras) passes through; coroutine

@@ -71,6 +71,7 @@ if TYPE_CHECKING:
     from . import (
         WEIGHT_NAMES,
         BatchCapture,
+        BlockingCapture,
         CheckedRequest,
         Completion,
         FeatureReadout,
@@ -151,6 +152,7 @@ _LAZY: dict[str, str] = {
     "TokenizerMixin": ".tokens",
     "pad_rows": ".tokens",
     "BatchCapture": ".",
+    "BlockingCapture": ".",
     "CheckedRequest": ".",
     "Completion": ".",
     "FeatureReadout": ".",
@@ -192,6 +194,7 @@ __all__ = [
     "WHOLE_ROW_OPS",
     "AnyWrite",
     "BatchCapture",
+    "BlockingCapture",
     "CheckedLens",
     "CheckedRequest",
     "Completion",

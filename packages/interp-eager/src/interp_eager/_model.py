@@ -150,6 +150,15 @@ class EagerModel(TokenizerMixin, ModelBase):
             raise self._closed_error() from None
         return await future
 
+    def _call(self, fn: Callable[[], T]) -> T:
+        """``fn()`` on the worker thread, waited for by the calling thread (no event loop)."""
+        self._check_open()
+        try:
+            future = self._executor.submit(fn)
+        except RuntimeError:  # the executor was shut down between the check and the call
+            raise self._closed_error() from None
+        return future.result()
+
     # -- what the loaded model has ------------------------------------------------------
     def _served_kinds(self) -> dict[str, str]:
         """The family's table, less the optional modules this model lacks."""
@@ -270,6 +279,19 @@ class EagerModel(TokenizerMixin, ModelBase):
         list of one spec (or ``None``) per row, still one forward."""
         requests = self._check_capture_batch(rows, points, steering_spec)
         values, readouts = await self._run(lambda: self._capture_sync(requests))
+        return requests[0].keyed(values, readouts)
+
+    def capture_batch_blocking(
+        self,
+        rows: Sequence[Sequence[int]],
+        points: Iterable[Any],
+        *,
+        steering_spec: RowSpecs = None,
+    ) -> Results:
+        """:meth:`capture_batch` without an event loop: checked in the calling thread, run on
+        the worker thread (as every forward is) while the caller waits."""
+        requests = self._check_capture_batch(rows, points, steering_spec)
+        values, readouts = self._call(lambda: self._capture_sync(requests))
         return requests[0].keyed(values, readouts)
 
     # -- gradients ----------------------------------------------------------------------

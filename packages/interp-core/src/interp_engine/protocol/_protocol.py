@@ -9,6 +9,10 @@ implementing its methods, nothing else:
 - :class:`BatchCapture` (``capture_batch``): one batched forward over several prompts.
   ``run_with_cache`` uses it when present, else runs one ``capture`` per prompt concurrently and
   pads. The eager backend has it.
+- :class:`BlockingCapture` (``capture_batch_blocking``): the same batched capture, called without
+  an event loop from the thread that waits for it. ``run_with_cache`` (and what calls it) uses it
+  when present, so a blocking call costs no trip through the sync facade's loop. The eager backend
+  has it.
 - :class:`StaticTaps` (``static_points``, ``static_writes``, ``configure_static``): a fixed tap
   set declared before the engine is built (``vllm-static``). The server reports the declared
   set in ``GET /v1/model``.
@@ -228,6 +232,18 @@ class BatchCapture(Protocol):
         d_head]``) over prompts of any lengths, right-padded with zeros; each row equals its
         solo ``capture``. ``steering_spec`` is one spec for every row or a list of one spec (or
         ``None``) per row."""
+        ...
+
+
+@runtime_checkable
+class BlockingCapture(Protocol):
+    """A model whose batched capture can be called without an event loop, blocking the caller."""
+
+    def capture_batch_blocking(
+        self, rows: Sequence[Sequence[int]], points: Points, *, steering_spec: RowSpecs = None
+    ) -> Results:
+        """What :meth:`BatchCapture.capture_batch` returns, from a thread running no event loop
+        (the forward may still run on a worker thread of the model's own)."""
         ...
 
 
