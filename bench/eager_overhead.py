@@ -1,12 +1,28 @@
 """Overhead of capturing residual-stream activations: interp-engine vs TransformerLens vs nnsight.
 
-Run ``python bench/eager_overhead.py [--quick] [--device cuda]``.
+Run ``python bench/eager_overhead.py [--quick] [--device cuda] [--narrow]``.
 
 Model and data
     A GPT-2-small-shaped ``GPT2LMHeadModel`` (12 layers, d_model 768, 12 heads, n_positions 1024,
     vocab 50257) with random fp32 weights (seed 0), saved once with ``save_pretrained`` (plus a
     small byte-level tokenizer, trained locally, so that the directory loads offline) under
-    ``.cache/bench-gpt2``.  The input is one batch of 8 x 128 random token ids.
+    ``.cache/bench-gpt2``.  The input is one batch of 8 x 128 random token ids (``--batch``,
+    ``--seq``).
+
+The overhead-bound regime (``--narrow``)
+    On a GPU, or any device where a GPT-2-small forward takes a few milliseconds, what a tool
+    does per call in Python -- checking the request, planning and installing its hooks, handing
+    the work between threads, building its result -- costs as much as whole layers, while on a
+    small CPU, where the forward takes about a second, it vanishes.  ``--narrow`` measures that
+    regime on a CPU: the same 12 layers at d_model 64 (4 heads, GPT-2's 1024 positions) with a
+    1000-token vocabulary (so the logits do not dominate), saved under ``.cache/bench-gpt2-narrow``,
+    and one prompt of 16 tokens unless ``--batch``/``--seq`` say otherwise; a forward then costs a
+    few milliseconds, most of it the per-op work of HF's own Python.  What a request costs per
+    token (its ids checked, converted and padded: about a millisecond for 8 x 128 ids on a slow
+    CPU) is left out at 16 tokens, and a narrow forward over 8 x 128 tokens is compute-bound on a
+    CPU again.  A call being short, 100 rounds are timed by default, on one torch thread (ops this
+    small gain nothing from more, and a shared machine's other work then disturbs them less).
+    RESULT names are the same; compare figures only between runs of the same shape.
 
 Variants (all under ``torch.inference_mode()`` in one process)
     ``plain``    ``hf_model(input_ids)``: the HF forward, logits computed, as a user would.
@@ -101,10 +117,7 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL_DIR = REPO / ".cache" / "bench-gpt2"
 
 N_LAYERS = 12
-D_MODEL = 768
-N_HEADS = 12
 N_POSITIONS = 1024
-VOCAB = 50257
 BATCH = 8
 SEQ = 128
 SEED = 0
@@ -135,6 +148,22 @@ RESULTS: tuple[tuple[str, str, str, str], ...] = (
 Call = Callable[[], Any]
 
 
+@dataclass(frozen=True)
+class Shape:
+    """The benchmark model's width, heads and vocabulary (12 layers, 1024 positions each time)."""
+
+    d_model: int
+    n_heads: int
+    vocab: int
+    default_dir: Path
+
+
+GPT2_SMALL = Shape(768, 12, 50257, DEFAULT_MODEL_DIR)
+NARROW = Shape(64, 4, 1000, REPO / ".cache" / "bench-gpt2-narrow")
+"""``--narrow``: the overhead-bound regime (module docstring)."""
+NARROW_SEQ = 16
+
+
 def layers_of(variant: str) -> tuple[int, ...]:
     return TWO_LAYERS if variant.endswith("_2pts") else ALL_LAYERS
 
@@ -148,16 +177,16 @@ def log(message: str) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _stamp() -> dict[str, Any]:
+def _stamp(shape: Shape) -> dict[str, Any]:
     import transformers
 
     return {
         "format": 1,
         "n_layer": N_LAYERS,
-        "n_embd": D_MODEL,
-        "n_head": N_HEADS,
+        "n_embd": shape.d_model,
+        "n_head": shape.n_heads,
         "n_positions": N_POSITIONS,
-        "vocab_size": VOCAB,
+        "vocab_size": shape.vocab,
         "seed": SEED,
         "transformers": transformers.__version__,
     }
@@ -187,11 +216,11 @@ def _tokenizer() -> Any:
     )
 
 
-def ensure_model_dir(out: Path) -> Path:
+def ensure_model_dir(out: Path, shape: Shape = GPT2_SMALL) -> Path:
     """Write the random GPT-2-shaped model + tokenizer to ``out`` unless already there."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    stamp = _stamp()
+    stamp = _stamp(shape)
     stamp_file = out / "bench_stamp.json"
     try:
         if json.loads(stamp_file.read_text()) == stamp and (out / "config.json").is_file():
@@ -201,10 +230,10 @@ def ensure_model_dir(out: Path) -> Path:
     log(f"writing a random GPT-2-shaped model to {out} ...")
     config = GPT2Config(
         n_layer=N_LAYERS,
-        n_embd=D_MODEL,
-        n_head=N_HEADS,
+        n_embd=shape.d_model,
+        n_head=shape.n_heads,
         n_positions=N_POSITIONS,
-        vocab_size=VOCAB,
+        vocab_size=shape.vocab,
     )
     torch.manual_seed(SEED)
     model = GPT2LMHeadModel(config)  # type: ignore[no-untyped-call]
@@ -261,12 +290,20 @@ def _load_ie(path: Path, device: torch.device, attn: str | None) -> tuple[Any, n
     return model, hf
 
 
-def build(path: Path, device: torch.device, variants: Sequence[str], attn: str | None) -> Setup:
-    from transformers import GPT2LMHeadModel
+def build(
+    path: Path,
+    device: torch.device,
+    variants: Sequence[str],
+    attn: str | None,
+    batch: int = BATCH,
+    seq: int = SEQ,
+) -> Setup:
+    from transformers import GPT2Config, GPT2LMHeadModel
 
     tools = {v.split("_")[0] for v in variants}
     gen = torch.Generator().manual_seed(SEED + 1)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen).to(device)
+    vocab = int(GPT2Config.from_pretrained(path).vocab_size)
+    tokens = torch.randint(0, vocab, (batch, seq), generator=gen).to(device)
 
     ie_model: Any = None
     ie_hf: nn.Module | None = None
@@ -535,7 +572,7 @@ def mem_child(args: argparse.Namespace) -> None:
     """Subprocess: build one variant, warm it up, report one call's peak RSS increase."""
     variant = args.mem_child
     device = torch.device(args.device)
-    setup = build(Path(args.model_dir), device, [variant], args.attn)
+    setup = build(Path(args.model_dir), device, [variant], args.attn, args.batch, args.seq)
     calls = make_calls(setup)
     if variant not in calls:
         print(json.dumps({"variant": variant, "error": setup.ie_error or "unavailable"}))
@@ -577,6 +614,10 @@ def cpu_peaks(args: argparse.Namespace, variants: Sequence[str]) -> dict[str, di
             args.device,
             "--threads",
             str(torch.get_num_threads()),
+            "--batch",
+            str(args.batch),
+            "--seq",
+            str(args.seq),
         ]
         if args.attn:
             cmd += ["--attn", args.attn]
@@ -611,7 +652,8 @@ def report(
     print()
     print("versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
     print(
-        f"device {setup.device}, torch threads {torch.get_num_threads()}, batch {BATCH}x{SEQ}, "
+        f"device {setup.device}, torch threads {torch.get_num_threads()}, "
+        f"batch {setup.tokens.shape[0]}x{setup.tokens.shape[1]}, d_model {setup.reference.config.n_embd}, "
         f"attention: " + ", ".join(f"{k}={v}" for k, v in setup.attn_used.items())
     )
     print(f"{'variant':8s} {'median s':>9s} {'min s':>8s} {'n':>3s} {'vs plain':>8s} {'peak MB':>8s} {'held MB':>8s}")
@@ -654,19 +696,35 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--quick", action="store_true", help="few repetitions: a smoke test")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
-    p.add_argument("--reps", type=int, default=None, help="timed rounds (default 10; quick 3)")
+    p.add_argument("--reps", type=int, default=None, help="timed rounds (default 10, narrow 100; quick 3)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up calls (default 2; quick 1)")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (narrow: 1)")
     p.add_argument("--attn", choices=("sdpa", "eager"), default=None, help="attention of plain, ie, nnsight")
-    p.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
+    p.add_argument(
+        "--narrow", action="store_true", help="the overhead-bound regime: d_model 64, vocabulary 1000 (docstring)"
+    )
+    p.add_argument("--batch", type=int, default=None, help=f"prompts in the input batch (default {BATCH}; narrow 1)")
+    p.add_argument("--seq", type=int, default=None, help=f"tokens per prompt (default {SEQ}; narrow {NARROW_SEQ})")
+    p.add_argument("--model-dir", type=Path, default=None, help="where the model is written and read")
     p.add_argument("--no-memory", action="store_true", help="skip the memory measurements")
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
     p.add_argument("--mem-child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.reps is None:
-        args.reps = 3 if args.quick else 10
+        args.reps = 3 if args.quick else 100 if args.narrow else 10
     if args.warmup is None:
         args.warmup = 1 if args.quick else 2
+    args.shape = NARROW if args.narrow else GPT2_SMALL
+    if args.threads is None and args.narrow:
+        args.threads = 1
+    if args.batch is None:
+        args.batch = 1 if args.narrow else BATCH
+    if args.seq is None:
+        args.seq = NARROW_SEQ if args.narrow else SEQ
+    if args.model_dir is None:
+        args.model_dir = args.shape.default_dir
+    if not (args.batch >= 1 and 1 <= args.seq <= N_POSITIONS):
+        p.error(f"--batch must be >= 1 and --seq from 1 to {N_POSITIONS}")
     return args
 
 
@@ -684,8 +742,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(f"unknown variants: {sorted(unknown)}")
     if "plain" not in variants:
         variants.insert(0, "plain")
-    ensure_model_dir(args.model_dir)
-    setup = build(args.model_dir, device, variants, args.attn)
+    ensure_model_dir(args.model_dir, args.shape)
+    setup = build(args.model_dir, device, variants, args.attn, args.batch, args.seq)
     calls = {n: c for n, c in make_calls(setup).items() if n in variants}
     if setup.ie_hf is not None:
         n_hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in setup.ie_hf.modules())
