@@ -75,11 +75,14 @@ def model_points(model: InterpModel, points: Points | Features) -> list[Address 
                 address=points,
             ) from None
     out: list[Address | Features] = []
+    n_layers = model.info.n_layers
     for point in items:
-        if Features.is_form(point) or isinstance(point, Mapping):
+        if isinstance(point, Address):
+            out.append(point.resolve(n_layers))
+        elif Features.is_form(point) or isinstance(point, Mapping):
             out.append(as_features(point))
         else:
-            out.append(as_address(point).resolve(model.info.n_layers))
+            out.append(as_address(point).resolve(n_layers))
     return list(dict.fromkeys(out))
 
 

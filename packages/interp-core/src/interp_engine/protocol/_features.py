@@ -68,7 +68,9 @@ def split_points(points: Iterable[Any]) -> tuple[list[Any], tuple[Features, ...]
         ) from None
     addresses, readouts = [], []
     for item in listed:
-        if Features.is_form(item) or (isinstance(item, Mapping) and "sae" in item):
+        if isinstance(item, Address):
+            addresses.append(item)
+        elif Features.is_form(item) or (isinstance(item, Mapping) and "sae" in item):
             readouts.append(as_features(item))
         else:
             addresses.append(item)

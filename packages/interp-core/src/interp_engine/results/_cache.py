@@ -116,7 +116,10 @@ class Cache(Mapping[Key, Value]):
         self.lens = lens
         items: dict[Key, Value] = {}
         for key, value in data.items():
-            found = self._absolute(_key(key), on_lookup=False)
+            if isinstance(key, Address) and (key.layer is None or key.layer >= 0):
+                found: Key = key  # as stored already
+            else:
+                found = self._absolute(_key(key), on_lookup=False)
             if found in items and not _same(items[found], value):
                 raise InvalidAddress(
                     f"{key} and another key are the same point, {found}, on a {self.n_layers}-layer model, "
