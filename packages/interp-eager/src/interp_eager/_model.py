@@ -239,23 +239,28 @@ class EagerModel(TokenizerMixin, ModelBase):
         rows = [r.token_ids for r in requests]
         lengths = [len(r) for r in rows]
         ids, mask = pad_rows(rows, self.pad_id)
-        hooked = list(dict.fromkeys([a for a in addresses if a != _LOGITS] + request.readout_addresses))
+        hooked = [a for a in addresses if a.kind != "logits"]
+        wants_logits = len(hooked) < len(addresses)
+        if request.readouts:
+            hooked = list(dict.fromkeys(hooked + request.readout_addresses))
         writes, write_rows, saes = batch_writes(requests)
         plan = Plan(
             self.arch,
             hooked,
             writes,
             lengths,
-            stop_early=_LOGITS not in addresses,
+            stop_early=not wants_logits,
             saes=saes,
             write_rows=write_rows,
         )
-        padded = not bool(mask.all())
+        padded = min(lengths) < ids.shape[1]
         output = self._forward(plan, Chunk(len(rows), ids.shape[1], 0), ids, attention_mask=mask if padded else None)
         values = plan.result()
-        if _LOGITS in addresses:
+        if wants_logits:
             values[_LOGITS] = output.logits
         readouts = batch_readouts(request, values, lengths)
+        if not padded:
+            return {a: to_cpu(values[a]) for a in addresses}, readouts
         return {a: zero_padding(a, to_cpu(values[a]), lengths) for a in addresses}, readouts
 
     async def capture(

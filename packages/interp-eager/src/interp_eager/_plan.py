@@ -376,22 +376,24 @@ class Plan:
             return site.module.register_forward_pre_hook(arg, with_kwargs=True)
 
         if site.when == "pre":
+            changes = site_plan.changes
 
             def pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
                 if args:
                     value = self._handle(site, site_plan, args[0])
-                    result: Any = ((value, *args[1:]), kwargs) if site_plan.changes else None
+                    result: Any = ((value, *args[1:]), kwargs) if changes else None
                 else:
                     key = "hidden_states" if "hidden_states" in kwargs else next(iter(kwargs))
                     value = self._handle(site, site_plan, kwargs[key])
-                    result = (args, {**kwargs, key: value}) if site_plan.changes else None
+                    result = (args, {**kwargs, key: value}) if changes else None
                 self._finish_site()
                 return result
 
             return site.module.register_forward_pre_hook(pre, with_kwargs=True)
 
+        changes = site_plan.changes
+
         def post(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-            changes = site_plan.changes
             if isinstance(output, torch.Tensor):
                 value = self._handle(site, site_plan, output)
                 result: Any = value if changes else None
