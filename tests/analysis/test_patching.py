@@ -204,6 +204,13 @@ def test_the_sweep_is_batched_and_shows_progress(
         return await original(self, rows, *args, **kwargs)
 
     monkeypatch.setattr(type(model), "capture_batch", counting)
+    blocking = type(model).capture_batch_blocking  # what the synchronous facade calls on eager
+
+    def counting_blocking(self: Any, rows: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(len(rows))
+        return blocking(self, rows, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "capture_batch_blocking", counting_blocking)
     monkeypatch.setitem(__import__("sys").modules, "tqdm.auto", None)  # the plain counter
     result = patching.sweep(model, CLEAN, CORRUPT, "resid_post", answer=3, wrong=4, batch_size=10)
     cells = model.info.n_layers * len(CLEAN)
