@@ -1,6 +1,6 @@
 """The eager backend's patches of third-party private APIs (``interp_eager._compat``): each is
 written for the installed version, checks its target's shape, and refuses with a typed error naming
-the versions when the target has moved."""
+the versions when the target has moved; and its read of torch's per-thread state."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
 import transformers
+from torch.utils.flop_counter import FlopCounterMode
 from transformers import modeling_utils
 
 from interp_eager import _compat
@@ -77,3 +79,19 @@ def test_the_patched_lookup_hands_out_wrapped_functions_once(monkeypatch: pytest
 
     assert lookup.get_interface("eager", eager)(1) == ("wrapped", 2)
     assert wrapped == [eager]
+
+
+def test_a_fresh_threads_torch_state_is_told_apart_from_a_callers_modes(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.device("cpu")
+    assert _compat.default_thread_state(cpu)
+    with torch.device("meta"):  # a torch-function mode: factory calls would land on the meta device
+        assert not _compat.default_thread_state(cpu)
+    with FlopCounterMode(display=False):  # a dispatch mode
+        assert not _compat.default_thread_state(cpu)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not _compat.default_thread_state(cpu)
+    with torch.no_grad(), torch.inference_mode():  # grad modes: a forward sets its own
+        assert _compat.default_thread_state(cpu)
+    assert not _compat.default_thread_state(torch.device("meta"))  # only CPU and CUDA are known
+    monkeypatch.delattr(torch._C, "_len_torch_dispatch_stack")  # a torch without the count: the safe answer
+    assert not _compat.default_thread_state(cpu)

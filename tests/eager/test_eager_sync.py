@@ -187,10 +187,9 @@ def test_run_with_cache_captures_without_the_facades_loop() -> None:
     sync.shutdown()
 
 
-def test_a_blocking_capture_runs_on_the_worker_thread_under_inference_mode() -> None:
-    """The forward runs where every eager forward runs (the model's worker thread, with torch's
-    per-thread state its own, not the caller's), under inference mode."""
-    model = eager_model("gpt2")
+def _forward_threads(model: Any, call: Callable[[], Any]) -> tuple[Any, list[tuple[str, bool, bool]]]:
+    """``call()``'s result and, for each forward it ran, the thread it ran on and whether inference
+    mode and grad mode were on there."""
     seen: list[tuple[str, bool, bool]] = []
 
     def spy(module: Any, args: Any) -> None:
@@ -198,15 +197,49 @@ def test_a_blocking_capture_runs_on_the_worker_thread_under_inference_mode() -> 
 
     handle = model.arch.layers[0].register_forward_pre_hook(spy)
     try:
-        with torch.enable_grad():
-            cache = run_with_cache(model, PROMPT, ["resid_post.0"])
+        return call(), seen
     finally:
         handle.remove()
-    assert len(seen) == 1
-    thread, inference, grad = seen[0]
-    assert thread.startswith("interp-eager") and thread != threading.current_thread().name
-    assert inference and not grad
+
+
+class _SeenMode(torch.overrides.TorchFunctionMode):
+    """Keeps the name of every torch function called in its thread while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.seen.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_blocking_capture_runs_in_the_calling_thread_under_inference_mode() -> None:
+    """With torch's per-thread state as a fresh thread has it, the forward runs in the caller's
+    thread (no handoff), under inference mode whatever grad mode the caller is in."""
+    model = eager_model("gpt2")
+    with torch.enable_grad():
+        cache, seen = _forward_threads(model, lambda: run_with_cache(model, PROMPT, ["resid_post.0"]))
+    assert seen == [(threading.current_thread().name, True, False)]
     assert cache["resid_post.0"].is_inference()
+
+
+@pytest.mark.parametrize("state", ["autocast", "function mode"])
+def test_a_caller_under_autocast_or_a_torch_mode_is_served_on_the_worker_thread(state: str) -> None:
+    """Autocast and torch-function modes are per thread: a caller in one has the forward run on the
+    model's worker thread, outside it, so the values are the ones a plain call gets."""
+    model = eager_model("gpt2")
+    points = ["resid_post.0", "mlp_post.1"]
+    plain = run_with_cache(model, PROMPT, points)
+    mode = _SeenMode()
+    context = torch.autocast("cpu", dtype=torch.bfloat16) if state == "autocast" else mode
+    with context:
+        cache, seen = _forward_threads(model, lambda: run_with_cache(model, PROMPT, points))
+    assert len(seen) == 1 and seen[0][0].startswith("interp-eager") and seen[0][1]
+    forward_ops = {"layer_norm", "linear", "addmm", "scaled_dot_product_attention", "embedding"}
+    assert not forward_ops & set(mode.seen)  # the mode saw none of the forward's operations
+    for point in points:
+        assert cache[point].dtype == torch.float32 and torch.equal(cache[point], plain[point])
 
 
 def test_blocking_captures_from_four_threads_equal_serial_calls() -> None:

@@ -1,4 +1,5 @@
-"""Every patch the eager backend makes to a third-party private API, in one place.
+"""Every patch the eager backend makes to a third-party private API, and every private API it
+reads, in one place.
 
 Each patch names the versions it is written for (:class:`Patch`), checks before patching that its
 target still has the shape it expects, and otherwise raises :class:`IncompatibleDependency` naming
@@ -8,6 +9,10 @@ the installed version and the range, instead of an ``AttributeError`` deep insid
   lookup every attention module makes, in each forward, for its attention function) is replaced on
   that instance by one handing out wrapped functions, so the eager backend's attention taps see the
   queries, keys and mask each call receives (:mod:`interp_eager._intercept`).
+
+:func:`default_thread_state` reads torch's private counts of the torch-function and dispatch modes
+active in the calling thread, and its JIT tracing state; where torch lacks them it answers
+``False``, the safe answer.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from packaging.version import Version
 
 from interp_engine import IncompatibleDependency
@@ -94,3 +100,28 @@ def tap_attention_interface(wrap: Callable[[Callable[..., Any]], Callable[..., A
 
         setattr(interface, "get_interface", get_interface)  # noqa: B010 - an instance attribute, on purpose
         setattr(interface, _PATCHED, True)
+
+
+def default_thread_state(device: torch.device) -> bool:
+    """Whether a forward on ``device`` run in the calling thread sees what it would see on a thread
+    of its own: no torch-function or dispatch mode active (``with torch.device(...)``, a FLOP
+    counter, a tracer), no autocast on the CPU or ``device``, no JIT trace, and on CUDA, ``device``
+    current with its default stream. Grad and inference mode are not asked: a forward sets its own."""
+    function_modes = getattr(torch._C, "_len_torch_function_stack", None)
+    dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
+    tracing = getattr(torch._C, "_get_tracing_state", None)
+    if function_modes is None or dispatch_modes is None or tracing is None:
+        return False
+    if function_modes() or dispatch_modes() or tracing() is not None:
+        return False
+    try:
+        if torch.is_autocast_enabled("cpu") or (device.type != "cpu" and torch.is_autocast_enabled(device.type)):
+            return False
+    except RuntimeError:  # a device type autocast does not know
+        return False
+    if device.type == "cuda":
+        return bool(
+            torch.cuda.current_device() == device.index
+            and torch.cuda.current_stream(device) == torch.cuda.default_stream(device)
+        )
+    return device.type == "cpu"

@@ -53,6 +53,7 @@ from interp_engine.backend import (
 )
 
 from ._batches import batch_readouts, batch_writes, row_at, to_cpu, zero_padding
+from ._compat import default_thread_state
 from ._families import Family
 from ._generate import choose, generator_for, top_logprobs
 from ._plan import Chunk, Plan, check_probe
@@ -79,11 +80,12 @@ def _ctx_length(config: Any, tokenizer: Any) -> int:
 class EagerModel(TokenizerMixin, ModelBase):
     """A HuggingFace causal LM served through the interp-engine async protocol.
 
-    Forwards run on a worker thread (the event loop stays free) one at a time, each with only
-    its own request's hooks installed, so concurrent calls never see each other's captures or
-    steering. Build one with ``load_model(path, backend="eager")`` or :meth:`from_hf`.
-    :meth:`points` lists the kinds the loaded model has; :attr:`family` is what its structure
-    resolved to (where each point is read).
+    Forwards run on a worker thread (the event loop stays free; a blocking capture may run in the
+    calling thread instead, :meth:`capture_batch_blocking`) one at a time, each with only its own
+    request's hooks installed, so concurrent calls never see each other's captures or steering.
+    Build one with ``load_model(path, backend="eager")`` or :meth:`from_hf`. :meth:`points` lists
+    the kinds the loaded model has; :attr:`family` is what its structure resolved to (where each
+    point is read).
     """
 
     backend = "eager"
@@ -293,10 +295,15 @@ class EagerModel(TokenizerMixin, ModelBase):
         *,
         steering_spec: RowSpecs = None,
     ) -> Results:
-        """:meth:`capture_batch` without an event loop: checked in the calling thread, run on
-        the worker thread (as every forward is) while the caller waits."""
+        """:meth:`capture_batch` without an event loop, checked and run in the calling thread
+        when torch's per-thread state there is what a thread of the model's own has (no autocast,
+        no torch-function or dispatch mode: :func:`~interp_eager._compat.default_thread_state`),
+        else run on the worker thread while the caller waits; one forward at a time either way."""
         requests = self._check_capture_batch(rows, points, steering_spec)
-        values, readouts = self._call(lambda: self._capture_sync(requests))
+        if default_thread_state(self.device):
+            values, readouts = self._capture_sync(requests)
+        else:
+            values, readouts = self._call(lambda: self._capture_sync(requests))
         return requests[0].keyed(values, readouts)
 
     # -- gradients ----------------------------------------------------------------------
