@@ -35,6 +35,9 @@ clamp there against the plain compiled engine, and plain requests on the SAE eng
 compiled-in SAE costs everyone else).
 
 Ends with ``RESULT`` lines.
+
+The engines' processes allocate with a fixed malloc threshold and keep freed memory
+(``bench/_workers.py``; ``--default-malloc``: glibc's defaults).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import torch
+from _workers import steady_malloc  # bench/, the script's own directory
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
@@ -273,6 +277,7 @@ async def static_stage(path: pathlib.Path, args: argparse.Namespace) -> dict[str
 
 async def main(args: argparse.Namespace) -> int:
     path = build_model("gpt2")
+    print(f"workers allocate with: {steady_malloc(not args.default_malloc)}")
     dynamic = await dynamic_stage(path, args)
     static = await static_stage(path, args) if args.static else {}
     print()
@@ -293,6 +298,7 @@ async def main(args: argparse.Namespace) -> int:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--default-malloc", action="store_true", help="the engines on glibc malloc's defaults")
     parser.add_argument("--prompts", type=int, default=48)
     parser.add_argument("--static", action="store_true", help="add the vllm-static stage (two more engines)")
     parser.add_argument("--quick", action="store_true", help="1 round of 8 prompts (a smoke test)")

@@ -30,6 +30,9 @@ Throughput is generated tokens per second; each variant is reported against the 
 median in its own stage. Static against dynamic divides the two stage-relative figures, so
 drift between stages cancels. Ends with ``RESULT`` lines: static against plain compiled vLLM
 (target 0.95) and static against dynamic (target 1.5).
+
+The engines' processes allocate with a fixed malloc threshold and keep freed memory
+(``bench/_workers.py``; ``--default-malloc``: glibc's defaults).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import torch
+from _workers import steady_malloc  # bench/, the script's own directory
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
@@ -79,6 +83,7 @@ async def measure(variants: dict[str, Callable[[], Awaitable[int]]], rounds: int
 
 async def main(args: argparse.Namespace) -> int:
     path = build_model()
+    print(f"workers allocate with: {steady_malloc(not args.default_malloc)}")
     common = {"max_model_len": 512}
     plain = load_model(path, backend="vllm", enforce_eager=False, **common)
     await plain.warmup()
@@ -168,6 +173,7 @@ async def main(args: argparse.Namespace) -> int:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--default-malloc", action="store_true", help="the engines on glibc malloc's defaults")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--quick", action="store_true", help="1 round of 8 prompts (a smoke test)")
     ns = parser.parse_args()

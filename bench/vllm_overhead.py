@@ -45,6 +45,10 @@ of context is measured apart, one request at a time (no batching to hide it): a 
 3 times each; the extra milliseconds per generated token over plain, against the context length,
 give its cost per 100 tokens of context (the slope).
 
+The engine's processes allocate with a fixed malloc threshold and keep freed memory
+(``bench/_workers.py``; ``--default-malloc``: glibc's defaults, under which page faults of
+re-allocated activations add seconds of noise to every variant's rounds).
+
 Then 32 prompt captures are run concurrently and one after another. Ends with
 ``RESULT <name> <ratio> (target <t>)`` lines. ``--only`` runs ``plain`` and the named variants
 alone (no scores-per-context or concurrency figures); variants whose address the model does not
@@ -65,6 +69,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import torch
+from _workers import steady_malloc  # bench/, the script's own directory
 
 from interp_engine import Address, SteeringSpec, Write, load_model
 
@@ -272,6 +277,7 @@ def report_lens(lens: Any, sizes: tuple[float, float] | None) -> None:
 
 async def main(args: argparse.Namespace) -> int:
     path = pathlib.Path(args.model) if args.model else build_model(args.family)
+    print(f"workers allocate with: {steady_malloc(not args.default_malloc)}")
     model = load_model(path, backend="vllm", max_model_len=512)
     await model.warmup()
     info = model.info
@@ -377,6 +383,7 @@ if __name__ == "__main__":
     parser.add_argument("--model", help="a local model directory (instead of --family)")
     parser.add_argument("--only", type=lambda text: text.split(","), help="comma-separated variants (plain always)")
     parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--default-malloc", action="store_true", help="the workers on glibc malloc's defaults")
     parser.add_argument("--quick", action="store_true", help="1 round of 16 prompts (a smoke test)")
     ns = parser.parse_args()
     if ns.quick:
