@@ -5,9 +5,11 @@ directly."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import openai
 import pytest
 import torch
@@ -140,3 +142,43 @@ def test_errors_reach_the_openai_client_as_its_errors(server: LiveServer, client
         client.completions.create(model="m", prompt=PROMPT, stream=True, extra_body={"interp": {"points": ["embed"]}})
     # the server keeps serving
     assert client.completions.create(model="m", prompt=PROMPT, max_tokens=2, temperature=0).choices[0].text
+
+
+def test_the_model_list_names_the_served_model(server: LiveServer, client: openai.OpenAI, direct: Any) -> None:
+    """``client.models.list()``, what OpenAI clients call first: the one served model under the
+    name completions report, retrievable by that id; an id not served is a 404 in the server's
+    error shape."""
+    before = int(time.time())
+    listed = list(client.models.list())
+    assert [m.id for m in listed] == ["interp:tiny"]
+    card = listed[0]
+    assert card.object == "model" and card.owned_by == "interp-engine" and 0 < card.created <= before
+    assert card.model_extra is not None
+    assert card.model_extra["max_model_len"] == direct.info.n_ctx and card.model_extra["backend"] == "eager"
+    # the id is the name a completion answers under when its request names none
+    raw = httpx.post(
+        f"{server.url}/v1/completions",
+        json={"prompt": PROMPT, "max_tokens": 1},
+        headers={"Authorization": f"Bearer {KEY}"},
+    )
+    assert raw.json()["model"] == card.id
+    assert client.models.retrieve(card.id) == card
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("gpt-4o")
+    assert missing.value.status_code == 404
+    assert missing.value.response.json() == {
+        "error": "UnknownModel",
+        "message": "no model 'gpt-4o' is served here; this server serves 'interp:tiny'",
+        "field": "model",
+        "valid": ["interp:tiny"],
+    }
+    with pytest.raises(openai.NotFoundError):  # an id with a slash, as hub ids and paths have
+        client.models.retrieve("org/interp:tiny")
+    # the list needs the API key like every route but health
+    wrong = openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0)
+    with wrong, pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    # both routes count under their templates in the metrics
+    metrics = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    assert 'interp_requests_total{endpoint="/v1/models",status="200"}' in metrics
+    assert 'interp_requests_total{endpoint="/v1/models/{model:path}",status="404"}' in metrics

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import AsyncIterator, Collection
 from contextlib import asynccontextmanager
 from typing import Any
@@ -31,7 +32,7 @@ from ._guard import ERROR_SCOPE_KEY, Guard, check_api_key
 from ._json import StrictRoute
 from ._limits import ServerLimits
 from ._metrics import Metrics, MetricsMiddleware
-from ._openai import add_completions
+from ._openai import add_completions, add_models
 from ._routes import add_routes
 
 logger = logging.getLogger("interp_engine.server")
@@ -91,6 +92,7 @@ def create_app(
         try:
             await model.warmup()  # on the serving loop, not a throwaway one
             served.model = model
+            served.created = int(time.time())
             logger.info("serving %s on the %s backend", served.name, model.backend)
             yield
         finally:
@@ -123,6 +125,7 @@ def create_app(
     _add_error_handlers(app)
     add_routes(app, served)
     add_completions(app, served)
+    add_models(app, served)
     return app
 
 

@@ -131,6 +131,7 @@ class Served:
         self.trust_request_chat_template = trust_request_chat_template
         self.model: InterpModel | None = None
         self.name = ""
+        self.created = 0  # when the model was warmed up and served (Unix seconds)
         self.slots = Slots(limits.max_concurrent_requests, limits.queue_timeout_s)
         self.metrics = Metrics(frozenset)  # create_app gives it the app's paths
         # tokenizing runs here, one text at a time, off the event loop (HF tokenizers are not

@@ -9,7 +9,8 @@ dependency). Names follow Prometheus's conventions, prefixed ``interp_``:
   slot), ``interp_slots_in_use`` and ``interp_slots_total`` (requests on the model);
 - ``interp_prompt_tokens_total`` and ``interp_generation_tokens_total`` (tokens run by the model).
 
-``endpoint`` is a route's path (``/v1/capture``); a path the app does not serve counts as ``other``.
+``endpoint`` is a route's path (``/v1/capture``; a route with a path parameter, its template:
+``/v1/models/{model:path}``); a path the app does not serve counts as ``other``.
 """
 
 from __future__ import annotations
@@ -130,5 +131,6 @@ class MetricsMiddleware:
             error: Any = scope.get(ERROR_SCOPE_KEY)
             if error is None and status >= 400:
                 error = "InternalError" if status >= 500 else f"HTTP{status}"
-            endpoint = self.metrics.endpoint(str(scope.get("path", "")))
+            route = getattr(scope.get("route"), "path", None)
+            endpoint = self.metrics.endpoint(str(route or scope.get("path", "")))
             self.metrics.observe(endpoint, status, error, time.perf_counter() - start)

@@ -1,5 +1,5 @@
 """OpenAI-compatible ``POST /v1/completions`` and ``POST /v1/chat/completions``, with steering,
-captures and the logit lens in an extension field.
+captures and the logit lens in an extension field, and ``GET /v1/models``, the served model.
 
 The body is OpenAI's (``prompt``, ``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``,
 ``logprobs``, ``stream``, ``stream_options``; vLLM's ``top_k`` and ``ignore_eos`` too) plus
@@ -277,6 +277,48 @@ class _ChatShape(_Shape):
         delta: dict[str, Any] = {"role": "assistant", "content": piece} if first else {"content": piece}
         logprobs = self.content(steps) if steps is not None else None
         return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+
+
+OWNED_BY = "interp-engine"
+"""``owned_by`` of the served model in ``GET /v1/models``."""
+
+
+def add_models(app: FastAPI, served: Served) -> None:
+    """OpenAI's model list, which OpenAI clients and chat front ends read first: the one served
+    model under ``served.name``, the name completions report (they accept any ``model``)."""
+
+    def card() -> dict[str, Any]:
+        model = served.ready()
+        return {
+            "id": served.name,
+            "object": "model",
+            "created": served.created,
+            "owned_by": OWNED_BY,
+            "root": served.name,
+            "parent": None,
+            "max_model_len": model.info.n_ctx,
+            "backend": model.backend,
+        }
+
+    @app.get("/v1/models", responses=ERRORS)
+    async def list_models() -> dict[str, Any]:
+        """OpenAI's model list (``client.models.list()``): the served model, with the time it was
+        loaded (``created``), its context length (``max_model_len``, as vLLM's server says it)
+        and its backend."""
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model:path}", responses=ERRORS)
+    async def retrieve_model(model: str) -> dict[str, Any]:
+        """One model of the list (``client.models.retrieve(id)``); an id not served is ``404 UnknownModel``."""
+        if model != served.name:
+            raise ApiError(
+                404,
+                "UnknownModel",
+                f"no model {model!r} is served here; this server serves {served.name!r}",
+                field="model",
+                valid=[served.name],
+            )
+        return card()
 
 
 def add_completions(app: FastAPI, served: Served) -> None:
