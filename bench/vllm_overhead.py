@@ -156,9 +156,10 @@ async def lens_run(model: Any, prompts: list[list[int]], lens: Any) -> int:
 
 
 async def lens_bytes(model: Any, prompts: list[list[int]], lens: Any) -> tuple[float, float]:
-    """Bytes leaving the engine (the pickled answers of the workers' RPCs) per generated token
-    of lens streams, and per captured position of ``capture_generation`` of the lens layers'
-    ``resid_post`` (dense)."""
+    """Bytes leaving the engine per generated token of lens streams (the pickled answers of the
+    workers' drains), and per captured position of ``capture_generation`` of the lens layers'
+    ``resid_post`` (dense: the fetches' pickled answers plus the float32 rows the workers write
+    into the front end's shared memory, which travel outside the fetch)."""
     import pickle
 
     engine = model._engine
@@ -181,7 +182,8 @@ async def lens_bytes(model: Any, prompts: list[list[int]], lens: Any) -> tuple[f
     finally:
         del engine.collective_rpc
     positions = sum(len(p) + len(completion.token_ids) for p, (completion, _) in zip(prompts, results, strict=True))
-    return sent["interp_drain_many"] / generated, sent["interp_fetch_many"] / positions
+    rows = sum(t.numel() * t.element_size() for _, values in results for t in values.values())
+    return sent["interp_drain_many"] / generated, (sent["interp_fetch_many"] + rows) / positions
 
 
 async def scores_cost(model: Any, layer: int, lengths: tuple[int, ...] = (64, 256, 448)) -> list[float]:
