@@ -359,6 +359,7 @@ ERRORS: dict[str, type[BaseException]] = {
     "StaticConfigError": RuntimeError,
     "BackendError": RuntimeError,
     "IncompatibleDependency": RuntimeError,
+    "UnguardedScript": RuntimeError,
     "UnsupportedSae": ValueError,
     "UnknownSae": KeyError,
     "UnknownWeight": KeyError,

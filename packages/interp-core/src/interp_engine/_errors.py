@@ -30,8 +30,11 @@ Every error is an :class:`InterpError` and also the builtin a Python user would 
     ├── CaptureMemoryExceeded (MemoryError)  a request's captured values exceed the backend's
     │                                        capture memory cap: .needed, .limit, .option
     └── BackendError (RuntimeError)          the backend failed to serve a valid request
-        └── IncompatibleDependency           an installed package no longer has the private API
-                                             a backend patches (the message names the versions)
+        ├── IncompatibleDependency           an installed package no longer has the private API
+        │                                    a backend patches (the message names the versions)
+        └── UnguardedScript                  an engine started by a script's top-level code, which
+                                             the engine's spawned processes re-import (guard it
+                                             with ``if __name__ == "__main__":``)
 
 Errors carry context as attributes (``.address``, ``.valid``) so callers need not parse messages.
 """
@@ -145,6 +148,14 @@ class BackendError(InterpError, RuntimeError):
 class IncompatibleDependency(BackendError):
     """An installed package no longer has the private API a backend patches: the message names
     the target, the versions the patch is written for and the installed one."""
+
+
+class UnguardedScript(BackendError):
+    """An engine that could not start because the script that starts it runs again in the
+    engine's own processes: a backend that starts them with the ``spawn`` method (vLLM always
+    does on its CPU build) re-imports the main module there, and a script with no
+    ``if __name__ == "__main__":`` guard starts another engine while it is imported. The message
+    names the fix: put the script's work under that guard."""
 
 
 class UnsupportedOperation(InterpError, NotImplementedError):

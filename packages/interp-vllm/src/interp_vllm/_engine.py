@@ -38,7 +38,7 @@ from interp_engine import (
 )
 from interp_engine.backend import TokenizerMixin, WeightInfo, check_weight_request
 
-from . import _buffers
+from . import _buffers, _spawn
 from ._buffers import Slab
 from ._capture_memory import CaptureMemory, default_limit
 from ._client import Workers
@@ -250,6 +250,8 @@ class EngineClient(TokenizerMixin, ModelBase):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        _spawn.check_not_bootstrapping()  # a spawned child importing an unguarded script starts nothing
+        _spawn.clear()
         for name, value in {**ENV_DEFAULTS, **(CPU_ENV_DEFAULTS if self._cpu else {})}.items():
             os.environ.setdefault(name, value)
         # vLLM must be able to sample one token after the prompt, so a prompt of exactly n_ctx
@@ -263,6 +265,8 @@ class EngineClient(TokenizerMixin, ModelBase):
         except (TypeError, ValueError) as exc:
             raise InvalidOption(f"vLLM rejected the engine arguments: {exc}") from exc
         except Exception as exc:
+            if _spawn.child_reported():
+                raise _spawn.error(in_child=False) from exc
             raise BackendError(f"the vLLM engine failed to start: {type(exc).__name__}: {exc}") from exc
         prefix = None if self._buffer_root is None else _buffers.new_prefix(self._buffer_root)
         if self._buffer_root is not None:  # what front ends killed by a signal left behind
