@@ -537,7 +537,9 @@ def test_a_payload_naming_an_sae_the_workers_do_not_hold_fails_alone(attached: A
     ids = facade.to_tokens(PROMPT)[0].tolist()
     rid = f"interp-{PREFIX}-ghost"
     ghost = Features(f"{PREFIX}-ghost", 4)
-    payload = RequestPayload(rid, (Address("resid_post", 0),), (), len(ids), len(ids), readouts=(ghost,))
+    payload = RequestPayload(
+        rid, (Address("resid_post", 0),), (), len(ids), len(ids), readouts=(ghost,), issuer=model._issuer
+    )
 
     async def send() -> Any:
         params = model._sampling(1, SamplingOptions(), extra_args=payload.extra_args())

@@ -26,9 +26,10 @@ class Workers:
         answers: list[Any] = await self.engine.collective_rpc(name, args=args)
         return answers
 
-    async def ping(self, probe: str | None = None) -> list[Ping]:
-        """Every worker's :class:`Ping`; ``probe``: a file whose visibility each one reports."""
-        return [wire.from_wire(Ping, answer) for answer in await self._call(wire.PING, probe)]
+    async def ping(self, probe: str | None = None, issuer: str | None = None) -> list[Ping]:
+        """Every worker's :class:`Ping`; ``probe``: a file whose visibility each one reports;
+        ``issuer``: the front end's secret, which its requests' payloads carry."""
+        return [wire.from_wire(Ping, answer) for answer in await self._call(wire.PING, probe, issuer)]
 
     async def fetch_many(self, rids: Sequence[str]) -> list[list[FetchedWire]]:
         """Per worker, per request in ``rids``: its values (the workers forget them;

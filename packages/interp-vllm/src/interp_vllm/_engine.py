@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import gc
 import os
+import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Any, ClassVar, TypeVar
 
@@ -145,6 +146,9 @@ class EngineClient(TokenizerMixin, ModelBase):
                 f"dtype, enforce_eager)"
             )
         self.path = name_or_path
+        # told to the workers at the ping and carried by every payload: the workers serve only
+        # payloads of a front end that pinged them
+        self._issuer = secrets.token_hex(16)
         self._transport = options.pop("capture_transport", "auto")
         if self._transport not in CAPTURE_TRANSPORTS:
             raise InvalidOption(
@@ -204,6 +208,7 @@ class EngineClient(TokenizerMixin, ModelBase):
         if isinstance(max_logprobs, int) and not isinstance(max_logprobs, bool) and max_logprobs >= 0:
             self._logprobs_limit = min(max_logprobs, info.vocab_size)
         self._engine: Any = None
+        self._owns_engine = True  # False: an engine started elsewhere (serve_engine), left running
         self._loop: asyncio.AbstractEventLoop | None = None
         self._building: asyncio.Future[Any] | None = None
         self.tp_size = 1
@@ -268,14 +273,47 @@ class EngineClient(TokenizerMixin, ModelBase):
             if _spawn.child_reported():
                 raise _spawn.error(in_child=False) from exc
             raise BackendError(f"the vLLM engine failed to start: {type(exc).__name__}: {exc}") from exc
+        try:
+            await self._adopt(engine)
+        except BaseException:
+            engine.shutdown()
+            raise
+        if self._closed:  # shut down while starting
+            self._engine = None
+            engine.shutdown()
+            raise ModelClosed("this model was shut down while its engine was starting")
+        return engine
+
+    async def serve_engine(self, engine: Any) -> None:
+        """Serve through ``engine``, a vLLM ``AsyncLLM`` started elsewhere (``vllm serve``'s), on
+        the running loop, instead of starting one. The engine stays its starter's: this model's
+        ``shutdown()`` closes only what the model holds. Raises :class:`BackendError` when the
+        engine's workers cannot serve the taps (no interp-vllm plugin in them, another model
+        runner), leaving the engine serving as before."""
+        self._check_open()
+        if self._engine is not None or self._building is not None:
+            raise InvalidOption("this model already has an engine")
+        loop = asyncio.get_running_loop()
+        self._owns_engine = False
+        self._loop = loop
+        self._building = loop.create_task(self._adopt(engine))
+        try:
+            await self._building
+        except BaseException:
+            self._building, self._loop, self._engine = None, None, None
+            raise
+
+    async def _adopt(self, engine: Any) -> None:
+        """Make a running engine this model's: ping its workers (telling them this front end's
+        secret), check they can serve the model, and set up the capture slab where they all see
+        it. Raises :class:`BackendError` (the engine is left running) when they cannot."""
         prefix = None if self._buffer_root is None else _buffers.new_prefix(self._buffer_root)
         if self._buffer_root is not None:  # what front ends killed by a signal left behind
             _buffers.sweep_orphans(self._buffer_root)
         probe = None if prefix is None else _buffers.make_probe(prefix)
         try:
-            pings = await Workers(engine).ping(probe)
+            pings = await Workers(engine).ping(probe, self._issuer)
         except Exception as exc:
-            engine.shutdown()
             raise BackendError(
                 f"the interp-vllm plugin is not loaded in vLLM's workers ({exc}); is interp-vllm "
                 "installed in the environment the workers run in, and not excluded by VLLM_PLUGINS?"
@@ -290,7 +328,6 @@ class EngineClient(TokenizerMixin, ModelBase):
                 "(workers on another machine): use capture_transport='auto' or 'rpc'"
             )
         if problem is not None:
-            engine.shutdown()
             raise BackendError(problem)
         if prefix is not None and all(p.sees_probe for p in pings):
             self.capture_memory.slab = Slab(prefix, held=_buffers.hold(prefix))
@@ -299,10 +336,6 @@ class EngineClient(TokenizerMixin, ModelBase):
         self.pp_size = pings[0].pp_size
         self._stages = _stages(pings)
         self._engine = engine
-        if self._closed:  # shut down while starting
-            engine.shutdown()
-            raise ModelClosed("this model was shut down while its engine was starting")
-        return engine
 
     def _engine_args(self) -> dict[str, Any]:
         """The ``AsyncEngineArgs`` fields this model's engine is built with."""
@@ -526,7 +559,7 @@ class EngineClient(TokenizerMixin, ModelBase):
             # until interpreter teardown, whose AsyncLLM.__del__ then fails on vLLM's cleared
             # module globals ("TypeError: 'NoneType' object is not callable")
             self._building = None
-        if engine is not None:
+        if engine is not None and self._owns_engine:
             _fail_in_flight(engine, self._loop)
             _stop_output_handler(engine, self._loop)
             processes = _engine_processes(engine)

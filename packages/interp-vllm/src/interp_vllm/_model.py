@@ -108,6 +108,7 @@ class VllmModel(SaeSync):
             readouts=tuple(readouts),
             stream=stream,
             buffers=dict(regions or {}),
+            issuer=self._issuer,
         )
 
     async def _decoded(self, answers: Awaitable[list[FetchedWire]], what: str) -> list[Fetched]:

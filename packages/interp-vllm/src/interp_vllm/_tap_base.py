@@ -57,6 +57,8 @@ class TapBase:
         self.n_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.family.n_kv_heads)
         self.d_head = int(attr_path(self.layers[self.owned[0]], self.family.attn_kernel).head_size)
         self.requests: dict[str, RequestTaps] = {}
+        # the secrets of the front ends that pinged this worker: only their payloads are served
+        self.issuers: set[str] = set()
         self.step_tokens = 0  # rows of the flattened batch in the current step
         # ids already fetched or released: a step scheduled before an abort landed must not
         # bring their state back

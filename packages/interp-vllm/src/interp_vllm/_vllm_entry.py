@@ -68,9 +68,10 @@ def _after_load(runner: Any) -> None:
         runner._interp_taps = StaticTapManager(runner, config)
 
 
-def interp_ping(self: Any, probe: str | None = None) -> Any:
+def interp_ping(self: Any, probe: str | None = None, issuer: str | None = None) -> Any:
     """Which runner serves this worker, whether it carries the taps, and whether it sees the
-    front end's shared-memory ``probe`` file (a :class:`~._wire.Ping`)."""
+    front end's shared-memory ``probe`` file (a :class:`~._wire.Ping`). ``issuer``: the calling
+    front end's secret; requests whose payload carries it are served from now on."""
     runner = self.model_runner
     if _INCOMPATIBLE or not _compat.runner_is_patched(runner):
         return wire.to_wire(
@@ -82,6 +83,8 @@ def interp_ping(self: Any, probe: str | None = None) -> Any:
             )
         )
     taps = _taps(runner)
+    if issuer and isinstance(getattr(taps, "issuers", None), set):
+        taps.issuers.add(issuer)
     return wire.to_wire(
         wire.Ping(
             runner=type(runner).__qualname__,

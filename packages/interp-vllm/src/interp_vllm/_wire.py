@@ -23,7 +23,8 @@ reading an answer sees plain data.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+from collections.abc import Container, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -33,6 +34,8 @@ import torch
 from interp_engine import Address, BackendError, FeatureReadout, Features, FeatureWrite, SteeringSpec, Write
 
 from ._buffers import Region, Written
+
+logger = logging.getLogger(__name__)
 
 PAYLOAD_KEY = "interp_engine"
 """The ``SamplingParams.extra_args`` entry that carries a request's payload."""
@@ -218,6 +221,10 @@ class RequestPayload:
     """One request's taps: what the workers read and write for it, over its whole life.
 
     ``rid`` is the front end's id (vLLM adds a suffix to its own ids inside the workers);
+    ``issuer`` is the front end's secret, told to the workers at its ping: a worker serves only
+    payloads whose issuer it was told (a client that puts an entry under :data:`PAYLOAD_KEY`
+    through vLLM's own request fields, ``vllm_xargs`` or a raw ``SamplingParams``, is served as a
+    plain request);
     ``n_prompt``/``n_total`` bound the positions writes resolve against; ``slots`` is what a
     vllm-static request holds in each write address's slot table.
     """
@@ -245,10 +252,12 @@ class RequestPayload:
     buffers: Mapping[Address, Region] = field(default_factory=dict)
     """Per captured address, the slab region the workers write its values into (:mod:`._buffers`);
     an address without one is returned through the fetch RPC."""
+    issuer: str = ""
 
     def encode(self) -> dict[str, Any]:
         data: dict[str, Any] = {
             "id": self.rid,
+            "issuer": self.issuer,
             "points": [str(p) for p in self.points],
             "writes": [w.to_dict() for w in self.writes],
             "n_prompt": self.n_prompt,
@@ -288,6 +297,7 @@ class RequestPayload:
             lens_top_k=int(lens.get("top_k", 0)),
             lens_positions=tuple(int(p) for p in lens.get("positions", ())),
             buffers={Address.parse(a): from_wire(Region, r) for a, r in (data.get("buffers") or {}).items()},
+            issuer=str(data.get("issuer", "")),
         )
 
     def extra_args(self) -> dict[str, Any]:
@@ -305,14 +315,44 @@ class RequestPayload:
         """Whether the payload a request's ``SamplingParams`` carry asks for values back (points,
         readouts or a lens), read without decoding the rest: it answers for a payload that
         :meth:`decode` refused too (that request's error waits for its fetch)."""
-        data = (getattr(params, "extra_args", None) or {}).get(PAYLOAD_KEY) or {}
-        return bool(data.get("points") or data.get("readouts") or data.get("lens"))
+        data = _entry(params)
+        return bool(data and (data.get("points") or data.get("readouts") or data.get("lens")))
 
-    @classmethod
-    def rid_of(cls, params: Any) -> str | None:
-        """Only the id (cheap: the workers ask this of every request in every step)."""
-        data = (getattr(params, "extra_args", None) or {}).get(PAYLOAD_KEY)
-        return None if data is None else str(data["id"])
+    @staticmethod
+    def rid_of(params: Any, issuers: Container[str]) -> str | None:
+        """The id of the payload a request carries if one of ``issuers`` issued it, else ``None``
+        (cheap: the workers ask this of every request in every step). Whatever else a client put
+        under :data:`PAYLOAD_KEY` is not a payload: the request is served plainly, and the first
+        such request is logged."""
+        data = _entry(params)
+        if data is None:
+            return None
+        issuer, rid = data.get("issuer"), data.get("id")
+        if type(issuer) is str and issuer in issuers and type(rid) is str:
+            return rid
+        if not _FOREIGN:
+            _FOREIGN.append(True)
+            logger.warning(
+                "interp-engine: a request carried an entry under SamplingParams.extra_args[%r] that no "
+                "front end of this engine issued; it is served as a plain request (no taps)",
+                PAYLOAD_KEY,
+            )
+        return None
+
+
+_FOREIGN: list[bool] = []
+"""Whether this process has logged a request carrying a payload it does not trust."""
+
+
+def _entry(params: Any) -> dict[str, Any] | None:
+    """The entry under :data:`PAYLOAD_KEY` in a request's ``extra_args``, if it is a dict."""
+    extra = getattr(params, "extra_args", None)
+    if type(extra) is not dict:
+        return None
+    data = extra.get(PAYLOAD_KEY)
+    if data is None:
+        return None
+    return data if type(data) is dict else {}
 
 
 def compact_ids(ids: torch.Tensor, vocab: int) -> torch.Tensor:

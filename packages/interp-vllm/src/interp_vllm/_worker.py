@@ -95,7 +95,7 @@ class TapManager(HookTaps, LensTaps, FetchTaps):
         wanted: list[tuple[int, RequestTaps]] = []
         for index, req_id in enumerate(req_ids):
             params = self._params(req_id)
-            rid = RequestPayload.rid_of(params)
+            rid = RequestPayload.rid_of(params, self.issuers)
             if rid is None or rid in self.retired:
                 continue
             taps = self.requests.get(rid)
@@ -162,7 +162,7 @@ class TapManager(HookTaps, LensTaps, FetchTaps):
         nothing (steering only) is forgotten now, with no round trip from the front end;
         captured values and readouts wait for their fetch."""
         for req_id in req_ids:
-            rid = RequestPayload.rid_of(self._params(req_id))
+            rid = RequestPayload.rid_of(self._params(req_id), self.issuers)
             taps = self.requests.get(rid) if rid is not None else None
             if taps is not None and not taps.awaits_fetch:
                 self.release(taps.rid)
