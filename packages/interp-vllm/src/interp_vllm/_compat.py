@@ -394,3 +394,41 @@ __all__ = [
     "request_params",
     "runner_is_patched",
 ]
+
+
+# -- vLLM's OpenAI server (the endpoint plugin) -----------------------------------------------------
+
+ENGINE_GENERATE = Patch(
+    "vllm",
+    "vllm.v1.engine.async_llm:AsyncLLM.generate",
+    VLLM_VERSIONS,
+    "the endpoint plugin wraps it on vllm serve's engine client to add a request's steering",
+    parameters=("self", "prompt", "sampling_params", "request_id"),
+)
+PROMPT_COMPONENTS = Patch(
+    "vllm",
+    "vllm.renderers.inputs.preprocess:extract_prompt_components",
+    VLLM_VERSIONS,
+    "the endpoint plugin reads the token ids of the prompt vLLM's server rendered",
+    parameters=("model_config", "prompt"),
+)
+
+
+def check_server() -> None:
+    """Raise :class:`IncompatibleDependency` unless the installed vLLM's server has what the
+    endpoint plugin wraps and reads."""
+    ENGINE_GENERATE.check()
+    import vllm.renderers.inputs.preprocess as preprocess
+
+    function = getattr(preprocess, "extract_prompt_components", None)
+    if function is None or not {"model_config", "prompt"} <= set(inspect.signature(function).parameters):
+        raise PROMPT_COMPONENTS._error("extract_prompt_components is missing or takes other parameters")
+
+
+def prompt_token_ids(engine: Any, prompt: Any) -> list[int] | None:
+    """The token ids of a prompt as vLLM's OpenAI server hands it to ``AsyncLLM.generate`` (its
+    rendered ``EngineInput``); ``None`` for one without them (embeddings)."""
+    from vllm.renderers.inputs.preprocess import extract_prompt_components
+
+    ids = extract_prompt_components(engine.model_config, prompt).token_ids
+    return None if ids is None else list(ids)

@@ -1,0 +1,506 @@
+"""The ``vllm.endpoint_plugins`` entry point: interp-engine inside ``vllm serve``.
+
+vLLM loads an endpoint plugin only when ``VLLM_PLUGINS`` names it, and that list gates its general
+plugins too; both of interp-vllm's entries are named ``interp_vllm``, so one name turns on the
+workers' taps and these routes::
+
+    VLLM_PLUGINS=interp_vllm vllm serve MODEL --enforce-eager \\
+        --additional-config '{"interp": {"saes": {"res": "path/to/sae"}, "presets": {"MODEL-calm": SPEC}}}'
+
+What the server then has:
+
+- **Steering per request** on ``POST /v1/completions`` and ``POST /v1/chat/completions``
+  (streamed or not): ``"interp": {"steering": SPEC}`` in the body (the OpenAI client's
+  ``extra_body``), or the same object as a JSON string in ``vllm_xargs["interp"]``. ``SPEC`` is a
+  steering spec's JSON (``SteeringSpec.to_json``), with feature writes naming an attached SAE and,
+  on chat completions, positions naming chat spans (``"assistant"``, ``"user[-1].last"``) of the
+  request's own rendering. It is checked in the API server before the request reaches the engine:
+  a bad one is ``400`` with the typed error's name, message and ``valid``.
+- **Presets**: a model name from ``presets`` is the served model plus that spec, so a client that
+  knows nothing of interp-engine gets the steered model; ``GET /v1/models`` lists them.
+  ``PUT``/``DELETE /interp/v1/presets/{name}`` change them at run time (the next request sees the
+  change) on a server started with ``--api-key``.
+- **``/interp/...``**: the whole of ``interp serve``'s API over the same engine (``/interp/v1/
+  capture``, ``/interp/v1/generate``, ``/interp/v1/points``, ...), with its schemas and tensor
+  formats, behind the server's ``--api-key``.
+
+The taps run in vLLM's eager mode: on a server that compiles the model (no ``--enforce-eager``),
+requests with ``interp`` fields are refused with a message saying so, and everything else is
+served unchanged. A vLLM without endpoint plugins never loads this module; one whose server
+lacks what it wraps gets a warning at start and serves unchanged.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import copy
+import hashlib
+import hmac
+import json
+import logging
+import os
+import secrets
+import threading
+import uuid
+from collections.abc import AsyncGenerator, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import HTTPException, Request
+
+from interp_engine import (
+    InterpError,
+    InvalidOption,
+    InvalidSteering,
+    SteeringSpec,
+    load_sae,
+)
+from interp_engine.chat import build_chat_tokens, is_span_name
+
+from . import _compat
+from ._lens_assembly import keyed
+
+logger = logging.getLogger(__name__)
+
+NAME = "interp_vllm"
+"""The plugin's name in ``VLLM_PLUGINS`` (the general plugin's too)."""
+CONFIG_KEY = "interp"
+"""The entry of ``--additional-config`` that configures the plugin."""
+FIELD = "interp"
+"""The request field (and ``vllm_xargs`` entry) that carries a request's steering."""
+STEERED_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+
+
+class Refused(Exception):
+    """A request's ``interp`` fields refused before it reached the engine (answered ``400``)."""
+
+    def __init__(self, error: InterpError, param: str) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.param = param
+
+
+@dataclass(frozen=True)
+class _Call:
+    """What a route handler hands to the engine's ``generate`` for one HTTP request."""
+
+    spec: SteeringSpec
+    field: str
+    messages: list[Any] | None = None
+    chat_options: Mapping[str, Any] | None = None
+
+
+_CALL: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("interp_vllm_call", default=None)
+
+
+def plugin() -> InterpEndpoints:
+    """The entry point's factory (vLLM calls it with no arguments)."""
+    return InterpEndpoints()
+
+
+class InterpEndpoints:
+    """interp-engine's routes and per-request steering on vLLM's OpenAI server."""
+
+    name = NAME
+    required_tasks = ("generate",)
+
+    def __init__(self) -> None:
+        self.model: Any = None
+        self.presets: dict[str, SteeringSpec] = {}
+        self.base_names: tuple[str, ...] = ()
+        self.refusal: str | None = "the interp-engine plugin has not started yet"
+        self.api_keys: tuple[str, ...] = ()
+        self._interp_app: Any = None
+        self._presets_lock = threading.Lock()
+
+    # -- phase A: routes ----------------------------------------------------------------------
+    def attach_router(self, app: Any) -> None:
+        from fastapi.routing import APIRoute
+
+        originals = {
+            route.path: route
+            for route in app.routes
+            if isinstance(route, APIRoute) and route.path in STEERED_ROUTES and "POST" in route.methods
+        }
+        missing = [path for path in STEERED_ROUTES if path not in originals]
+        if missing:
+            logger.warning("interp-engine: this vLLM server has no %s; no steering there", ", ".join(missing))
+        for path, route in originals.items():
+            app.add_api_route(
+                path,
+                self._steered(route.endpoint),
+                methods=["POST"],
+                dependencies=route.dependencies,
+                responses=route.responses,
+                name=f"{route.name}_interp",
+            )
+        models = next(
+            (r for r in app.routes if isinstance(r, APIRoute) and r.path == "/v1/models" and "GET" in r.methods),
+            None,
+        )
+        if models is not None:
+            app.add_api_route(
+                "/v1/models", self._models(models.endpoint), methods=["GET"], name="show_available_models_interp"
+            )
+
+        async def interp_app(scope: Any, receive: Any, send: Any) -> None:
+            if scope["type"] != "http":
+                return
+            from starlette.responses import JSONResponse
+
+            inner = self._interp_app
+            if not self._authorized(scope):
+                answer = JSONResponse(_error_body("a valid API key is required", "Unauthorized", 401), 401)
+            elif inner is None:
+                answer = JSONResponse(_error_body(self.refusal or "not started", "NotFound", 404), 404)
+            else:
+                await inner(scope, receive, send)
+                return
+            await answer(scope, receive, send)
+
+        app.mount("/interp", interp_app)
+
+    # -- phase B: the engine ------------------------------------------------------------------
+    async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
+        if engine_client is None:
+            self.refusal = "this vLLM server has no engine (a render-only server)"
+            return
+        try:
+            _compat.check_server()
+            await self._start(engine_client, args)
+        except Exception as exc:  # whatever stops the plugin, vLLM serves on without it
+            self.refusal = f"interp-engine is off on this server: {exc}"
+            logger.warning("interp-engine: %s; the server serves as it would without the plugin", exc)
+
+    async def _start(self, engine: Any, args: Any) -> None:
+        from ._model import VllmModel
+
+        vllm_config = engine.vllm_config
+        model_config = vllm_config.model_config
+        config = dict((getattr(vllm_config, "additional_config", None) or {}).get(CONFIG_KEY) or {})
+        unknown = sorted(set(config) - {"saes", "presets", "capture_memory_bytes"})
+        if unknown:
+            raise InvalidOption(
+                f"unknown {CONFIG_KEY!r} settings in --additional-config: {unknown}; "
+                "valid: saes, presets, capture_memory_bytes"
+            )
+        if not model_config.enforce_eager:
+            raise InvalidOption(
+                "the taps run in vLLM's eager mode and this server compiles the model; start it with --enforce-eager"
+            )
+        options: dict[str, Any] = {
+            "max_model_len": int(model_config.max_model_len) - 1,
+            "trust_remote_code": bool(model_config.trust_remote_code),
+            "dtype": str(model_config.dtype).removeprefix("torch."),
+            "tensor_parallel_size": int(vllm_config.parallel_config.tensor_parallel_size),
+            "pipeline_parallel_size": int(vllm_config.parallel_config.pipeline_parallel_size),
+        }
+        if model_config.tokenizer and model_config.tokenizer != model_config.model:
+            options["tokenizer"] = model_config.tokenizer
+        if config.get("capture_memory_bytes") is not None:
+            options["capture_memory_bytes"] = config["capture_memory_bytes"]
+        model = VllmModel(model_config.model, options)
+        await model.serve_engine(engine)
+        for name, path in dict(config.get("saes") or {}).items():
+            model.attach_sae(str(name), load_sae(str(path)))
+        self.base_names = tuple(getattr(args, "served_model_name", None) or [model_config.model])
+        for name, spec in dict(config.get("presets") or {}).items():
+            self.set_preset(str(name), spec)
+        keys = getattr(args, "api_key", None)
+        self.api_keys = tuple([keys] if isinstance(keys, str) else list(keys or ()))
+        self.model = model
+        self._wrap_generate(engine)
+        self._interp_app = self._build_interp_app(model)
+        self.refusal = None
+        logger.info(
+            "interp-engine: serving %s with %d preset(s) and %d SAE(s)",
+            model_config.model,
+            len(self.presets),
+            len(model.saes),
+        )
+
+    def _authorized(self, scope: Any) -> bool:
+        """Whether an ``/interp`` request may pass: the server has no API key, or it sends one of
+        them as ``Authorization: Bearer KEY`` (vLLM's own check guards only its prefixes)."""
+        if not self.api_keys or scope.get("path", "").endswith("/v1/health"):
+            return True
+        given = b""
+        for name, value in scope.get("headers") or ():
+            if name == b"authorization":
+                given = value
+        scheme, _, key = given.decode("latin-1").partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        digest = hashlib.sha256(key.encode()).digest()
+        return any(hmac.compare_digest(digest, hashlib.sha256(k.encode()).digest()) for k in self.api_keys)
+
+    def _build_interp_app(self, model: Any) -> Any:
+        from interp_engine.server import create_app
+
+        app = create_app(model)
+        app.state.served.model = model  # a mounted app's lifespan never runs: the engine is already up
+        endpoints = self
+
+        def check_key() -> None:
+            if not endpoints.api_keys:
+                raise HTTPException(403, "presets change at run time only on a server started with --api-key")
+
+        async def put_preset(name: str, request: Request) -> Any:
+            check_key()
+            try:
+                spec = json.loads(await request.body())
+            except ValueError as exc:
+                raise InvalidSteering(f"the body is a steering spec's JSON: {exc}") from None
+            endpoints.set_preset(name, spec)
+            return {"name": name, "presets": sorted(endpoints.presets)}
+
+        async def delete_preset(name: str) -> Any:
+            check_key()
+            if not endpoints.drop_preset(name):
+                raise HTTPException(404, f"no preset {name!r}; presets: {sorted(endpoints.presets)}")
+            return {"name": name, "presets": sorted(endpoints.presets)}
+
+        async def list_presets() -> Any:
+            return {name: spec.to_dict() for name, spec in endpoints.presets.items()}
+
+        app.add_api_route("/v1/presets", list_presets, methods=["GET"])
+        app.add_api_route("/v1/presets/{name}", put_preset, methods=["PUT"])
+        app.add_api_route("/v1/presets/{name}", delete_preset, methods=["DELETE"])
+        return app
+
+    def set_preset(self, name: str, spec: Any) -> None:
+        """Serve ``spec`` (a steering spec or its JSON) under the model name ``name``."""
+        if not isinstance(name, str) or not name or name in self.base_names:
+            raise InvalidOption(f"a preset's name is a new model name, not {name!r} (served: {list(self.base_names)})")
+        parsed = spec if isinstance(spec, SteeringSpec) else SteeringSpec.from_dict(spec)
+        if self.model is not None:
+            self.model._check_writes(parsed)  # addresses, widths and SAEs, before any request uses it
+        with self._presets_lock:
+            self.presets = {**self.presets, name: parsed}  # a request holds the mapping it read
+
+    def drop_preset(self, name: str) -> bool:
+        """Stop serving the preset ``name`` (``False``: there was none)."""
+        with self._presets_lock:
+            if name not in self.presets:
+                return False
+            self.presets = {k: v for k, v in self.presets.items() if k != name}
+            return True
+
+    # -- per request ----------------------------------------------------------------------------
+    def _steered(self, endpoint: Callable[..., Any]) -> Callable[..., Any]:
+        endpoints = self
+
+        async def steered(request: Any, raw_request: Request) -> Any:
+            call = None
+            try:
+                call = endpoints._call_of(request)
+            except Refused as exc:
+                return _refusal(exc)
+            if call is None:
+                return await endpoint(request, raw_request)
+            token = _CALL.set(call)
+            try:
+                return await endpoint(request, raw_request)
+            except Refused as exc:
+                return _refusal(exc)
+            finally:
+                _CALL.reset(token)
+
+        steered.__annotations__ = dict(getattr(endpoint, "__annotations__", {}))
+        steered.__annotations__["raw_request"] = Request
+        steered.__signature__ = _signature_of(endpoint)  # type: ignore[attr-defined]
+        return steered
+
+    def _call_of(self, request: Any) -> _Call | None:
+        """The request's steering (its ``interp`` field, ``vllm_xargs["interp"]``, or its model
+        name's preset), or ``None``; :class:`Refused` when it cannot be served."""
+        extra = request.model_extra if isinstance(getattr(request, "model_extra", None), dict) else {}
+        given = extra.pop(FIELD, None)
+        xargs = getattr(request, "vllm_xargs", None)
+        if isinstance(xargs, dict) and FIELD in xargs:
+            text = xargs.pop(FIELD)
+            if given is not None:
+                raise Refused(
+                    InvalidSteering("send interp in the body or in vllm_xargs, not both"), "vllm_xargs.interp"
+                )
+            try:
+                given = json.loads(text) if isinstance(text, str) else text
+            except ValueError as exc:
+                raise Refused(InvalidSteering(f"vllm_xargs.interp is not JSON: {exc}"), "vllm_xargs.interp") from None
+        presets = self.presets
+        preset = presets.get(getattr(request, "model", None) or "")
+        if given is None and preset is None:
+            return None
+        if self.refusal is not None:
+            raise Refused(InvalidOption(self.refusal), FIELD)
+        spec = preset
+        if given is not None:
+            if not isinstance(given, dict) or set(given) - {"steering"}:
+                raise Refused(
+                    InvalidSteering(
+                        f"interp is an object whose field on vLLM's routes is 'steering' (a steering spec); "
+                        f"got {_keys(given)}; captures, readouts and the lens: the /interp/v1 routes"
+                    ),
+                    FIELD,
+                )
+            try:
+                asked = SteeringSpec.from_dict(given.get("steering") or [])
+            except InterpError as exc:
+                raise Refused(exc, f"{FIELD}.steering") from None
+            spec = asked if preset is None else SteeringSpec([*preset.writes, *asked.writes])
+        if preset is not None:
+            request.model = self.base_names[0]
+        if spec is None or not spec.writes:
+            return None
+        messages = getattr(request, "messages", None)
+        options = None
+        if messages is not None:
+            options = {
+                "add_generation_prompt": bool(getattr(request, "add_generation_prompt", True)),
+                **dict(getattr(request, "chat_template_kwargs", None) or {}),
+            }
+            if getattr(request, "continue_final_message", False) or getattr(request, "chat_template", None):
+                options = None  # the model's own template, as vLLM renders it, is the only one spans are read in
+        return _Call(spec, f"{FIELD}.steering", list(messages) if messages is not None else None, options)
+
+    def _wrap_generate(self, engine: Any) -> None:
+        original = engine.generate
+        endpoints = self
+
+        def generate(prompt: Any, sampling_params: Any, request_id: str, *args: Any, **kwargs: Any) -> Any:
+            call = _CALL.get()
+            if call is None or not hasattr(sampling_params, "extra_args"):
+                return original(prompt, sampling_params, request_id, *args, **kwargs)
+            prompt, checked = endpoints._check(call, prompt, sampling_params)
+            return endpoints._steer(original, checked, prompt, sampling_params, request_id, args, kwargs)
+
+        engine.generate = generate
+
+    def _check(self, call: _Call, prompt: Any, params: Any) -> tuple[Any, Any]:
+        """The prompt (with a cache salt of its own) and the request's checked steering."""
+        model = self.model
+        ids = _compat.prompt_token_ids(model._engine, prompt)
+        if ids is None or not isinstance(prompt, dict):
+            raise Refused(InvalidSteering("steering needs a prompt of tokens (not embeddings)"), call.field)
+        tokens: Any = list(ids)
+        if any(is_span_name(w.positions) for w in call.spec.writes):
+            tokens = self._chat_tokens(call, tokens)
+        try:
+            checked = model._check_generation(
+                tokens, [], max_tokens=int(params.max_tokens or 1), steering_spec=call.spec, sampling={}
+            )
+        except InterpError as exc:
+            raise Refused(exc, call.field) from None
+        return {**prompt, "cache_salt": f"interp-{secrets.token_hex(8)}"}, checked
+
+    def _chat_tokens(self, call: _Call, ids: list[int]) -> Any:
+        if call.messages is None:
+            raise Refused(
+                InvalidSteering("positions that name chat spans need /v1/chat/completions (messages)"), call.field
+            )
+        if call.chat_options is None:
+            raise Refused(
+                InvalidSteering(
+                    "chat span names are read in the model's own chat template; this request sets chat_template "
+                    "or continue_final_message: give absolute positions"
+                ),
+                call.field,
+            )
+        try:
+            tokens = build_chat_tokens(self.model.tokenizer, _plain(call.messages), **call.chat_options)
+        except InterpError as exc:
+            raise Refused(exc, call.field) from None
+        if list(tokens) != ids:
+            raise Refused(
+                InvalidSteering(
+                    "chat span names could not be read in this prompt: vLLM rendered it differently from the "
+                    "model's chat template over these messages (tools or multimodal parts?); give absolute positions"
+                ),
+                call.field,
+            )
+        return tokens
+
+    def _steer(
+        self,
+        original: Callable[..., Any],
+        checked: Any,
+        prompt: Any,
+        params: Any,
+        request_id: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> AsyncGenerator[Any, None]:
+        model = self.model
+
+        async def run() -> AsyncGenerator[Any, None]:
+            engine = model._engine
+            await model._sync_saes(engine, checked)
+            keys = model._use_saes(checked)
+            try:
+                n = len(checked.token_ids)
+                payload = model._payload(f"interp-{uuid.uuid4().hex}", [], checked.writes, n, n + checked.max_tokens)
+                steered = copy.copy(params)
+                steered.extra_args = {**(params.extra_args or {}), **keyed(payload, keys).extra_args()}
+                async for output in original(prompt, steered, request_id, *args, **kwargs):
+                    yield output
+            finally:
+                await model._unuse_saes(engine, keys)
+
+        return run()
+
+    def _models(self, endpoint: Callable[..., Any]) -> Callable[..., Any]:
+        endpoints = self
+
+        async def models(raw_request: Request) -> Any:
+            response = await endpoint(raw_request)
+            presets = endpoints.presets
+            if not presets:
+                return response
+            from starlette.responses import JSONResponse
+
+            body = json.loads(bytes(response.body))
+            data = list(body.get("data") or [])
+            base = data[0] if data else {"object": "model", "owned_by": "vllm"}
+            for name in presets:
+                data.append({**base, "id": name, "root": base.get("id", base.get("root")), "parent": base.get("id")})
+            body["data"] = data
+            return JSONResponse(body, status_code=response.status_code)
+
+        return models
+
+
+def _signature_of(endpoint: Callable[..., Any]) -> Any:
+    import inspect
+
+    return inspect.signature(endpoint)
+
+
+def _plain(messages: list[Any]) -> list[Any]:
+    return [m.model_dump(exclude_none=True) if hasattr(m, "model_dump") else m for m in messages]
+
+
+def _keys(value: Any) -> str:
+    return repr(sorted(value)[:8]) if isinstance(value, dict) else f"a {type(value).__name__}"
+
+
+def _error_body(message: str, kind: str, status: int, param: str | None = None, valid: Any = None) -> dict[str, Any]:
+    """vLLM's error shape (``{"error": {...}}``), with the typed error's name and ``valid``."""
+    error: dict[str, Any] = {"message": message, "type": kind, "param": param, "code": status}
+    if valid is not None:
+        error["valid"] = valid
+    return {"error": error}
+
+
+def _refusal(exc: Refused) -> Any:
+    from starlette.responses import JSONResponse
+
+    valid = getattr(exc.error, "valid", None)
+    if valid is not None and not isinstance(valid, (str, int, float, bool, list, dict)):
+        valid = [str(v) for v in valid] if isinstance(valid, (tuple, set, frozenset)) else str(valid)
+    return JSONResponse(_error_body(str(exc.error), type(exc.error).__name__, 400, exc.param, valid), 400)
+
+
+def plugin_enabled() -> bool:
+    """Whether ``VLLM_PLUGINS`` lets vLLM load this plugin (its default: no endpoint plugin)."""
+    names = os.environ.get("VLLM_PLUGINS")
+    return names is not None and NAME in [n.strip() for n in names.split(",")]

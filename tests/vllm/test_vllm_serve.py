@@ -1,0 +1,284 @@
+"""interp-vllm inside ``vllm serve``: a real ``vllm serve`` process (the CPU build, the shipped
+``interp:tiny`` model, its own loopback port, started once for this module with
+``VLLM_PLUGINS=interp_vllm``), driven by the ``openai`` client.
+
+Steering sent per request on vLLM's own ``/v1/completions`` and ``/v1/chat/completions``
+(streamed or not) equals the same spec through the Python API on the same engine (the ``/interp``
+routes, which serve ``load_model(..., backend="vllm")``'s model) and on the eager backend; span
+names equal explicit positions; a preset's model name equals its spec sent per request; bad
+specs are ``400`` with the typed error, the API key guards the new routes, and the server keeps
+serving.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import torch
+
+from interp_engine import Address, FeatureWrite, SteeringSpec, Write, shipped_saes, tiny_model_path
+from interp_testkit.vllm_serve import VllmServe
+
+KEY = "serve-test-key-7"
+SERVED = "tiny"
+PRESET = "tiny-calm"
+PROMPT = "The capital of France is"
+D_MODEL = 128
+
+
+def _spec(scale: float = 4.0, positions: Any = "all", layer: int = 1) -> SteeringSpec:
+    vector = torch.randn(D_MODEL, generator=torch.Generator().manual_seed(layer))
+    return SteeringSpec([Write(Address("resid_post", layer), vector, op="add", scale=scale, positions=positions)])
+
+
+PRESET_SPEC = _spec(6.0, layer=2)
+
+
+def _config() -> str:
+    sae = str(shipped_saes()["interp:tiny-sae"])
+    return json.dumps({"interp": {"saes": {"res": sae}, "presets": {PRESET: PRESET_SPEC.to_dict()}}})
+
+
+ARGS = ["--served-model-name", SERVED, "--enforce-eager", "--dtype", "float32", "--max-model-len", "256"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServe]:
+    log = tmp_path_factory.mktemp("serve") / "vllm-serve.log"
+    args = [*ARGS, "--api-key", KEY, "--additional-config", _config()]
+    with VllmServe(tiny_model_path(), args, log, env={"VLLM_PLUGINS": "interp_vllm"}) as running:
+        yield running.wait()
+
+
+@pytest.fixture(scope="module")
+def client(server: VllmServe) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120) as c:
+        yield c
+
+
+def _post(server: VllmServe, path: str, body: Any, key: str | None = KEY) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=120)
+
+
+def _steered(client: openai.OpenAI, spec: SteeringSpec | None, *, model: str = SERVED, **options: Any) -> Any:
+    extra = {"interp": {"steering": spec.to_dict()}} if spec is not None else None
+    return client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=1, extra_body=extra, **options
+    )
+
+
+def _python_api(server: VllmServe, spec: SteeringSpec | None, max_tokens: int = 8) -> list[int]:
+    """The same completion through the Python API's model on the same engine (``/interp``)."""
+    body: dict[str, Any] = {"text": PROMPT, "max_tokens": max_tokens}
+    if spec is not None:
+        body["steering"] = spec.to_dict()
+    answer = _post(server, "/interp/v1/generate", body)
+    assert answer.status_code == 200, answer.text
+    return list(answer.json()["token_ids"])
+
+
+def _ids(out: Any) -> list[int]:
+    return [int(t.removeprefix("token_id:")) for t in out.choices[0].logprobs.tokens]
+
+
+def test_steering_on_vllms_completions_equals_the_python_api(
+    server: VllmServe, client: openai.OpenAI, direct: Any
+) -> None:
+    plain = _steered(client, None)
+    spec = _spec()
+    steered = client.completions.create(
+        model=SERVED,
+        prompt=PROMPT,
+        max_tokens=8,
+        temperature=0,
+        logprobs=1,
+        extra_body={"interp": {"steering": spec.to_dict()}, "return_tokens_as_token_ids": True},
+    )
+    ids = _ids(steered)
+    assert ids == _python_api(server, spec)
+    eager = direct.generate(direct.to_tokens(PROMPT)[0].tolist(), max_tokens=8, steering_spec=spec)
+    assert ids == eager.token_ids
+    assert steered.choices[0].text != plain.choices[0].text
+    # the spec as a JSON string in vllm_xargs, as a client that only knows vLLM sends it
+    again = client.completions.create(
+        model=SERVED,
+        prompt=PROMPT,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"vllm_xargs": {"interp": json.dumps({"steering": spec.to_dict()})}},
+    )
+    assert again.choices[0].text == steered.choices[0].text
+
+
+def test_steered_logprobs_equal_the_python_apis(server: VllmServe, client: openai.OpenAI) -> None:
+    spec = _spec(2.0)
+    out = client.completions.create(
+        model=SERVED,
+        prompt=PROMPT,
+        max_tokens=6,
+        temperature=0,
+        logprobs=1,
+        extra_body={"interp": {"steering": spec.to_dict()}, "return_tokens_as_token_ids": True},
+    )
+    answer = _post(
+        server,
+        "/interp/v1/generate",
+        {"text": PROMPT, "max_tokens": 6, "n_logprobs": 1, "steering": spec.to_dict()},
+    )
+    assert answer.status_code == 200, answer.text
+    ours = [step["logprobs"][0][1] for step in answer.json()["steps"]]
+    theirs = out.choices[0].logprobs.token_logprobs
+    assert max(abs(a - b) for a, b in zip(ours, theirs, strict=True)) <= 1e-4
+
+
+def test_a_streamed_chat_equals_the_whole_one_and_span_names_equal_positions(
+    server: VllmServe, client: openai.OpenAI
+) -> None:
+    messages = [{"role": "user", "content": "Tell me about Paris."}]
+    named = _spec(3.0, positions="user[-1]")
+    whole = client.chat.completions.create(
+        model=SERVED,
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"interp": {"steering": named.to_dict()}},
+    )
+    chunks = client.chat.completions.create(
+        model=SERVED,
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        extra_body={"interp": {"steering": named.to_dict()}},
+    )
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == whole.choices[0].message.content
+    # the same write at the positions the span selects, found through the Python API's chat tokens
+    tokens = _post(server, "/interp/v1/tokenize", {"messages": messages})
+    assert tokens.status_code == 200, tokens.text
+    span = next(s for s in tokens.json()["chat"]["messages"] if s["role"] == "user")
+    explicit = _spec(3.0, positions=list(range(span["start"], span["end"])))
+    by_hand = client.chat.completions.create(
+        model=SERVED,
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"interp": {"steering": explicit.to_dict()}},
+    )
+    plain = client.chat.completions.create(model=SERVED, messages=messages, max_tokens=8, temperature=0)
+    assert by_hand.choices[0].message.content == whole.choices[0].message.content
+    assert plain.choices[0].message.content != whole.choices[0].message.content
+
+
+def test_a_preset_is_its_spec_sent_per_request(client: openai.OpenAI) -> None:
+    listed = [m.id for m in client.models.list().data]
+    assert SERVED in listed and PRESET in listed
+    by_name = client.completions.create(model=PRESET, prompt=PROMPT, max_tokens=8, temperature=0)
+    per_request = _steered(client, PRESET_SPEC)
+    assert by_name.choices[0].text == per_request.choices[0].text
+    assert by_name.choices[0].text != _steered(client, None).choices[0].text
+
+
+def test_presets_change_at_run_time_for_the_next_request(server: VllmServe, client: openai.OpenAI) -> None:
+    spec = _spec(5.0, layer=3)
+    answer = httpx.put(
+        f"{server.url}/interp/v1/presets/tiny-late",
+        content=json.dumps(spec.to_dict()),
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=30,
+    )
+    assert answer.status_code == 200, answer.text
+    assert "tiny-late" in [m.id for m in client.models.list().data]
+    by_name = client.completions.create(model="tiny-late", prompt=PROMPT, max_tokens=8, temperature=0)
+    assert by_name.choices[0].text == _steered(client, spec).choices[0].text
+    gone = httpx.delete(f"{server.url}/interp/v1/presets/tiny-late", headers={"Authorization": f"Bearer {KEY}"})
+    assert gone.status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="tiny-late", prompt=PROMPT, max_tokens=2)
+    unauthorized = httpx.put(
+        f"{server.url}/interp/v1/presets/x", content=json.dumps(spec.to_dict()), headers={"Authorization": "Bearer no"}
+    )
+    assert unauthorized.status_code == 401
+
+
+def test_a_feature_write_names_the_attached_sae(client: openai.OpenAI, direct: Any) -> None:
+    spec = SteeringSpec([FeatureWrite("res", 3, op="clamp", value=50.0)])
+    out = _steered(client, spec)
+    assert out.choices[0].text != _steered(client, None).choices[0].text
+
+
+@pytest.mark.parametrize(
+    ("steering", "kind"),
+    [
+        ({"writes": [{"address": "resid_post.9", "vector": [0.0] * D_MODEL}]}, "LayerOutOfRange"),
+        ({"writes": [{"address": "resid_post.1", "vector": [0.0] * 3}]}, "InvalidSteering"),
+        ({"writes": [{"address": "resid_post.1", "vector": [float("nan")] + [0.0] * (D_MODEL - 1)}]}, None),
+        ({"writes": [{"sae": "missing", "feature": 1}]}, None),
+        ({"writes": [{"adress": "resid_post.1"}]}, "InvalidSteering"),
+        ("not a spec", "InvalidSteering"),
+    ],
+    ids=["layer", "width", "nan", "unknown-sae", "misspelt", "string"],
+)
+def test_a_bad_spec_is_a_400_naming_the_error_and_the_server_serves_on(
+    server: VllmServe, client: openai.OpenAI, steering: Any, kind: str | None
+) -> None:
+    body = {"model": SERVED, "prompt": PROMPT, "max_tokens": 4, "interp": {"steering": steering}}
+    if steering == "not a spec":
+        body["interp"] = steering
+    text = json.dumps(body)  # NaN as JSON's NaN literal, which vLLM's parser reads
+    answer = httpx.post(
+        f"{server.url}/v1/completions",
+        content=text,
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+        timeout=60,
+    )
+    assert 400 <= answer.status_code < 500, answer.text
+    error = answer.json()["error"]
+    assert error["message"]
+    if kind is not None:
+        assert error["type"] == kind
+    assert _steered(client, None).choices[0].text  # still serving
+
+
+def test_the_interp_routes_need_the_api_key(server: VllmServe) -> None:
+    assert _post(server, "/interp/v1/generate", {"text": PROMPT, "max_tokens": 2}, key=None).status_code == 401
+    assert _post(server, "/interp/v1/generate", {"text": PROMPT, "max_tokens": 2}, key="wrong").status_code == 401
+    assert _post(server, "/v1/completions", {"model": SERVED, "prompt": PROMPT}, key="wrong").status_code == 401
+    assert _post(server, "/interp/v1/generate", {"text": PROMPT, "max_tokens": 2}).status_code == 200
+
+
+def test_a_client_cannot_send_the_workers_payload_itself(client: openai.OpenAI) -> None:
+    """``vllm_xargs`` reaches ``SamplingParams.extra_args``; whatever a client puts under the
+    workers' key is served as a plain request."""
+    plain = _steered(client, None)
+    forged = client.completions.create(
+        model=SERVED,
+        prompt=PROMPT,
+        max_tokens=8,
+        temperature=0,
+        logprobs=1,
+        extra_body={"vllm_xargs": {"interp_engine": json.dumps({"id": "x", "writes": []})}},
+    )
+    assert forged.choices[0].text == plain.choices[0].text
+
+
+def test_sixteen_concurrent_mixed_requests_each_equal_their_solo_runs(client: openai.OpenAI) -> None:
+    specs: list[SteeringSpec | None] = [None, _spec(), _spec(2.0, layer=0), _spec(3.0, positions=[0, 1], layer=3)]
+    models = [SERVED, SERVED, SERVED, PRESET]
+
+    def one(i: int) -> str:
+        spec = specs[i % 4]
+        model = models[(i // 4) % 4] if spec is None else SERVED
+        return str(_steered(client, spec, model=model).choices[0].text)
+
+    solo = [one(i) for i in range(16)]
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        together = list(pool.map(one, range(16)))
+    assert together == solo
