@@ -1,0 +1,253 @@
+"""What interp-vllm's endpoint plugin costs inside ``vllm serve``.
+
+    python bench/vllm_serve_overhead.py [--rounds 3] [--prompts 64] [--quick]
+
+Two ``vllm serve`` processes (``interp_testkit.vllm_serve.VllmServe``: the CPU build, eager mode,
+float32, each on its own loopback port) serve the model of ``bench/vllm_overhead.py``
+(GPT-2-shaped, 12 layers x 768, random weights, built locally), both alive for the whole run:
+
+- **A**, with the plugin (``VLLM_PLUGINS=interp_vllm``): a random TopK SAE of
+  ``bench/sae_overhead.py`` (16x as wide as the residual stream, k 32) at ``resid_post.6``,
+  saved to a folder and attached by path as ``bench``, and a preset (``additional_config``);
+- **B**, without it (``VLLM_PLUGINS=""``: vLLM reads it as an allow-list that matches nothing, so
+  neither of interp-vllm's plugins loads; checked from the logs, where vLLM names each endpoint
+  plugin it loads, and from B's missing ``/interp`` routes).
+
+The workload is ``vllm_overhead.py``'s: ``--prompts`` prompts of 64-256 random token ids, each
+generating 32 tokens (``ignore_eos``, temperature 0), all sent at once from one asyncio client:
+
+- ``plain_without_plugin``: ``/v1/completions`` on B through the ``openai`` client
+  (``AsyncOpenAI``, the prompt as token ids);
+- ``plain``: the same on A;
+- ``steer_1``: the same on A with ``"interp": {"steering": SPEC}`` in the body, ``SPEC`` an
+  ``add`` of a random vector (scale 2) at ``resid_post.6``;
+- ``preset``: the same on A with ``model=`` the preset whose spec is ``steer_1``'s, nothing else
+  in the body;
+- ``lens_4``: ``POST /interp/v1/generate`` on A (``httpx.AsyncClient``) with the logit lens at
+  layers 2, 5, 8 and 11, top-10, every generated token's lens returned in the answer's ``steps``;
+- ``readouts``: ``POST /interp/v1/generate`` on A with ``features: ["features:bench:top8"]``, the
+  SAE's top 8 features of every generated token.
+
+Every request computes its whole prompt: the plain ones carry a unique ``cache_salt``, as steered
+requests and readouts get one of their own (vLLM's prefix caching would otherwise let the
+rounds' repeated prompts skip their prefill only for plain requests), and the lens requests ask
+for the prompt's last position too, which gives them one.
+
+Before timing, one prompt checks the servers: plain completions on A and B are equal, and the
+preset's equals ``steer_1``'s and differs from plain. Every variant runs once as a warm-up, then
+``--rounds`` rounds alternate the variants (the order reversed every other round). Throughput is
+generated tokens over the round's wall seconds; the median over rounds is reported relative to
+``plain_without_plugin``, with each variant's round-to-round spread ((fastest - slowest) /
+median). Ends with ``RESULT <name>_vs_plain_without_plugin <ratio> (target <t>)`` lines. Both
+servers are stopped at the end, on an error too; their logs are left in ``.cache/bench-vllm-serve/``.
+
+The servers' processes allocate with a fixed malloc threshold and keep freed memory
+(``bench/_workers.py``; ``--default-malloc``: glibc's defaults).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import pathlib
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+import torch
+from _workers import steady_malloc  # bench/, the script's own directory
+from sae_overhead import random_sae
+from vllm_overhead import GEN_TOKENS, build_model, make_prompts
+
+from interp_engine import Address, SteeringSpec, Write
+from interp_testkit.vllm_serve import VllmServe
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+WORK = ROOT / ".cache" / "bench-vllm-serve"
+SERVED = "bench"
+PRESET = "bench-steered"
+SAE_NAME = "bench"
+LAYER = 6
+LENS_LAYERS = [2, 5, 8, 11]
+READOUT = f"features:{SAE_NAME}:top8"
+ARGS = ["--served-model-name", SERVED, "--enforce-eager", "--dtype", "float32", "--max-model-len", "512"]
+BASELINE = "plain_without_plugin"
+TARGETS = {"plain": "0.98", "steer_1": "0.95", "preset": "0.95", "lens_4": "0.90", "readouts": "0.90"}
+
+
+def server_config(spec: SteeringSpec, sae_path: pathlib.Path) -> str:
+    """The plugin's ``--additional-config``: the SAE by path and the preset."""
+    return json.dumps({"interp": {"saes": {SAE_NAME: str(sae_path)}, "presets": {PRESET: spec.to_dict()}}})
+
+
+def check_servers(with_plugin: VllmServe, without: VllmServe) -> None:
+    """A loaded the plugin and serves ``/interp`` and the preset; B loaded none of interp-vllm."""
+    loaded = "Loading plugin interp_vllm"
+    if loaded not in with_plugin.tail(10**7):
+        raise RuntimeError(f"server A's log does not show {loaded!r}:\n{with_plugin.tail()}")
+    if loaded in without.tail(10**7) or "interp-engine:" in without.tail(10**7):
+        raise RuntimeError(f"server B loaded interp-vllm:\n{without.tail()}")
+    if httpx.get(f"{with_plugin.url}/interp/v1/health", timeout=30).status_code != 200:
+        raise RuntimeError(f"server A has no /interp routes:\n{with_plugin.tail()}")
+    if httpx.get(f"{without.url}/interp/v1/health", timeout=30).status_code != 404:
+        raise RuntimeError("server B answers /interp")
+    models = [m["id"] for m in httpx.get(f"{with_plugin.url}/v1/models", timeout=30).json()["data"]]
+    if PRESET not in models:
+        raise RuntimeError(f"server A does not list the preset {PRESET!r}: {models}")
+
+
+async def completions(client: Any, prompts: list[list[int]], model: str, extra: dict[str, Any] | None) -> int:
+    """All prompts at once on ``/v1/completions``; generated tokens. Without ``extra``, each request
+    gets a unique ``cache_salt``."""
+
+    async def one(ids: list[int]) -> int:
+        body = extra if extra is not None else {"cache_salt": f"plain-{uuid.uuid4().hex}"}
+        out = await client.completions.create(
+            model=model, prompt=ids, max_tokens=GEN_TOKENS, temperature=0, extra_body={"ignore_eos": True, **body}
+        )
+        return int(out.usage.completion_tokens)
+
+    return sum(await asyncio.gather(*(one(p) for p in prompts)))
+
+
+async def interp_generate(client: httpx.AsyncClient, prompts: list[list[int]], fields: dict[str, Any]) -> int:
+    """All prompts at once on ``/interp/v1/generate`` with ``fields``; generated tokens (checking
+    every step carries what was asked)."""
+
+    async def one(ids: list[int]) -> int:
+        body = {"token_ids": ids, "max_tokens": GEN_TOKENS, "ignore_eos": True, "temperature": 0, **fields}
+        answer = await client.post("/interp/v1/generate", json=body)
+        if answer.status_code != 200:
+            raise RuntimeError(f"/interp/v1/generate answered {answer.status_code}: {answer.text[:500]}")
+        out = answer.json()
+        asked = [key for key in ("lens", "features") if key in fields]
+        if any(key not in step for step in out["steps"] for key in asked):
+            raise RuntimeError(f"a step lacks {asked}: {str(out['steps'][:1])[:500]}")
+        return len(out["token_ids"])
+
+    return sum(await asyncio.gather(*(one(p) for p in prompts)))
+
+
+async def check_steering(on_a: Any, on_b: Any, ids: list[int], steering: dict[str, Any]) -> None:
+    """On one prompt: plain on A equals plain on B, and the preset equals ``steer_1`` and differs
+    from plain (the steering reached the model)."""
+
+    async def text(client: Any, model: str, extra: dict[str, Any]) -> str:
+        out = await client.completions.create(
+            model=model, prompt=ids, max_tokens=GEN_TOKENS, temperature=0, extra_body={"ignore_eos": True, **extra}
+        )
+        return str(out.choices[0].text)
+
+    plain_b, plain_a = await text(on_b, SERVED, {}), await text(on_a, SERVED, {})
+    steered, preset = await text(on_a, SERVED, steering), await text(on_a, PRESET, {})
+    if plain_a != plain_b or preset != steered or steered == plain_a:
+        raise RuntimeError(f"unexpected completions: {plain_b=} {plain_a=} {steered=} {preset=}")
+
+
+async def timed(run: Callable[[], Awaitable[int]]) -> float:
+    start = time.perf_counter()
+    tokens = await run()
+    return tokens / (time.perf_counter() - start)
+
+
+def spread(values: list[float]) -> float:
+    """How far apart a variant's rounds are: (fastest - slowest) / median."""
+    return (max(values) - min(values)) / statistics.median(values) if values else float("nan")
+
+
+def report(rates: dict[str, list[float]]) -> None:
+    median = {name: statistics.median(values) for name, values in rates.items()}
+    base = median[BASELINE]
+    print()
+    print(f"{'variant':<22} {'tok/s (median)':>15} {'vs B plain':>11} {'spread':>7}")
+    for name, rate in median.items():
+        print(f"{name:<22} {rate:>15.1f} {rate / base:>11.3f} {spread(rates[name]):>7.3f}")
+    print()
+    for name, rate in median.items():
+        if name != BASELINE:
+            print(f"RESULT {name}_vs_{BASELINE} {rate / base:.3f} (target {TARGETS[name]})")
+
+
+async def measure(a: VllmServe, b: VllmServe, prompts: list[list[int]], spec: SteeringSpec, rounds: int) -> None:
+    import openai
+
+    steering = {"interp": {"steering": spec.to_dict()}}
+    lens = {"lens": {"layers": LENS_LAYERS, "top_k": 10, "positions": [-1]}}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with (
+        openai.AsyncOpenAI(base_url=f"{a.url}/v1", api_key="none", max_retries=0, timeout=900) as on_a,
+        openai.AsyncOpenAI(base_url=f"{b.url}/v1", api_key="none", max_retries=0, timeout=900) as on_b,
+        httpx.AsyncClient(base_url=a.url, timeout=900, limits=limits) as interp,
+    ):
+        variants: dict[str, Callable[[], Awaitable[int]]] = {
+            BASELINE: lambda: completions(on_b, prompts, SERVED, None),
+            "plain": lambda: completions(on_a, prompts, SERVED, None),
+            "steer_1": lambda: completions(on_a, prompts, SERVED, steering),
+            "preset": lambda: completions(on_a, prompts, PRESET, {}),
+            "lens_4": lambda: interp_generate(interp, prompts, lens),
+            "readouts": lambda: interp_generate(interp, prompts, {"features": [READOUT]}),
+        }
+        await check_steering(on_a, on_b, prompts[0], steering)
+        for name, run in variants.items():
+            print(f"warm-up {name}: {await timed(run):.1f} tok/s", flush=True)
+        rates: dict[str, list[float]] = {name: [] for name in variants}
+        for index in range(rounds):
+            order = list(variants) if index % 2 == 0 else list(reversed(variants))
+            for name in order:
+                rates[name].append(await timed(variants[name]))
+            print(f"round {index + 1}: " + ", ".join(f"{n} {rates[n][-1]:.1f} tok/s" for n in variants), flush=True)
+    report(rates)
+
+
+def main(args: argparse.Namespace) -> int:
+    path = build_model("gpt2")
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    d_model, vocab = int(config.hidden_size), int(config.vocab_size)
+    WORK.mkdir(parents=True, exist_ok=True)
+    sae_path = WORK / "sae"
+    random_sae(d_model, LAYER).save(sae_path)
+    vector = torch.randn(d_model, generator=torch.Generator().manual_seed(1))
+    spec = SteeringSpec([Write(Address("resid_post", LAYER), vector, op="add", scale=2.0)])
+    prompts = make_prompts(args.prompts, vocab)
+    print(f"servers allocate with: {steady_malloc(not args.default_malloc)}")
+    print(f"model: {path}; {len(prompts)} prompts x {GEN_TOKENS} tokens; SAE at resid_post.{LAYER}: {sae_path}")
+
+    servers: list[VllmServe] = []
+    try:
+        a = VllmServe(
+            path,
+            [*ARGS, "--additional-config", server_config(spec, sae_path)],
+            WORK / "with-plugin.log",
+            env={"VLLM_PLUGINS": "interp_vllm"},
+        )
+        servers.append(a)
+        b = VllmServe(path, ARGS, WORK / "without-plugin.log", env={"VLLM_PLUGINS": ""})
+        servers.append(b)
+        a.wait(900)
+        b.wait(900)
+        check_servers(a, b)
+        print(f"A (with the plugin) at {a.url}, B (without) at {b.url}", flush=True)
+        asyncio.run(measure(a, b, prompts, spec, args.rounds))
+    finally:
+        for server in servers:
+            server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--default-malloc", action="store_true", help="the servers on glibc malloc's defaults")
+    parser.add_argument("--quick", action="store_true", help="1 round of 16 prompts (a smoke test)")
+    ns = parser.parse_args()
+    if ns.quick:
+        ns.rounds, ns.prompts = 1, 16
+    sys.exit(main(ns))
