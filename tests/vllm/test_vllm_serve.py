@@ -222,7 +222,7 @@ def test_a_feature_write_names_the_attached_sae(client: openai.OpenAI, direct: A
         ({"writes": [{"address": "resid_post.1", "vector": [float("nan")] + [0.0] * (D_MODEL - 1)}]}, None),
         ({"writes": [{"sae": "missing", "feature": 1}]}, None),
         ({"writes": [{"adress": "resid_post.1"}]}, "InvalidSteering"),
-        ("not a spec", "InvalidSteering"),
+        ("not a spec", "InvalidOption"),
     ],
     ids=["layer", "width", "nan", "unknown-sae", "misspelt", "string"],
 )
@@ -282,3 +282,92 @@ def test_sixteen_concurrent_mixed_requests_each_equal_their_solo_runs(client: op
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         together = list(pool.map(one, range(16)))
     assert together == solo
+
+
+def test_steering_on_the_responses_api_equals_the_same_chat(client: openai.OpenAI) -> None:
+    spec = _spec(3.0)
+    asked = {"interp": {"steering": spec.to_dict()}}
+    text = "Tell me about Paris."
+    steered = client.responses.create(model=SERVED, input=text, max_output_tokens=8, temperature=0, extra_body=asked)
+    plain = client.responses.create(model=SERVED, input=text, max_output_tokens=8, temperature=0)
+    chat = client.chat.completions.create(
+        model=SERVED, messages=[{"role": "user", "content": text}], max_tokens=8, temperature=0, extra_body=asked
+    )
+    assert steered.output_text == chat.choices[0].message.content
+    assert steered.output_text != plain.output_text
+
+
+def test_vllms_metrics_count_steered_requests(server: VllmServe, client: openai.OpenAI) -> None:
+    def finished() -> float:
+        text = httpx.get(f"{server.url}/metrics", timeout=30).text
+        lines = [line for line in text.splitlines() if line.startswith("vllm:request_success_total")]
+        return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+
+    before = finished()
+    _steered(client, _spec())
+    assert finished() == before + 1
+
+
+READOUT = "features:res:top4"
+LENS = {"layers": [1, 3], "top_k": 3}
+
+
+def _reference_steps(server: VllmServe, spec: SteeringSpec | None) -> list[dict[str, Any]]:
+    """Each generated token's readouts and lens through the Python API on the same engine."""
+    body: dict[str, Any] = {"text": PROMPT, "max_tokens": 6, "features": [READOUT], "lens": LENS}
+    if spec is not None:
+        body["steering"] = spec.to_dict()
+    answer = _post(server, "/interp/v1/generate", body)
+    assert answer.status_code == 200, answer.text
+    return list(answer.json()["steps"])
+
+
+def _same_steps(ours: list[dict[str, Any]], reference: list[dict[str, Any]]) -> None:
+    assert [s["position"] for s in ours] == [s["position"] for s in reference]
+    for got, want in zip(ours, reference, strict=True):
+        assert got["lens"]["ids"] == want["lens"]["ids"] and got["lens"]["tokens"] == want["lens"]["tokens"]
+        assert torch.allclose(torch.tensor(got["lens"]["probs"]), torch.tensor(want["lens"]["probs"]), atol=1e-5)
+        readout, expected = got["features"][READOUT], want["features"][READOUT]
+        assert readout["ids"] == expected["ids"]
+        assert torch.allclose(torch.tensor(readout["values"]), torch.tensor(expected["values"]), atol=1e-4)
+
+
+def test_readouts_and_the_lens_come_with_the_completion(server: VllmServe, client: openai.OpenAI) -> None:
+    spec = _spec(2.0)
+    out = client.completions.create(
+        model=SERVED,
+        prompt=PROMPT,
+        max_tokens=6,
+        temperature=0,
+        extra_body={"interp": {"steering": spec.to_dict(), "features": [READOUT], "lens": LENS}},
+    )
+    assert out.model_extra is not None
+    steps = out.model_extra["interp"]["steps"]
+    assert len(steps) == 6
+    _same_steps(steps, _reference_steps(server, spec))
+
+
+def test_a_stream_carries_each_tokens_readouts_in_its_chunk(server: VllmServe, client: openai.OpenAI) -> None:
+    chunks = list(
+        client.completions.create(
+            model=SERVED,
+            prompt=PROMPT,
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            extra_body={"interp": {"features": [READOUT], "lens": LENS}},
+        )
+    )
+    steps = [
+        step for c in chunks if c.model_extra and "interp" in c.model_extra for step in c.model_extra["interp"]["steps"]
+    ]
+    with_text = [c for c in chunks if c.choices and c.choices[0].text]
+    assert all(c.model_extra and c.model_extra.get("interp") for c in with_text)  # each token's chunk has its step
+    _same_steps(steps, _reference_steps(server, None))
+
+
+def test_bad_readouts_are_a_400(client: openai.OpenAI) -> None:
+    for interp in ({"features": ["features:nope:top4"]}, {"lens": {"layers": [9]}}, {"lens": [1]}, {"captures": 1}):
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=2, extra_body={"interp": interp})
+    assert _steered(client, None).choices[0].text

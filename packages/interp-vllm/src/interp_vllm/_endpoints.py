@@ -16,6 +16,9 @@ What the server then has:
   on chat completions, positions naming chat spans (``"assistant"``, ``"user[-1].last"``) of the
   request's own rendering. It is checked in the API server before the request reaches the engine:
   a bad one is ``400`` with the typed error's name, message and ``valid``.
+- **Readouts and the lens** per request on the same routes: ``"interp": {"features": [...], "lens":
+  {"layers": [...], "top_k": k}}`` gives each generated token's feature readouts and logit lens
+  under ``interp.steps`` in the answer, or in each stream chunk for the tokens it carries.
 - **Presets**: a model name from ``presets`` is the served model plus that spec, so a client that
   knows nothing of interp-engine gets the steered model; ``GET /v1/models`` lists them.
   ``PUT``/``DELETE /interp/v1/presets/{name}`` change them at run time (the next request sees the
@@ -52,13 +55,14 @@ from interp_engine import (
     InterpError,
     InvalidOption,
     InvalidSteering,
+    LensRequest,
     SteeringSpec,
     load_sae,
 )
 from interp_engine.chat import build_chat_tokens, is_span_name
 
 from . import _compat
-from ._lens_assembly import keyed
+from ._lens_assembly import keyed, with_lens
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +72,8 @@ CONFIG_KEY = "interp"
 """The entry of ``--additional-config`` that configures the plugin."""
 FIELD = "interp"
 """The request field (and ``vllm_xargs`` entry) that carries a request's steering."""
+INTERP_FIELDS = ("steering", "features", "lens")
+"""What a request's ``interp`` object may hold on vLLM's routes."""
 STEERED_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
 
@@ -80,14 +86,30 @@ class Refused(Exception):
         self.param = param
 
 
+class _Steps:
+    """Each generated token's readouts and lens, as the engine's outputs come, until the response
+    (or its next stream chunk) takes them."""
+
+    def __init__(self) -> None:
+        self.ready: list[dict[str, Any]] = []
+        self.generations = 0
+
+    def take(self) -> list[dict[str, Any]]:
+        taken, self.ready = self.ready, []
+        return taken
+
+
 @dataclass(frozen=True)
 class _Call:
     """What a route handler hands to the engine's ``generate`` for one HTTP request."""
 
-    spec: SteeringSpec
+    spec: SteeringSpec | None
     field: str
     messages: list[Any] | None = None
     chat_options: Mapping[str, Any] | None = None
+    features: tuple[Any, ...] = ()
+    lens: Mapping[str, Any] | None = None
+    steps: _Steps | None = None
 
 
 _CALL: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("interp_vllm_call", default=None)
@@ -300,11 +322,12 @@ class InterpEndpoints:
                 return await endpoint(request, raw_request)
             token = _CALL.set(call)
             try:
-                return await endpoint(request, raw_request)
+                response = await endpoint(request, raw_request)
             except Refused as exc:
                 return _refusal(exc)
             finally:
                 _CALL.reset(token)
+            return response if call.steps is None else _with_steps(response, call.steps)
 
         steered.__annotations__ = dict(getattr(endpoint, "__annotations__", {}))
         steered.__annotations__["raw_request"] = Request
@@ -334,12 +357,14 @@ class InterpEndpoints:
         if self.refusal is not None:
             raise Refused(InvalidOption(self.refusal), FIELD)
         spec = preset
+        features: tuple[Any, ...] = ()
+        lens: dict[str, Any] | None = None
         if given is not None:
-            if not isinstance(given, dict) or set(given) - {"steering"}:
+            if not isinstance(given, dict) or set(given) - set(INTERP_FIELDS):
                 raise Refused(
-                    InvalidSteering(
-                        f"interp is an object whose field on vLLM's routes is 'steering' (a steering spec); "
-                        f"got {_keys(given)}; captures, readouts and the lens: the /interp/v1 routes"
+                    InvalidOption(
+                        f"interp is an object with the fields {', '.join(INTERP_FIELDS)}; got {_keys(given)} "
+                        "(captures of whole activations: the /interp/v1 routes)"
                     ),
                     FIELD,
                 )
@@ -348,10 +373,20 @@ class InterpEndpoints:
             except InterpError as exc:
                 raise Refused(exc, f"{FIELD}.steering") from None
             spec = asked if preset is None else SteeringSpec([*preset.writes, *asked.writes])
+            features, lens = _readouts_asked(given)
         if preset is not None:
             request.model = self.base_names[0]
-        if spec is None or not spec.writes:
+        if spec is not None and not spec.writes:
+            spec = None
+        if spec is None and not features and lens is None:
             return None
+        steps = None
+        if features or lens is not None:
+            if int(getattr(request, "n", 1) or 1) != 1 or getattr(request, "use_beam_search", False):
+                raise Refused(
+                    InvalidOption("readouts and the lens are read for one completion (n=1, no beam search)"), FIELD
+                )
+            steps = _Steps()
         messages = getattr(request, "messages", None)
         options = None
         if messages is not None:
@@ -361,7 +396,15 @@ class InterpEndpoints:
             }
             if getattr(request, "continue_final_message", False) or getattr(request, "chat_template", None):
                 options = None  # the model's own template, as vLLM renders it, is the only one spans are read in
-        return _Call(spec, f"{FIELD}.steering", list(messages) if messages is not None else None, options)
+        return _Call(
+            spec,
+            f"{FIELD}.steering",
+            list(messages) if messages is not None else None,
+            options,
+            features=features,
+            lens=lens,
+            steps=steps,
+        )
 
     def _wrap_generate(self, engine: Any) -> None:
         original = engine.generate
@@ -372,7 +415,7 @@ class InterpEndpoints:
             if call is None or not hasattr(sampling_params, "extra_args"):
                 return original(prompt, sampling_params, request_id, *args, **kwargs)
             prompt, checked = endpoints._check(call, prompt, sampling_params)
-            return endpoints._steer(original, checked, prompt, sampling_params, request_id, args, kwargs)
+            return endpoints._steer(original, call.steps, checked, prompt, sampling_params, request_id, args, kwargs)
 
         engine.generate = generate
 
@@ -383,14 +426,27 @@ class InterpEndpoints:
         if ids is None or not isinstance(prompt, dict):
             raise Refused(InvalidSteering("steering needs a prompt of tokens (not embeddings)"), call.field)
         tokens: Any = list(ids)
-        if any(is_span_name(w.positions) for w in call.spec.writes):
+        if call.spec is not None and any(is_span_name(w.positions) for w in call.spec.writes):
             tokens = self._chat_tokens(call, tokens)
+        if call.steps is not None:
+            call.steps.generations += 1
+            if call.steps.generations > 1:
+                raise Refused(InvalidOption("readouts and the lens are read for one prompt per request"), FIELD)
         try:
+            lens = None if call.lens is None else LensRequest(**call.lens)
             checked = model._check_generation(
-                tokens, [], max_tokens=int(params.max_tokens or 1), steering_spec=call.spec, sampling={}
+                tokens,
+                model._stream_readouts(call.features),
+                max_tokens=int(params.max_tokens or 1),
+                steering_spec=call.spec,
+                sampling={},
+                lens=lens,
             )
         except InterpError as exc:
-            raise Refused(exc, call.field) from None
+            raise Refused(exc, FIELD if call.spec is None else call.field) from None
+        except TypeError as exc:  # a lens object with fields LensRequest does not take
+            fields = InvalidOption(f"interp.lens takes layers and top_k: {exc}")
+            raise Refused(fields, f"{FIELD}.lens") from None
         return {**prompt, "cache_salt": f"interp-{secrets.token_hex(8)}"}, checked
 
     def _chat_tokens(self, call: _Call, ids: list[int]) -> Any:
@@ -423,6 +479,7 @@ class InterpEndpoints:
     def _steer(
         self,
         original: Callable[..., Any],
+        steps: _Steps | None,
         checked: Any,
         prompt: Any,
         params: Any,
@@ -433,18 +490,49 @@ class InterpEndpoints:
         model = self.model
 
         async def run() -> AsyncGenerator[Any, None]:
+            from vllm.sampling_params import RequestOutputKind
+
             engine = model._engine
             await model._sync_saes(engine, checked)
             keys = model._use_saes(checked)
+            drains = bool(checked.readouts or checked.lens)
+            rid = f"interp-{uuid.uuid4().hex}"
+            delta = getattr(params, "output_kind", None) == RequestOutputKind.DELTA
             try:
                 n = len(checked.token_ids)
-                payload = model._payload(f"interp-{uuid.uuid4().hex}", [], checked.writes, n, n + checked.max_tokens)
+                payload = model._payload(
+                    rid, [], checked.writes, n, n + checked.max_tokens, checked.readouts, stream=drains
+                )
+                payload = keyed(with_lens(payload, checked.lens), keys)
                 steered = copy.copy(params)
-                steered.extra_args = {**(params.extra_args or {}), **keyed(payload, keys).extra_args()}
+                steered.extra_args = {**(params.extra_args or {}), **payload.extra_args()}
+                position, emitted = n - 1, 0
+                pending: dict[int, dict[Any, Any]] = {}
+                lens_pending: dict[int, tuple[Any, Any]] = {}
                 async for output in original(prompt, steered, request_id, *args, **kwargs):
+                    count = len(output.outputs[0].token_ids) if drains and output.outputs else 0
+                    new = count if delta else count - emitted
+                    if new > 0 and steps is not None:
+                        await model._drain(engine, rid, pending, lens_pending)
+                        for _ in range(new):
+                            steps.ready.append(
+                                _step(
+                                    position,
+                                    pending.pop(position, {}),
+                                    lens_pending.pop(position, None),
+                                    checked,
+                                    model.tokenizer,
+                                )
+                            )
+                            position += 1
+                        emitted += new
                     yield output
             finally:
-                await model._unuse_saes(engine, keys)
+                try:
+                    if drains:
+                        await model._release(engine, rid)
+                finally:
+                    await model._unuse_saes(engine, keys)
 
         return run()
 
@@ -467,6 +555,84 @@ class InterpEndpoints:
             return JSONResponse(body, status_code=response.status_code)
 
         return models
+
+
+def _readouts_asked(given: Mapping[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any] | None]:
+    """The ``features`` (readout strings such as ``"features:res:top8"``) and ``lens`` (``{"layers":
+    [...], "top_k": k}``) of an ``interp`` object."""
+    features = given.get("features") or ()
+    if isinstance(features, str) or not isinstance(features, (list, tuple)):
+        raise Refused(
+            InvalidOption("interp.features is a list of readouts such as 'features:res:top8'"), f"{FIELD}.features"
+        )
+    lens = given.get("lens")
+    if lens is not None and not isinstance(lens, dict):
+        raise Refused(InvalidOption("interp.lens is an object: {'layers': [...], 'top_k': k}"), f"{FIELD}.lens")
+    if lens is not None and "positions" in lens:
+        raise Refused(
+            InvalidOption("interp.lens reads the generated tokens here; the prompt's lens: /interp/v1/generate"),
+            f"{FIELD}.lens",
+        )
+    return tuple(features), lens
+
+
+def _step(position: int, features: Mapping[Any, Any], lens: Any, checked: Any, tokenizer: Any) -> dict[str, Any]:
+    """One generated token's readouts and lens as JSON, in the shapes of ``interp serve``'s stream
+    steps: ``position`` is the one that produced it."""
+    step: dict[str, Any] = {"position": position}
+    if checked.readouts:
+        step["features"] = {
+            str(spec): {
+                "values": readout.values.tolist(),
+                "ids": None if readout.ids is None else readout.ids.tolist(),
+                "error_norm": None if readout.error_norm is None else float(readout.error_norm),
+            }
+            for spec, readout in features.items()
+        }
+    if lens is not None:
+        ids, probs = lens
+        listed = ids.tolist()
+        step["lens"] = {
+            "layers": list(checked.lens.layers),
+            "ids": listed,
+            "probs": probs.tolist(),
+            "tokens": [tokenizer.batch_decode([[i] for i in row]) for row in listed],
+        }
+    return step
+
+
+def _with_steps(response: Any, steps: _Steps) -> Any:
+    """vLLM's answer with the generated tokens' readouts and lens under ``interp``: in the body, or
+    in each stream chunk (the steps of the tokens that chunk carries)."""
+    from starlette.responses import JSONResponse, StreamingResponse
+
+    if isinstance(response, StreamingResponse):
+        chunks = response.body_iterator
+
+        async def decorated() -> AsyncGenerator[Any, None]:
+            async for chunk in chunks:
+                text = chunk if isinstance(chunk, str) else bytes(chunk).decode()
+                if text.startswith("data: [DONE]"):
+                    left = steps.take()
+                    if left:
+                        yield f"data: {json.dumps({'interp': {'steps': left}})}\n\n"
+                elif text.startswith("data: "):
+                    ready = steps.take()
+                    if ready:
+                        body = json.loads(text[len("data: ") :])
+                        body["interp"] = {"steps": ready}
+                        text = f"data: {json.dumps(body)}\n\n"
+                    yield text
+                    continue
+                yield chunk
+
+        response.body_iterator = decorated()
+        return response
+    if isinstance(response, JSONResponse) and response.status_code == 200:
+        body = json.loads(bytes(response.body))
+        body["interp"] = {"steps": steps.take()}
+        return JSONResponse(body, status_code=200)
+    return response
 
 
 def _signature_of(endpoint: Callable[..., Any]) -> Any:
