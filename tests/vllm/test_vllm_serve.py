@@ -67,10 +67,16 @@ def _post(server: VllmServe, path: str, body: Any, key: str | None = KEY) -> htt
     return httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=120)
 
 
-def _steered(client: openai.OpenAI, spec: SteeringSpec | None, *, model: str = SERVED, **options: Any) -> Any:
-    extra = {"interp": {"steering": spec.to_dict()}} if spec is not None else None
+def _steered(
+    client: openai.OpenAI, spec: SteeringSpec | None, *, model: str = SERVED, max_tokens: int = 8, **extra: Any
+) -> Any:
+    """A greedy completion of ``PROMPT`` with ``spec`` sent per request (``extra``: more body fields),
+    its tokens as ids in ``logprobs.tokens``."""
+    body = {"return_tokens_as_token_ids": True, **extra}
+    if spec is not None:
+        body["interp"] = {"steering": spec.to_dict()}
     return client.completions.create(
-        model=model, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=1, extra_body=extra, **options
+        model=model, prompt=PROMPT, max_tokens=max_tokens, temperature=0, logprobs=1, extra_body=body
     )
 
 
@@ -93,40 +99,20 @@ def test_steering_on_vllms_completions_equals_the_python_api(
 ) -> None:
     plain = _steered(client, None)
     spec = _spec()
-    steered = client.completions.create(
-        model=SERVED,
-        prompt=PROMPT,
-        max_tokens=8,
-        temperature=0,
-        logprobs=1,
-        extra_body={"interp": {"steering": spec.to_dict()}, "return_tokens_as_token_ids": True},
-    )
+    steered = _steered(client, spec)
     ids = _ids(steered)
     assert ids == _python_api(server, spec)
     eager = direct.generate(direct.to_tokens(PROMPT)[0].tolist(), max_tokens=8, steering_spec=spec)
     assert ids == eager.token_ids
     assert steered.choices[0].text != plain.choices[0].text
     # the spec as a JSON string in vllm_xargs, as a client that only knows vLLM sends it
-    again = client.completions.create(
-        model=SERVED,
-        prompt=PROMPT,
-        max_tokens=8,
-        temperature=0,
-        extra_body={"vllm_xargs": {"interp": json.dumps({"steering": spec.to_dict()})}},
-    )
-    assert again.choices[0].text == steered.choices[0].text
+    again = _steered(client, None, vllm_xargs={"interp": json.dumps({"steering": spec.to_dict()})})
+    assert _ids(again) == ids
 
 
 def test_steered_logprobs_equal_the_python_apis(server: VllmServe, client: openai.OpenAI) -> None:
     spec = _spec(2.0)
-    out = client.completions.create(
-        model=SERVED,
-        prompt=PROMPT,
-        max_tokens=6,
-        temperature=0,
-        logprobs=1,
-        extra_body={"interp": {"steering": spec.to_dict()}, "return_tokens_as_token_ids": True},
-    )
+    out = _steered(client, spec, max_tokens=6)
     answer = _post(
         server,
         "/interp/v1/generate",
