@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -357,3 +358,65 @@ def test_bad_readouts_are_a_400(client: openai.OpenAI) -> None:
         with pytest.raises(openai.BadRequestError):
             client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=2, extra_body={"interp": interp})
     assert _steered(client, None).choices[0].text
+
+
+def _fuzzed(seed: int) -> Any:
+    """A request body whose ``interp`` field is random JSON of the shapes a client might send."""
+    import random
+
+    rng = random.Random(seed)
+    atoms: list[Any] = [None, True, 0, -1, 2**40, 1.5, float("inf"), "", "resid_post.1", "user[-1]", "all", [], {}]
+
+    def value(depth: int) -> Any:
+        kind = rng.random()
+        if depth > 2 or kind < 0.4:
+            return rng.choice(atoms)
+        if kind < 0.7:
+            return [value(depth + 1) for _ in range(rng.randint(0, 3))]
+        keys = ["steering", "features", "lens", "writes", "address", "vector", "op", "positions", "layers", "top_k"]
+        return {rng.choice(keys): value(depth + 1) for _ in range(rng.randint(0, 3))}
+
+    write = {"address": rng.choice(["resid_post.1", "attn_z.0", "mlp_post.9", "x"]), "vector": value(1)}
+    interp = rng.choice([value(0), {"steering": {"writes": [write]}}, {"lens": value(1)}, {"features": value(1)}])
+    return {"model": SERVED, "prompt": PROMPT, "max_tokens": 2, "interp": interp}
+
+
+def test_no_request_body_gets_a_5xx(server: VllmServe, client: openai.OpenAI) -> None:
+    for seed in range(60):
+        body = _fuzzed(seed)
+        answer = httpx.post(
+            f"{server.url}/v1/completions",
+            content=json.dumps(body),
+            headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+            timeout=60,
+        )
+        assert answer.status_code < 500, (body, answer.text)
+    huge = {"writes": [{"address": "resid_post.1", "vector": [0.5] * 2_000_000}]}
+    answer = _post(
+        server, "/v1/completions", {"model": SERVED, "prompt": PROMPT, "max_tokens": 2, "interp": {"steering": huge}}
+    )
+    assert 400 <= answer.status_code < 500
+    assert _steered(client, None).choices[0].text  # still serving
+
+
+def test_a_stream_closed_early_leaves_nothing_in_the_workers(server: VllmServe) -> None:
+    body = {
+        "model": SERVED,
+        "prompt": PROMPT,
+        "max_tokens": 64,
+        "stream": True,
+        "ignore_eos": True,
+        "interp": {"steering": _spec().to_dict(), "features": [READOUT], "lens": LENS},
+    }
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=headers, timeout=60) as answer:
+        lines = answer.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert "choices" in first
+    deadline = time.monotonic() + 15
+    while True:
+        stats = httpx.get(f"{server.url}/interp/v1/workers", headers=headers, timeout=30).json()["workers"]
+        if all(worker["live_requests"] == 0 for worker in stats) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert all(worker["live_requests"] == 0 for worker in stats), stats

@@ -22,7 +22,8 @@ What the server then has:
 - **Presets**: a model name from ``presets`` is the served model plus that spec, so a client that
   knows nothing of interp-engine gets the steered model; ``GET /v1/models`` lists them.
   ``PUT``/``DELETE /interp/v1/presets/{name}`` change them at run time (the next request sees the
-  change) on a server started with ``--api-key``.
+  change) on a server started with ``--api-key``. ``GET /interp/v1/workers``: each worker's
+  requests in flight, SAEs held and time spent in the taps.
 - **``/interp/...``**: the whole of ``interp serve``'s API over the same engine (``/interp/v1/
   capture``, ``/interp/v1/generate``, ``/interp/v1/points``, ...), with its schemas and tensor
   formats, behind the server's ``--api-key``.
@@ -285,7 +286,11 @@ class InterpEndpoints:
         async def list_presets() -> Any:
             return {name: spec.to_dict() for name, spec in endpoints.presets.items()}
 
+        async def workers() -> Any:
+            return {"workers": await model.worker_stats()}
+
         app.add_api_route("/v1/presets", list_presets, methods=["GET"])
+        app.add_api_route("/v1/workers", workers, methods=["GET"])
         app.add_api_route("/v1/presets/{name}", put_preset, methods=["PUT"])
         app.add_api_route("/v1/presets/{name}", delete_preset, methods=["DELETE"])
         return app
