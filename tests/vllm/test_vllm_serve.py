@@ -420,3 +420,24 @@ def test_a_stream_closed_early_leaves_nothing_in_the_workers(server: VllmServe) 
             break
         time.sleep(0.2)
     assert all(worker["live_requests"] == 0 for worker in stats), stats
+
+
+def test_saes_are_attached_and_detached_at_run_time(server: VllmServe, client: openai.OpenAI) -> None:
+    headers = {"Authorization": f"Bearer {KEY}"}
+    path = str(shipped_saes()["interp:tiny-sae"])
+    answer = httpx.put(f"{server.url}/interp/v1/saes/late", json={"path": path}, headers=headers, timeout=60)
+    assert answer.status_code == 200, answer.text
+    clamp = SteeringSpec([FeatureWrite("late", 3, op="clamp", value=50.0)])
+    same = SteeringSpec([FeatureWrite("res", 3, op="clamp", value=50.0)])
+    assert _steered(client, clamp).choices[0].text == _steered(client, same).choices[0].text
+    readout = client.completions.create(
+        model=SERVED, prompt=PROMPT, max_tokens=2, extra_body={"interp": {"features": ["features:late:top4"]}}
+    )
+    assert readout.model_extra is not None and len(readout.model_extra["interp"]["steps"]) == 2
+    for bad in ({"path": "/nonexistent"}, {"folder": path}, ["x"]):
+        refused = httpx.put(f"{server.url}/interp/v1/saes/other", json=bad, headers=headers, timeout=60)
+        assert 400 <= refused.status_code < 500, refused.text
+    assert httpx.delete(f"{server.url}/interp/v1/saes/late", headers=headers, timeout=60).status_code == 200
+    with pytest.raises(openai.BadRequestError):
+        _steered(client, clamp)
+    assert httpx.delete(f"{server.url}/interp/v1/saes/late", headers=headers, timeout=60).status_code == 400

@@ -23,7 +23,9 @@ What the server then has:
   knows nothing of interp-engine gets the steered model; ``GET /v1/models`` lists them.
   ``PUT``/``DELETE /interp/v1/presets/{name}`` change them at run time (the next request sees the
   change) on a server started with ``--api-key``. ``GET /interp/v1/workers``: each worker's
-  requests in flight, SAEs held and time spent in the taps.
+  requests in flight, SAEs held and time spent in the taps. ``PUT /interp/v1/saes/{name}``
+  (``{"path": FOLDER}``, read on the server) and ``DELETE`` attach and detach SAEs at run time, on a
+  server started with ``--api-key``.
 - **``/interp/...``**: the whole of ``interp serve``'s API over the same engine (``/interp/v1/
   capture``, ``/interp/v1/generate``, ``/interp/v1/points``, ...), with its schemas and tensor
   formats, behind the server's ``--api-key``.
@@ -266,7 +268,7 @@ class InterpEndpoints:
 
         def check_key() -> None:
             if not endpoints.api_keys:
-                raise HTTPException(403, "presets change at run time only on a server started with --api-key")
+                raise HTTPException(403, "presets and SAEs change at run time only on a server started with --api-key")
 
         async def put_preset(name: str, request: Request) -> Any:
             check_key()
@@ -289,8 +291,28 @@ class InterpEndpoints:
         async def workers() -> Any:
             return {"workers": await model.worker_stats()}
 
+        async def put_sae(name: str, request: Request) -> Any:
+            check_key()
+            try:
+                body = json.loads(await request.body())
+            except ValueError as exc:
+                raise InvalidOption(f"the body is {{'path': FOLDER}}: {exc}") from None
+            if not isinstance(body, dict) or set(body) != {"path"} or not isinstance(body["path"], str):
+                raise InvalidOption("the body is {'path': FOLDER}: a folder load_sae reads, on the server")
+            if name in model.saes:
+                model.detach_sae(name)  # a request in flight keeps the SAE it was checked with
+            model.attach_sae(name, load_sae(body["path"]))
+            return {"name": name, "saes": sorted(model.saes)}
+
+        async def delete_sae(name: str) -> Any:
+            check_key()
+            model.detach_sae(name)
+            return {"name": name, "saes": sorted(model.saes)}
+
         app.add_api_route("/v1/presets", list_presets, methods=["GET"])
         app.add_api_route("/v1/workers", workers, methods=["GET"])
+        app.add_api_route("/v1/saes/{name}", put_sae, methods=["PUT"])
+        app.add_api_route("/v1/saes/{name}", delete_sae, methods=["DELETE"])
         app.add_api_route("/v1/presets/{name}", put_preset, methods=["PUT"])
         app.add_api_route("/v1/presets/{name}", delete_preset, methods=["DELETE"])
         return app
