@@ -270,12 +270,16 @@ class InterpEndpoints:
             if not endpoints.api_keys:
                 raise HTTPException(403, "presets and SAEs change at run time only on a server started with --api-key")
 
-        async def put_preset(name: str, request: Request) -> Any:
+        async def keyed_body(request: Request, error: type[InterpError], shape: str) -> Any:
+            """The JSON body of a change to the server (one started with a key)."""
             check_key()
             try:
-                spec = json.loads(await request.body())
+                return json.loads(await request.body())
             except ValueError as exc:
-                raise InvalidSteering(f"the body is a steering spec's JSON: {exc}") from None
+                raise error(f"the body is {shape}: {exc}") from None
+
+        async def put_preset(name: str, request: Request) -> Any:
+            spec = await keyed_body(request, InvalidSteering, "a steering spec's JSON")
             endpoints.set_preset(name, spec)
             return {"name": name, "presets": sorted(endpoints.presets)}
 
@@ -292,11 +296,7 @@ class InterpEndpoints:
             return {"workers": await model.worker_stats()}
 
         async def put_sae(name: str, request: Request) -> Any:
-            check_key()
-            try:
-                body = json.loads(await request.body())
-            except ValueError as exc:
-                raise InvalidOption(f"the body is {{'path': FOLDER}}: {exc}") from None
+            body = await keyed_body(request, InvalidOption, "{'path': FOLDER}")
             if not isinstance(body, dict) or set(body) != {"path"} or not isinstance(body["path"], str):
                 raise InvalidOption("the body is {'path': FOLDER}: a folder load_sae reads, on the server")
             if name in model.saes:
