@@ -112,3 +112,12 @@ def test_an_interp_object_is_read_from_the_body_or_vllm_xargs() -> None:
         with pytest.raises(_endpoints.Refused):
             endpoints._call_of(SimpleNamespace(model="m", model_extra={}, vllm_xargs={"interp": bad}))
     assert endpoints._call_of(SimpleNamespace(model="m", model_extra={}, vllm_xargs=None)) is None
+
+
+def test_the_interp_routes_take_the_keys_vllms_own_routes_take(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    assert _endpoints.api_keys(SimpleNamespace(api_key=None)) == ("from-env",)
+    assert _endpoints.api_keys(SimpleNamespace(api_key=["a", "b"])) == ("a", "b")  # the flag wins, as in vLLM
+    monkeypatch.delenv("VLLM_API_KEY")
+    assert _endpoints.api_keys(SimpleNamespace(api_key=None)) == ()
+    assert _endpoints.api_keys(SimpleNamespace(api_key=[""])) == ()

@@ -226,14 +226,18 @@ class InterpEndpoints:
             options["capture_memory_bytes"] = config["capture_memory_bytes"]
         model = VllmModel(model_config.model, options)
         await model.serve_engine(engine)
-        for name, path in dict(config.get("saes") or {}).items():
-            model.attach_sae(str(name), load_sae(str(path)))
-        self.base_names = tuple(getattr(args, "served_model_name", None) or [model_config.model])
-        for name, spec in dict(config.get("presets") or {}).items():
-            self.set_preset(str(name), spec)
-        keys = getattr(args, "api_key", None)
-        self.api_keys = tuple([keys] if isinstance(keys, str) else list(keys or ()))
-        self.model = model
+        try:
+            for name, path in dict(config.get("saes") or {}).items():
+                model.attach_sae(str(name), load_sae(str(path)))
+            self.base_names = tuple(getattr(args, "served_model_name", None) or [model_config.model])
+            self.model = model  # presets are checked against it
+            for name, spec in dict(config.get("presets") or {}).items():
+                self.set_preset(str(name), spec)
+        except BaseException:
+            self.model = None
+            await model.shutdown()  # its own resources only: the engine is vLLM's
+            raise
+        self.api_keys = api_keys(args)
         self._wrap_generate(engine)
         self._interp_app = self._build_interp_app(model)
         self.refusal = None
@@ -582,6 +586,15 @@ class InterpEndpoints:
             return JSONResponse(body, status_code=response.status_code)
 
         return models
+
+
+def api_keys(args: Any) -> tuple[str, ...]:
+    """The keys vLLM's server takes: its ``--api-key`` values, else ``VLLM_API_KEY``."""
+    given = getattr(args, "api_key", None)
+    listed = [given] if isinstance(given, str) else list(given or ())
+    if not listed:
+        listed = [os.environ.get("VLLM_API_KEY", "")]
+    return tuple(key for key in listed if key)
 
 
 def _readouts_asked(given: Mapping[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any] | None]:
