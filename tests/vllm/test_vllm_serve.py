@@ -81,6 +81,16 @@ def _steered(
     )
 
 
+def _chat(
+    client: openai.OpenAI, messages: list[dict[str, str]], spec: SteeringSpec | None = None, **options: Any
+) -> Any:
+    """A greedy chat completion of 8 tokens, with ``spec`` sent per request."""
+    extra = {"interp": {"steering": spec.to_dict()}} if spec is not None else None
+    return client.chat.completions.create(
+        model=SERVED, messages=messages, max_tokens=8, temperature=0, extra_body=extra, **options
+    )
+
+
 def _python_api(server: VllmServe, spec: SteeringSpec | None, max_tokens: int = 8) -> list[int]:
     """The same completion through the Python API's model on the same engine (``/interp``)."""
     body: dict[str, Any] = {"text": PROMPT, "max_tokens": max_tokens}
@@ -130,21 +140,8 @@ def test_a_streamed_chat_equals_the_whole_one_and_span_names_equal_positions(
 ) -> None:
     messages = [{"role": "user", "content": "Tell me about Paris."}]
     named = _spec(3.0, positions="user[-1]")
-    whole = client.chat.completions.create(
-        model=SERVED,
-        messages=messages,
-        max_tokens=8,
-        temperature=0,
-        extra_body={"interp": {"steering": named.to_dict()}},
-    )
-    chunks = client.chat.completions.create(
-        model=SERVED,
-        messages=messages,
-        max_tokens=8,
-        temperature=0,
-        stream=True,
-        extra_body={"interp": {"steering": named.to_dict()}},
-    )
+    whole = _chat(client, messages, named)
+    chunks = _chat(client, messages, named, stream=True)
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == whole.choices[0].message.content
     # the same write at the positions the span selects, found through the Python API's chat tokens
@@ -152,14 +149,8 @@ def test_a_streamed_chat_equals_the_whole_one_and_span_names_equal_positions(
     assert tokens.status_code == 200, tokens.text
     span = next(s for s in tokens.json()["chat"]["messages"] if s["role"] == "user")
     explicit = _spec(3.0, positions=list(range(span["start"], span["end"])))
-    by_hand = client.chat.completions.create(
-        model=SERVED,
-        messages=messages,
-        max_tokens=8,
-        temperature=0,
-        extra_body={"interp": {"steering": explicit.to_dict()}},
-    )
-    plain = client.chat.completions.create(model=SERVED, messages=messages, max_tokens=8, temperature=0)
+    by_hand = _chat(client, messages, explicit)
+    plain = _chat(client, messages)
     assert by_hand.choices[0].message.content == whole.choices[0].message.content
     assert plain.choices[0].message.content != whole.choices[0].message.content
 
