@@ -107,6 +107,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _results import Results  # bench/, the script's own directory
 from torch import nn
 
 # Everything is local: never let a loader reach for the hub.
@@ -125,24 +126,27 @@ TWO_LAYERS = (5, 10)
 ALL_LAYERS = tuple(range(N_LAYERS))
 REL_TOL = 1e-4
 
+# the code whose speed the figures measure
+MEASURES = ("packages/interp-eager/src/interp_eager", "packages/interp-core/src/interp_engine")
+
 VARIANTS = ("plain", "ie_2pts", "ie_all", "tl_2pts", "tl_all", "nn_2pts", "nn_all")
 EXTRA_VARIANTS = ("body",)  # opt-in (``--variants``): a reference, not a tool
 
 # (name, numerator, denominator, target): ratios of median times.
-RESULTS: tuple[tuple[str, str, str, str], ...] = (
-    ("ie_2pts_vs_plain", "ie_2pts", "plain", "0.80"),
-    ("ie_all_vs_plain", "ie_all", "plain", "0.95"),
-    ("ie_2pts_vs_tl", "ie_2pts", "tl_2pts", "1.00"),
-    ("ie_all_vs_tl", "ie_all", "tl_all", "1.00"),
-    ("ie_2pts_vs_nnsight", "ie_2pts", "nn_2pts", "1.00"),
-    ("ie_all_vs_nnsight", "ie_all", "nn_all", "1.00"),
-    ("tl_2pts_vs_plain", "tl_2pts", "plain", "-"),
-    ("tl_all_vs_plain", "tl_all", "plain", "-"),
-    ("nnsight_2pts_vs_plain", "nn_2pts", "plain", "-"),
-    ("nnsight_all_vs_plain", "nn_all", "plain", "-"),
+RESULTS: tuple[tuple[str, str, str, float | None], ...] = (
+    ("ie_2pts_vs_plain", "ie_2pts", "plain", 0.80),
+    ("ie_all_vs_plain", "ie_all", "plain", 0.95),
+    ("ie_2pts_vs_tl", "ie_2pts", "tl_2pts", 1.00),
+    ("ie_all_vs_tl", "ie_all", "tl_all", 1.00),
+    ("ie_2pts_vs_nnsight", "ie_2pts", "nn_2pts", 1.00),
+    ("ie_all_vs_nnsight", "ie_all", "nn_all", 1.00),
+    ("tl_2pts_vs_plain", "tl_2pts", "plain", None),
+    ("tl_all_vs_plain", "tl_all", "plain", None),
+    ("nnsight_2pts_vs_plain", "nn_2pts", "plain", None),
+    ("nnsight_all_vs_plain", "nn_all", "plain", None),
     # Only with ``--variants ...,body``: the capture cost over the bare transformer stack.
-    ("ie_2pts_vs_body", "ie_2pts", "body", "-"),
-    ("ie_all_vs_body", "ie_all", "body", "-"),
+    ("ie_2pts_vs_body", "ie_2pts", "body", None),
+    ("ie_all_vs_body", "ie_all", "body", None),
 )
 
 Call = Callable[[], Any]
@@ -646,6 +650,7 @@ def report(
     times: dict[str, list[float]],
     memory: dict[str, dict[str, Any]],
     versions: dict[str, str],
+    results: Results,
 ) -> None:
     medians = {n: statistics.median(t) for n, t in times.items()}
     base = medians.get("plain")
@@ -676,8 +681,12 @@ def report(
     for label, num, den, target in RESULTS:
         if any(v in EXTRA_VARIANTS and v not in medians for v in (num, den)):
             continue
-        value = f"{medians[num] / medians[den]:.3f}" if num in medians and den in medians else "n/a"
-        print(f"RESULT {label} {value} (target {target})")
+        if num in medians and den in medians:
+            per_round = [a / b for a, b in zip(times[num], times[den], strict=False)]
+            results.add(label, medians[num] / medians[den], target, rounds=per_round, better="lower")
+        else:
+            results.add(label, None, target, better="lower")
+    results.write()
 
 
 def _versions() -> dict[str, str]:
@@ -758,7 +767,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                 memory[name] = {"peak": peak, "held": held, "method": "cuda"}
         else:
             memory = cpu_peaks(args, list(calls))
-    report(setup, times, memory, _versions())
+    name = "eager_overhead_narrow" if args.narrow else "eager_overhead"
+    # a run of another shape than the defaults' (or a smoke run) prints its figures, records none
+    default_shape = (args.batch, args.seq) == ((1, NARROW_SEQ) if args.narrow else (BATCH, SEQ))
+    record = not args.quick and default_shape and args.device == "cpu"
+    report(setup, times, memory, _versions(), Results(name, MEASURES, record=record))
 
 
 if __name__ == "__main__":

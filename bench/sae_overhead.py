@@ -52,7 +52,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import torch
-from _workers import steady_malloc  # bench/, the script's own directory
+from _results import Results  # bench/, the script's own directory
+from _workers import steady_malloc
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
@@ -60,6 +61,8 @@ from vllm_overhead import build_model, plain_run
 
 from interp_engine import Address, Features, FeatureWrite, Sae, SteeringSpec, load_model
 
+# the code whose speed the figures measure
+MEASURES = ("packages/interp-vllm/src/interp_vllm", "packages/interp-core/src/interp_engine/sae", "bench/_workers.py")
 GEN_TOKENS = 32
 WIDTH = 16  # d_sae / d_model
 K = 32
@@ -114,14 +117,14 @@ async def timed(run: Callable[[], Awaitable[int]]) -> float:
 
 async def measure(
     plain: Callable[[], Awaitable[int]], variants: dict[str, Callable[[], Awaitable[int]]], rounds: int, stage: str
-) -> tuple[float, dict[str, float], dict[str, float]]:
+) -> tuple[float, dict[str, float], dict[str, list[float]]]:
     """Tokens/s of ``plain`` and of each variant, and each variant against ``plain``.
 
     After one untimed pass of each, every round runs ``plain`` between consecutive variants
     (``plain, a, plain, b, plain``; the variants' order reversed every other round), and a
     variant's ratio in that round is its rate over the mean of the two ``plain`` runs beside it:
     on a machine whose speed drifts (a shared 2-core VM) the pairs are measured close together.
-    Reported: the median rate of each, and each variant's median ratio over the rounds."""
+    Reported: the median rate of each, and each variant's ratios, one per round."""
     await plain()
     for run in variants.values():
         await run()
@@ -151,8 +154,7 @@ async def measure(
             flush=True,
         )
     median = {name: statistics.median(values) for name, values in rates.items()}
-    ratio = {name: statistics.median(values) for name, values in ratios.items()}
-    return statistics.median(plain_rates), median, ratio
+    return statistics.median(plain_rates), median, ratios
 
 
 async def bytes_per_token(model: Any, prompts: list[list[int]], points: list[Any]) -> float:
@@ -192,7 +194,7 @@ def worker_ms(before: dict[str, int], after: dict[str, int]) -> str:
     return f"{steps} steps, {step:.1f} ms/step ({forward:.1f} ms in the forward, {sae:.1f} ms of it SAE work)"
 
 
-async def dynamic_stage(path: pathlib.Path, args: argparse.Namespace) -> dict[str, float]:
+async def dynamic_stage(path: pathlib.Path, args: argparse.Namespace) -> dict[str, Any]:
     model = load_model(path, backend="vllm", max_model_len=512)
     try:
         await model.warmup()
@@ -207,9 +209,10 @@ async def dynamic_stage(path: pathlib.Path, args: argparse.Namespace) -> dict[st
             "readouts": lambda: readout_run(model, prompts, [top]),
             "clamp": lambda: steer_run(model, prompts, clamp),
         }
-        plain_rate, median, ratio = await measure(
+        plain_rate, median, rounds = await measure(
             variants["plain"], {k: v for k, v in variants.items() if k != "plain"}, args.rounds, "vllm"
         )
+        ratio = {name: statistics.median(values) for name, values in rounds.items()}
         for name, run in variants.items():  # where the worker's time goes, one pass each
             (before,) = await model.worker_stats()
             await run()
@@ -228,14 +231,10 @@ async def dynamic_stage(path: pathlib.Path, args: argparse.Namespace) -> dict[st
     print(f"{'plain':<10} {plain_rate:>15.1f}")
     for name, rate in median.items():
         print(f"{name:<10} {rate:>15.1f} {ratio[name]:>36.3f}")
-    return {
-        "readouts": ratio["readouts"],
-        "clamp": ratio["clamp"],
-        **{f"bytes_{k}": v for k, v in sizes.items()},
-    }
+    return {"ratio": ratio, "rounds": rounds, **{f"bytes_{k}": v for k, v in sizes.items()}}
 
 
-async def static_stage(path: pathlib.Path, args: argparse.Namespace) -> dict[str, float]:
+async def static_stage(path: pathlib.Path, args: argparse.Namespace) -> dict[str, list[float]]:
     plain = load_model(path, backend="vllm", enforce_eager=False, max_model_len=512)
     await plain.warmup()
     info = plain.info
@@ -257,9 +256,10 @@ async def static_stage(path: pathlib.Path, args: argparse.Namespace) -> dict[str
             "static_clamp": (static, lambda: steer_run(static, prompts, clamp)),
         }
         reference = lambda: plain_tokens(plain, prompts)  # noqa: E731
-        plain_rate, median, ratio = await measure(
+        plain_rate, median, rounds = await measure(
             reference, {name: run for name, (_, run) in variants.items()}, args.rounds, "static"
         )
+        ratio = {name: statistics.median(values) for name, values in rounds.items()}
         for name, (engine, run) in [("plain", (plain, reference)), *variants.items()]:  # in-graph: inside the forward
             (before,) = await engine.worker_stats()
             await run()
@@ -272,26 +272,27 @@ async def static_stage(path: pathlib.Path, args: argparse.Namespace) -> dict[str
     print(f"{'plain compiled':<16} {plain_rate:>10.1f} tok/s")
     for name, rate in median.items():
         print(f"{name:<16} {rate:>10.1f} tok/s {ratio[name]:>7.3f} x plain compiled vLLM")
-    return ratio
+    return rounds
 
 
 async def main(args: argparse.Namespace) -> int:
     path = build_model("gpt2")
     print(f"workers allocate with: {steady_malloc(not args.default_malloc)}")
+    results = Results("sae_overhead", MEASURES, record=not args.quick)
     dynamic = await dynamic_stage(path, args)
     static = await static_stage(path, args) if args.static else {}
     print()
-    print(f"RESULT sae_readouts_vs_plain={dynamic['readouts']:.3f} (target 0.95)")
-    print(f"RESULT sae_clamp_vs_plain={dynamic['clamp']:.3f} (target 0.95)")
+    for name in ("readouts", "clamp"):
+        results.add(f"sae_{name}_vs_plain", dynamic["ratio"][name], 0.95, rounds=dynamic["rounds"][name])
     dense = dynamic["bytes_dense"]
     for dtype in ("f32", "f16"):
         size = dynamic[f"bytes_{dtype}"]
-        print(
-            f"RESULT bytes_per_token_readout_{dtype}={size:.1f} dense={dense:.1f} ratio={size / dense:.4f} "
-            f"(1/{dense / size:.1f}; target <= 1/20)"
-        )
-    for name, ratio in static.items():
-        print(f"RESULT sae_{name}_vs_plain_compiled={ratio:.3f} (target -)")
+        note = f"{size:.1f} bytes per token against {dense:.1f} dense (1/{dense / size:.1f})"
+        name = f"bytes_per_token_readout_{dtype}_vs_dense"
+        results.add(name, size / dense, 1 / 20, better="lower", note=note, digits=4)
+    for name, rounds in static.items():
+        results.add(f"sae_{name}_vs_plain_compiled", statistics.median(rounds), rounds=rounds)
+    results.write()
     return 0
 
 

@@ -46,13 +46,26 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import torch
-from _workers import steady_malloc  # bench/, the script's own directory
+from _results import Results  # bench/, the script's own directory
+from _workers import steady_malloc
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from vllm_overhead import GEN_TOKENS, build_model, capture_run, make_prompts, plain_run, steer_run, timed
 
 from interp_engine import Address, SteeringSpec, Write, load_model
+
+# the code whose speed the figures measure
+MEASURES = ("packages/interp-vllm/src/interp_vllm", "packages/interp-core/src/interp_engine", "bench/_workers.py")
+STATIC = (
+    "static_capture_1",
+    "static_steer_1",
+    "static_capture_steer_1",
+    "static_untapped",
+    "static_capture_z_1",
+    "static_ablate_head_1",
+    "static_capture_all",
+)
 
 
 async def capture_steer_run(model: Any, prompts: list[list[int]], points: list[Address], spec: SteeringSpec) -> int:
@@ -65,8 +78,8 @@ async def capture_steer_run(model: Any, prompts: list[list[int]], points: list[A
     return sum(len(completion.token_ids) for completion, _ in results)
 
 
-async def measure(variants: dict[str, Callable[[], Awaitable[int]]], rounds: int, stage: str) -> dict[str, float]:
-    """Median tokens/s per variant over ``rounds`` rounds (order reversed every other round),
+async def measure(variants: dict[str, Callable[[], Awaitable[int]]], rounds: int, stage: str) -> dict[str, list[float]]:
+    """Tokens/s per variant in each of ``rounds`` rounds (order reversed every other round),
     after one untimed pass of each; a pause before each timed run lets the other engine's
     workers stop polling."""
     for run in variants.values():
@@ -78,7 +91,7 @@ async def measure(variants: dict[str, Callable[[], Awaitable[int]]], rounds: int
             await asyncio.sleep(1.5)
             rates[name].append(await timed(variants[name]))
         print(f"{stage} round {round_index + 1}: " + ", ".join(f"{n} {rates[n][-1]:.1f}" for n in variants), flush=True)
-    return {name: statistics.median(values) for name, values in rates.items()}
+    return rates
 
 
 async def main(args: argparse.Namespace) -> int:
@@ -134,17 +147,20 @@ async def main(args: argparse.Namespace) -> int:
     ]
     rows: list[tuple[str, str, float, float]] = []  # stage, variant, tok/s, vs the reference
     relative: dict[str, float] = {}
+    per_round: dict[str, list[float]] = {}
     for stage, build, make_variants in stages:
         model = build()
         try:
             await model.warmup()
-            median = await measure({"plain": reference, **make_variants(model)}, args.rounds, stage)
+            rates = await measure({"plain": reference, **make_variants(model)}, args.rounds, stage)
+            median = {name: statistics.median(values) for name, values in rates.items()}
         finally:
             await model.shutdown()
         for name, rate in median.items():
             rows.append((stage, name, rate, rate / median["plain"]))
             if name != "plain":
                 relative[name] = rate / median["plain"]
+                per_round[name] = [r / p for r, p in zip(rates[name], rates["plain"], strict=True)]
     await plain.shutdown()
 
     print()
@@ -156,17 +172,14 @@ async def main(args: argparse.Namespace) -> int:
     def vs(a: str, b: str) -> float:
         return relative[a] / relative[b]
 
-    print(f"RESULT static_capture_1_vs_plain {relative['static_capture_1']:.3f} (target 0.95)")
-    print(f"RESULT static_steer_1_vs_plain {relative['static_steer_1']:.3f} (target 0.95)")
-    print(f"RESULT static_capture_steer_1_vs_plain {relative['static_capture_steer_1']:.3f} (target 0.95)")
-    print(f"RESULT static_untapped_vs_plain {relative['static_untapped']:.3f} (target 0.95)")
-    print(f"RESULT static_capture_z_1_vs_plain {relative['static_capture_z_1']:.3f} (target 0.95)")
-    print(f"RESULT static_ablate_head_1_vs_plain {relative['static_ablate_head_1']:.3f} (target 0.95)")
-    print(f"RESULT static_capture_all_vs_plain {relative['static_capture_all']:.3f} (target 0.95)")
-    print(f"RESULT static_vs_dynamic_capture_1 {vs('static_capture_1', 'dynamic_capture_1'):.3f} (target 1.50)")
-    print(f"RESULT static_vs_dynamic_steer_1 {vs('static_steer_1', 'dynamic_steer_1'):.3f} (target 1.50)")
+    results = Results("static_overhead", MEASURES, record=not args.quick)
+    for name in STATIC:
+        results.add(f"{name}_vs_plain", relative[name], 0.95, rounds=per_round[name])
+    results.add("static_vs_dynamic_capture_1", vs("static_capture_1", "dynamic_capture_1"), 1.5)
+    results.add("static_vs_dynamic_steer_1", vs("static_steer_1", "dynamic_steer_1"), 1.5)
     # what compiling buys vLLM itself here: static over dynamic cannot exceed it by much
-    print(f"RESULT compiled_vs_eager_plain {1 / relative['dynamic_untapped']:.3f} (target -)")
+    results.add("compiled_vs_eager_plain", 1 / relative["dynamic_untapped"])
+    results.write()
     return 0
 
 

@@ -69,7 +69,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import torch
-from _workers import steady_malloc  # bench/, the script's own directory
+from _results import Results  # bench/, the script's own directory
+from _workers import steady_malloc
 
 from interp_engine import Address, SteeringSpec, Write, load_model
 
@@ -212,18 +213,21 @@ async def timed(run: Callable[[], Awaitable[int]]) -> float:
     return tokens / (time.perf_counter() - start)
 
 
-TARGETS = {
-    "capture_1": "0.98",
-    "capture_all": "0.97",
-    "steer_1": "0.98",
-    "capture_z_1": "0.95",
-    "ablate_head_1": "0.95",
-    "capture_mlp_pre_1": "0.95",
-    "capture_scores_1": "-",
-    "capture_router_1": "0.95",
-    "lens_4": "0.90",
+TARGETS: dict[str, float | None] = {
+    "capture_1": 0.98,
+    "capture_all": 0.97,
+    "steer_1": 0.98,
+    "capture_z_1": 0.95,
+    "ablate_head_1": 0.95,
+    "capture_mlp_pre_1": 0.95,
+    "capture_scores_1": None,
+    "capture_router_1": 0.95,
+    "lens_4": 0.90,
 }
 
+
+# the code whose speed the figures measure
+MEASURES = ("packages/interp-vllm/src/interp_vllm", "packages/interp-core/src/interp_engine", "bench/_workers.py")
 
 WORKER_TIMES = ("step_ns", "forward_ns", "hook_ns", "copy_ns", "sae_ns", "lens_ns", "fetch_ns")
 
@@ -245,9 +249,10 @@ def spread(values: list[float]) -> float:
     return (max(values) - min(values)) / statistics.median(values) if values else float("nan")
 
 
-def report(median: dict[str, float], rates: dict[str, list[float]]) -> None:
+def report(results: Results, median: dict[str, float], rates: dict[str, list[float]]) -> None:
     """The table of medians and round spreads, a ``RESULT`` line per variant relative to
-    ``plain``, and, over two rounds or more, each variant's spread against ``plain``'s."""
+    ``plain`` (its rounds: each round's rate over plain's in the same round), and, over two
+    rounds or more, each variant's spread against ``plain``'s."""
     print()
     print(f"{'variant':<18} {'tok/s (median)':>15} {'vs plain':>9} {'spread':>7}")
     for name, rate in median.items():
@@ -255,16 +260,15 @@ def report(median: dict[str, float], rates: dict[str, list[float]]) -> None:
     print()
     for name, rate in median.items():
         if name != "plain":
-            print(f"RESULT {name}_vs_plain {rate / median['plain']:.3f} (target {TARGETS[name]})")
+            per_round = [r / p for r, p in zip(rates[name], rates["plain"], strict=False)]
+            results.add(f"{name}_vs_plain", rate / median["plain"], TARGETS[name], rounds=per_round)
     if len(rates["plain"]) >= 2:
         for name in median:
             if name != "plain":
-                print(
-                    f"RESULT {name}_spread {spread(rates[name]):.3f} (target <= plain's {spread(rates['plain']):.3f})"
-                )
+                results.add(f"{name}_spread", spread(rates[name]), spread(rates["plain"]), better="lower")
 
 
-def report_lens(lens: Any, sizes: tuple[float, float] | None) -> None:
+def report_lens(results: Results, lens: Any, sizes: tuple[float, float] | None) -> None:
     if sizes is None:
         return
     per_token, dense = sizes
@@ -273,11 +277,12 @@ def report_lens(lens: Any, sizes: tuple[float, float] | None) -> None:
         f"the engine; capturing those {len(lens.layers)} layers densely: {dense:.0f} bytes per position "
         f"({dense / per_token:.1f}x)"
     )
-    print(f"RESULT lens_4_bytes_per_token {per_token:.0f} (target -)")
-    print(f"RESULT dense_4_bytes_per_token {dense:.0f} (target -)")
+    results.add("lens_4_bytes_per_token", per_token, digits=0)
+    results.add("dense_4_bytes_per_token", dense, digits=0)
 
 
 async def main(args: argparse.Namespace) -> int:
+    results = Results("vllm_overhead", MEASURES, record=not args.quick)
     path = pathlib.Path(args.model) if args.model else build_model(args.family)
     print(f"workers allocate with: {steady_malloc(not args.default_malloc)}")
     model = load_model(path, backend="vllm", max_model_len=512)
@@ -350,8 +355,9 @@ async def main(args: argparse.Namespace) -> int:
     lens_sizes = await lens_bytes(model, prompts[:8], lens) if "lens_4" in variants else None
     if args.only:
         await model.shutdown()
-        report(median, rates)
-        report_lens(lens, lens_sizes)
+        report(results, median, rates)
+        report_lens(results, lens, lens_sizes)
+        results.write()
         return 0
 
     point = [Address("resid_post", middle)]
@@ -364,17 +370,18 @@ async def main(args: argparse.Namespace) -> int:
     extra = await scores_cost(model, middle, lengths) if "attn_scores" in served else []
     await model.shutdown()
 
-    report(median, rates)
-    report_lens(lens, lens_sizes)
+    report(results, median, rates)
+    report_lens(results, lens, lens_sizes)
     print(f"32 captures: concurrent {concurrent:.2f} s, sequential {sequential:.2f} s")
     print(f"32 plain vLLM prefills: concurrent {plain_concurrent:.2f} s, sequential {plain_sequential:.2f} s")
     if extra:
         for length, seconds in zip(lengths, extra, strict=True):
             print(f"attn_scores.{middle}, one request, {length}-token prompt: {seconds * 1e3:+.2f} ms per token")
         slope = (extra[-1] - extra[0]) / (lengths[-1] - lengths[0]) * 100
-        print(f"RESULT capture_scores_1_extra_ms_per_token_per_100_context {slope * 1e3:.3f} (target -)")
-    print(f"RESULT concurrent_vs_sequential {sequential / concurrent:.2f} (target 8.00)")
-    print(f"RESULT plain_vllm_concurrent_vs_sequential {plain_sequential / plain_concurrent:.2f} (target -)")
+        results.add("capture_scores_1_extra_ms_per_token_per_100_context", slope * 1e3)
+    results.add("concurrent_vs_sequential", sequential / concurrent, 8.0, digits=2)
+    results.add("plain_vllm_concurrent_vs_sequential", plain_sequential / plain_concurrent, digits=2)
+    results.write()
     return 0
 
 

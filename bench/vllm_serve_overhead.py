@@ -60,7 +60,8 @@ from typing import Any
 
 import httpx
 import torch
-from _workers import steady_malloc  # bench/, the script's own directory
+from _results import Results  # bench/, the script's own directory
+from _workers import steady_malloc
 from sae_overhead import random_sae
 from vllm_overhead import GEN_TOKENS, build_model, make_prompts
 
@@ -77,7 +78,13 @@ LENS_LAYERS = [2, 5, 8, 11]
 READOUT = f"features:{SAE_NAME}:top8"
 ARGS = ["--served-model-name", SERVED, "--enforce-eager", "--dtype", "float32", "--max-model-len", "512"]
 BASELINE = "plain_without_plugin"
-TARGETS = {"plain": "0.98", "steer_1": "0.95", "preset": "0.95", "lens_4": "0.90", "readouts": "0.90"}
+TARGETS = {"plain": 0.98, "steer_1": 0.95, "preset": 0.95, "lens_4": 0.90, "readouts": 0.90}
+# the code whose speed the figures measure
+MEASURES = (
+    "packages/interp-vllm/src/interp_vllm",
+    "packages/interp-core/src/interp_engine/server",
+    "bench/_workers.py",
+)
 
 
 def server_config(spec: SteeringSpec, sae_path: pathlib.Path) -> str:
@@ -160,7 +167,7 @@ def spread(values: list[float]) -> float:
     return (max(values) - min(values)) / statistics.median(values) if values else float("nan")
 
 
-def report(rates: dict[str, list[float]]) -> None:
+def report(results: Results, rates: dict[str, list[float]]) -> None:
     median = {name: statistics.median(values) for name, values in rates.items()}
     base = median[BASELINE]
     print()
@@ -170,10 +177,14 @@ def report(rates: dict[str, list[float]]) -> None:
     print()
     for name, rate in median.items():
         if name != BASELINE:
-            print(f"RESULT {name}_vs_{BASELINE} {rate / base:.3f} (target {TARGETS[name]})")
+            per_round = [r / b for r, b in zip(rates[name], rates[BASELINE], strict=True)]
+            results.add(f"{name}_vs_{BASELINE}", rate / base, TARGETS[name], rounds=per_round)
+    results.write()
 
 
-async def measure(a: VllmServe, b: VllmServe, prompts: list[list[int]], spec: SteeringSpec, rounds: int) -> None:
+async def measure(
+    results: Results, a: VllmServe, b: VllmServe, prompts: list[list[int]], spec: SteeringSpec, rounds: int
+) -> None:
     import openai
 
     steering = {"interp": {"steering": spec.to_dict()}}
@@ -201,7 +212,7 @@ async def measure(a: VllmServe, b: VllmServe, prompts: list[list[int]], spec: St
             for name in order:
                 rates[name].append(await timed(variants[name]))
             print(f"round {index + 1}: " + ", ".join(f"{n} {rates[n][-1]:.1f} tok/s" for n in variants), flush=True)
-    report(rates)
+    report(results, rates)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -234,7 +245,8 @@ def main(args: argparse.Namespace) -> int:
         b.wait(900)
         check_servers(a, b)
         print(f"A (with the plugin) at {a.url}, B (without) at {b.url}", flush=True)
-        asyncio.run(measure(a, b, prompts, spec, args.rounds))
+        results = Results("vllm_serve_overhead", MEASURES, record=not args.quick)
+        asyncio.run(measure(results, a, b, prompts, spec, args.rounds))
     finally:
         for server in servers:
             server.stop()
