@@ -70,6 +70,10 @@ _PROBE_ACTIVATIONS: dict[str | None, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
+READ_BLOCK_BYTES = 8 << 20
+"""How many bytes of pre-activations :meth:`SaeMath.read` encodes at a time."""
+
+
 @dataclass
 class Encoded:
     """One batch of rows through an SAE's encoder (:meth:`SaeMath.encode`)."""
@@ -207,6 +211,35 @@ class SaeMath(nn.Module):
             top, ids = features.topk(self.kept(width), dim=-1)
         return Encoded(x32, pre, top, ids, features, denorm)
 
+    def read(
+        self, x: torch.Tensor, width: int, *, dense: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Rows ``x`` encoded for readouts: the :meth:`kept` ``(width)`` largest features per
+        row (values and ids, sorted), the reconstruction error norms (SAEs that decode back to
+        their input, else ``None``) and, if ``dense``, every feature. Encoded a block of rows at
+        a time (:data:`READ_BLOCK_BYTES` of pre-activations per block), so that a prefill step's
+        thousands of rows never hold a whole ``[rows, d_sae]`` matrix: each block's
+        pre-activations stay in cache for the top-k and are reused from the allocator's heap
+        rather than mapped afresh (on the CPU; an accelerator encodes every row at once). Each
+        row's arithmetic does not depend on the rows beside it, so the blocks give what one
+        encode of every row gives."""
+        rows = x.reshape(-1, self.d_in)
+        block = max(16, READ_BLOCK_BYTES // (4 * self.d_sae)) if rows.device.type == "cpu" else rows.shape[0]
+        kept = self.kept(width)
+        parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = []
+        for start in range(0, max(rows.shape[0], 1), block):
+            enc = self.encode(rows[start : start + block], width, dense=dense)
+            error = self.error(enc) if self.has_error else None
+            features = enc.features if dense else None
+            parts.append((enc.top[:, :kept], enc.ids[:, :kept], error, features))
+        if len(parts) == 1:
+            return parts[0]
+        top = torch.cat([part[0] for part in parts])
+        ids = torch.cat([part[1] for part in parts])
+        errors = [part[2] for part in parts if part[2] is not None]
+        dense_parts = [part[3] for part in parts if part[3] is not None]
+        return top, ids, torch.cat(errors) if errors else None, torch.cat(dense_parts) if dense_parts else None
+
     def error(self, enc: Encoded) -> torch.Tensor:
         """``|x - reconstruct(x)|`` per row (SAEs that decode back to their input)."""
         if self.k is not None:  # the k decoder rows, weighted
@@ -231,12 +264,52 @@ class SaeMath(nn.Module):
             if enc.features is None:
                 raise RuntimeError("the SAE encode kept no features to read from")
             current = enc.features.gather(-1, feature)
+        return self._clamped(enc.x, current, feature, value, enc.denorm)
+
+    def clamp_rows(self, x: torch.Tensor, feature: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """:meth:`clamp` of rows ``x`` (``[n, d_in]``), computing only what the clamped features
+        need: their own pre-activations (one column of the encoder per distinct feature), and,
+        for a TopK SAE, the whole encode of just the rows whose clamped feature's pre-activation
+        is positive (whether it is among the row's top ``k``: elsewhere it is 0 either way).
+        Equal to :meth:`clamp` of a whole encode to float32 rounding; the row selection makes its
+        shapes depend on the values, so the compiled graph keeps :meth:`clamp`."""
+        x32 = x.reshape(-1, self.d_in).float()
+        sae_in, denorm = self._normalise(x32)
+        if self.b_dec_in:
+            sae_in = sae_in - self.b_dec
+        flat = feature.reshape(-1)
+        wanted, where = torch.unique(flat, return_inverse=True)
+        pre = torch.addmm(self.b_enc[wanted], sae_in, self.W_enc[:, wanted]).gather(-1, where.unsqueeze(-1))
+        if self.rescale:
+            pre = pre * self.dec_norm[feature]
+        if self.k is None:
+            current = self._activate_at(pre, feature)
+        else:
+            current = torch.zeros_like(pre)
+            rows = torch.nonzero(pre.squeeze(-1) > 0).flatten()
+            if rows.numel():
+                enc = self.encode(x32[rows], 0)
+                mine = feature[rows]
+                member = (enc.ids == mine).any(-1, keepdim=True)
+                fired = enc.pre.gather(-1, mine).relu()
+                current[rows] = torch.where(member, fired, torch.zeros_like(fired))
+        return self._clamped(x32, current, feature, value, denorm)
+
+    def _activate_at(self, pre: torch.Tensor, feature: torch.Tensor) -> torch.Tensor:
+        """:meth:`_activate` of pre-activations ``pre`` (``[n, 1]``) of features ``feature``."""
+        if self.architecture in ("jumprelu", "jumprelu_transcoder", "jumprelu_skip_transcoder"):
+            return torch.relu(pre) * (pre > self.threshold[feature]).to(pre.dtype)
+        return self._activate(pre)
+
+    def _clamped(
+        self, x32: torch.Tensor, current: torch.Tensor, feature: torch.Tensor, value: torch.Tensor, denorm: Any
+    ) -> torch.Tensor:
         direction = self.W_dec[feature.squeeze(-1)]
         if self.rescale:
             direction = direction * (1 / self.dec_norm[feature])
-        mul, div, _ = enc.denorm
+        mul, div, _ = denorm
         direction = self._denorm(direction, mul, div, None)
-        return enc.x + (value - current) * direction
+        return x32 + (value - current) * direction
 
 
 def pick(

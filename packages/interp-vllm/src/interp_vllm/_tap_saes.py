@@ -58,12 +58,12 @@ class SaeTaps(TapBase):
             width = max((spec.width(sae.d_sae) for spec in specs if spec.top_k is not None), default=1)
             dense = any(spec.top_k is None for spec in specs)
             rows = torch.cat([torch.nonzero(keeps[i]).flatten() + readers[i].start for i in indices])
-            enc = math.encode(value[rows.to(value.device)], width, dense=dense)
+            top, ids, error, features = math.read(value[rows.to(value.device)], width, dense=dense)
             kept = math.kept(width)
             layout = SaeLayout(kept, complete=kept >= width or kept == sae.k, dense=dense)
-            error = math.error(enc).to("cpu") if math.has_error else None
-            top, ids = enc.top[:, :kept].to("cpu"), enc.ids[:, :kept].to("cpu")
-            features = enc.features.to("cpu") if dense and enc.features is not None else None
+            top, ids = top.to("cpu"), ids.to("cpu")
+            error = None if error is None else error.to("cpu")
+            features = None if features is None else features.to("cpu")
             whole = {  # each distinct readout once over the batch, then each reader's rows of it
                 spec: compact(
                     pick(spec, layout, sae.d_sae, math.sparse, top, ids, error, features), spec.dtype, sae.d_sae
@@ -82,7 +82,9 @@ class SaeTaps(TapBase):
                         sl.taps.readout_values[spec].append((positions, whole[spec][part]))
 
     def _apply_features(self, value: torch.Tensor, group: list[tuple[Slice, WriteTable]]) -> bool:
-        """Feature clamps (or ablations) of one SAE for several requests, in one encode (whole
+        """Feature clamps (or ablations) of one SAE for several requests, in one batched pass
+        (:meth:`SaeMath.clamp_rows <._static_sae.SaeMath.clamp_rows>`: the clamped features'
+        own pre-activations, and a TopK SAE's whole encode only of the rows that need it; whole
         rows: the SAE's address is never sharded)."""
         rows, features, targets = [], [], []
         for sl, table in group:
@@ -103,7 +105,6 @@ class SaeTaps(TapBase):
         math = self._math(sl.taps.saes[table.write.sae], value.device)
         index = torch.cat(rows).to(value.device)
         current = value[index]
-        enc = math.encode(current, 0, dense=math.k is None)  # no readout: keep no top features
-        out = math.clamp(enc, torch.cat(features).to(value.device), torch.cat(targets).to(value.device))
+        out = math.clamp_rows(current, torch.cat(features).to(value.device), torch.cat(targets).to(value.device))
         value[index] = out.reshape(current.shape).to(value.dtype)
         return True
