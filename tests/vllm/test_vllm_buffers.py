@@ -148,6 +148,21 @@ def test_a_read_region_returns_with_its_tensor_and_is_reused(slab: Slab) -> None
     assert all(segment.used == 0 for segment in slab.segments.values())
 
 
+def test_a_region_whose_tensor_went_before_its_release_is_freed_once(slab: Slab) -> None:
+    """A request that drops what it read before its reservation ends (a server answer made of a
+    few of the rows): the release that follows must not free the region a second time, or two
+    later requests would share it."""
+    [region] = slab.allocate([(8, [64])])
+    view = slab.read(region, 8)
+    del view
+    gc.collect()  # back in the slab
+    slab.release([region])  # and not again
+    first, second = slab.allocate([(8, [64]), (8, [64])])
+    assert (first.segment, first.offset) != (second.segment, second.offset)
+    slab.release([first, second])
+    assert all(segment.used == 0 for segment in slab.segments.values())
+
+
 def test_regions_are_aligned_to_their_rows_and_segments_grow(slab: Slab, monkeypatch: Any) -> None:
     monkeypatch.setattr("interp_vllm._buffers.SEGMENT_BYTES", 1 << 16)
     regions = slab.allocate([(3, [5]), (400, [64]), (1, [7, 3])])

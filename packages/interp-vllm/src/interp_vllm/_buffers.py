@@ -322,6 +322,7 @@ class Slab:
         self.segments: dict[str, _Segment] = {}
         self._lock = threading.Lock()
         self._read: set[tuple[str, int]] = set()
+        self._live: set[tuple[str, int]] = set()  # allocated and not yet freed: a region is freed once
 
     @property
     def size(self) -> int:
@@ -346,11 +347,13 @@ class Slab:
         for segment in self.segments.values():
             offset = segment.allocate(length, step)
             if offset is not None:
+                self._live.add((segment.path, offset))
                 return Region(segment.path, offset, rows, list(shape))
         segment = self._add(max(SEGMENT_BYTES, length + step))
         offset = segment.allocate(length, step)
         if offset is None:  # pragma: no cover - a fresh segment is larger than the region
             raise BackendError(f"a new slab segment of {segment.size} bytes cannot hold {length}")
+        self._live.add((segment.path, offset))
         return Region(segment.path, offset, rows, list(shape))
 
     def _add(self, size: int) -> _Segment:
@@ -368,13 +371,18 @@ class Slab:
         return segment
 
     def release(self, regions: Iterable[Region]) -> None:
-        """Return the regions that were not read (their request failed or was cancelled)."""
+        """Return the regions that were not read (their request failed or was cancelled); a read
+        one whose tensor is already freed is already back."""
         with self._lock:
             self._free([r for r in regions if (r.segment, r.offset) not in self._read])
 
     def _free(self, regions: Iterable[Region]) -> None:
         for region in regions:
-            self._read.discard((region.segment, region.offset))
+            key = (region.segment, region.offset)
+            if key not in self._live:  # freed already: its tensor went before the request's release
+                continue
+            self._live.discard(key)
+            self._read.discard(key)
             segment = self.segments.get(region.segment)
             if segment is not None:
                 segment.release(region.offset, region.rows * region.row_bytes)
