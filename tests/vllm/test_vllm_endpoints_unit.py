@@ -35,8 +35,9 @@ def test_the_entry_point_is_a_zero_argument_factory_with_vllms_plugin_shape() ->
         (None, "no engine"),
         (_engine(enforce_eager=False), "--enforce-eager"),
         (_engine(additional={"interp": {"sae": {}}}), "unknown 'interp' settings"),
+        (_engine(additional={"interp": {"points_max_values": 0}}), "points_max_values is a positive int"),
     ],
-    ids=["render-only", "compiled", "misspelt-setting"],
+    ids=["render-only", "compiled", "misspelt-setting", "points-cap"],
 )
 def test_a_server_the_plugin_cannot_serve_runs_on_without_it(engine: Any, says: str, caplog: Any) -> None:
     endpoints = InterpEndpoints()
@@ -121,3 +122,48 @@ def test_the_interp_routes_take_the_keys_vllms_own_routes_take(monkeypatch: pyte
     monkeypatch.delenv("VLLM_API_KEY")
     assert _endpoints.api_keys(SimpleNamespace(api_key=None)) == ()
     assert _endpoints.api_keys(SimpleNamespace(api_key=[""])) == ()
+
+
+@pytest.mark.parametrize(
+    ("interp", "param"),
+    [
+        ({"points": ["resid_post.1"]}, "interp.positions"),
+        ({"positions": [0]}, "interp.positions"),
+        ({"points": [], "positions": [0]}, "interp.points"),
+        ({"points": [{"sae": "res"}], "positions": [0]}, "interp.points"),
+        ({"points": ["resid_post.1"], "positions": [0, -1]}, "interp.positions"),
+        ({"points": ["resid_post.1"], "positions": [True]}, "interp.positions"),
+        ({"points": ["resid_post.1"], "positions": "generated"}, "interp.positions"),
+        ({"points": ["resid_post.1"], "positions": []}, "interp.positions"),
+    ],
+    ids=["no-positions", "no-points", "empty", "readout", "negative", "bool", "generated", "no-position"],
+)
+def test_points_and_positions_of_the_wrong_shape_are_refused_by_field(interp: Any, param: str) -> None:
+    endpoints = InterpEndpoints()
+    endpoints.refusal = None
+    with pytest.raises(_endpoints.Refused) as refused:
+        endpoints._call_of(SimpleNamespace(model="m", model_extra={"interp": interp}, vllm_xargs=None))
+    assert refused.value.param == param and isinstance(refused.value.error, InvalidOption)
+
+
+def test_points_asked_make_a_call_that_holds_them() -> None:
+    endpoints = InterpEndpoints()
+    endpoints.refusal = None
+    for positions in ([0, 3], "prompt", "user[-1].last"):
+        asked = {"points": ["resid_post.1", "mlp_out.0"], "positions": positions}
+        call = endpoints._call_of(SimpleNamespace(model="m", model_extra={"interp": asked}, vllm_xargs=None))
+        assert call is not None and call.spec is None and call.steps is not None
+        assert call.points == ("resid_post.1", "mlp_out.0") and call.positions == positions
+        assert not call.steps.per_token  # no steps list: the answer holds the points alone
+
+
+def test_an_answer_carries_no_inf_or_nan() -> None:
+    steps = _endpoints._Steps(per_token=True)
+    steps.ready.append({"position": 3, "lens": {"probs": [[float("nan"), 0.5]]}})
+    steps.points = {"positions": [0], "activations": {"resid_post.1": [[float("inf"), 1.0]]}}
+    import json
+
+    whole = steps.whole()
+    json.dumps(whole, allow_nan=False)  # JSON has neither: they are null
+    assert whole["steps"][0]["lens"]["probs"] == [[None, 0.5]]
+    assert whole["activations"]["resid_post.1"] == [[None, 1.0]]

@@ -5,9 +5,11 @@
 Steering sent per request on vLLM's own ``/v1/completions`` and ``/v1/chat/completions``
 (streamed or not) equals the same spec through the Python API on the same engine (the ``/interp``
 routes, which serve ``load_model(..., backend="vllm")``'s model) and on the eager backend; span
-names equal explicit positions; a preset's model name equals its spec sent per request; bad
-specs are ``400`` with the typed error, the API key guards the new routes, and the server keeps
-serving.
+names equal explicit positions; a preset's model name equals its spec sent per request;
+readouts, the lens and points at a few positions in the answer (and per stream chunk) equal the
+Python API's; the ``/interp`` capture routes equal the eager backend; 16 concurrent mixed requests
+equal their solo runs; bad specs and points are ``400`` with the typed error, the API key guards
+the new routes, and the server keeps serving.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import openai
 import pytest
 import torch
 
-from interp_engine import Address, FeatureWrite, SteeringSpec, Write, shipped_saes, tiny_model_path
+from interp_engine import Address, FeatureWrite, SteeringSpec, Write, load_sae, shipped_saes, tiny_model_path
 from interp_testkit.vllm_serve import VllmServe
 
 KEY = "serve-test-key-7"
@@ -247,19 +249,56 @@ def test_a_client_cannot_send_the_workers_payload_itself(client: openai.OpenAI) 
     assert forged.choices[0].text == plain.choices[0].text
 
 
+def _mixed(client: openai.OpenAI, i: int) -> tuple[str, Any]:
+    """The ``i``-th of 8 kinds of request: plain, steered, a preset, steered at two positions,
+    with readouts and the lens, streamed and steered, streamed with readouts, with points; its
+    text and its ``interp`` answer (streamed: the steps of every chunk, in order)."""
+    kind = i % 8
+    spec = [None, _spec(), None, _spec(3.0, positions=[0, 1], layer=3), _spec(2.0, layer=0), _spec(), None, _spec()]
+    interp: dict[str, Any] = {"steering": spec[kind].to_dict()} if spec[kind] is not None else {}
+    if kind in (4, 6):
+        interp.update({"features": [READOUT], "lens": LENS})
+    if kind == 7:
+        interp.update({"points": ["resid_post.2"], "positions": [1, 6, 8]})
+    body = {"interp": interp} if interp else None
+    model = PRESET if kind == 2 else SERVED
+    if kind in (5, 6):
+        chunks = list(
+            client.completions.create(
+                model=model, prompt=PROMPT, max_tokens=8, temperature=0, stream=True, extra_body=body
+            )
+        )
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        extras = [c.model_extra["interp"] for c in chunks if c.model_extra and "interp" in c.model_extra]
+        return text, [step for extra in extras for step in extra.get("steps", [])]  # chunks vary with timing
+    out = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0, extra_body=body)
+    return out.choices[0].text, (out.model_extra or {}).get("interp")
+
+
+def _close(got: Any, want: Any) -> None:
+    """JSON answers equal: every string and int exactly, floats to 1e-4."""
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and sorted(got) == sorted(want)
+        for key in want:
+            _close(got[key], want[key])
+    elif isinstance(want, list):
+        assert isinstance(got, list) and len(got) == len(want)
+        for a, b in zip(got, want, strict=True):
+            _close(a, b)
+    elif isinstance(want, float):
+        assert abs(got - want) <= 1e-4 * max(1.0, abs(want)), (got, want)
+    else:
+        assert got == want
+
+
 def test_sixteen_concurrent_mixed_requests_each_equal_their_solo_runs(client: openai.OpenAI) -> None:
-    specs: list[SteeringSpec | None] = [None, _spec(), _spec(2.0, layer=0), _spec(3.0, positions=[0, 1], layer=3)]
-    models = [SERVED, SERVED, SERVED, PRESET]
-
-    def one(i: int) -> str:
-        spec = specs[i % 4]
-        model = models[(i // 4) % 4] if spec is None else SERVED
-        return str(_steered(client, spec, model=model).choices[0].text)
-
-    solo = [one(i) for i in range(16)]
+    solo = [_mixed(client, i) for i in range(16)]
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        together = list(pool.map(one, range(16)))
-    assert together == solo
+        together = list(pool.map(lambda i: _mixed(client, i), range(16)))
+    assert [text for text, _ in together] == [text for text, _ in solo]
+    for (_, got), (_, want) in zip(together, solo, strict=True):
+        _close(got, want)
+    assert solo[4][1]["steps"] and solo[6][1] and solo[7][1]["activations"]["resid_post.2"]  # readouts, points
 
 
 def test_steering_on_the_responses_api_equals_the_same_chat(client: openai.OpenAI) -> None:
@@ -364,11 +403,15 @@ def _fuzzed(seed: int) -> Any:
             return rng.choice(atoms)
         if kind < 0.7:
             return [value(depth + 1) for _ in range(rng.randint(0, 3))]
-        keys = ["steering", "features", "lens", "writes", "address", "vector", "op", "positions", "layers", "top_k"]
+        keys = ["steering", "features", "lens", "points", "writes", "address", "vector", "op", "positions"]
+        keys += ["layers", "top_k"]
         return {rng.choice(keys): value(depth + 1) for _ in range(rng.randint(0, 3))}
 
     write = {"address": rng.choice(["resid_post.1", "attn_z.0", "mlp_post.9", "x"]), "vector": value(1)}
-    interp = rng.choice([value(0), {"steering": {"writes": [write]}}, {"lens": value(1)}, {"features": value(1)}])
+    points = {"points": rng.choice([value(1), ["resid_post.1", "attn_pattern.0", "x.1"]]), "positions": value(1)}
+    interp = rng.choice(
+        [value(0), {"steering": {"writes": [write]}}, {"lens": value(1)}, {"features": value(1)}, points]
+    )
     return {"model": SERVED, "prompt": PROMPT, "max_tokens": 2, "interp": interp}
 
 
@@ -432,3 +475,184 @@ def test_saes_are_attached_and_detached_at_run_time(server: VllmServe, client: o
     with pytest.raises(openai.BadRequestError):
         _steered(client, clamp)
     assert httpx.delete(f"{server.url}/interp/v1/saes/late", headers=headers, timeout=60).status_code == 400
+
+
+POINTS = ["resid_post.1", "mlp_out.3"]
+
+
+def _decoded(encoded: dict[str, Any]) -> torch.Tensor:
+    """A tensor of interp serve's JSON form (base64 float32)."""
+    import base64
+
+    raw = base64.b64decode(encoded["data"])
+    return torch.frombuffer(bytearray(raw), dtype=torch.float32).reshape(encoded["shape"])
+
+
+def _n_prompt(server: VllmServe) -> int:
+    answer = _post(server, "/interp/v1/tokenize", {"text": PROMPT})
+    assert answer.status_code == 200, answer.text
+    return len(answer.json()["token_ids"])
+
+
+def test_points_at_a_few_positions_come_with_the_completion(
+    server: VllmServe, client: openai.OpenAI, direct: Any
+) -> None:
+    from interp_engine import capture_generation
+
+    spec = _spec(2.0)
+    n = _n_prompt(server)
+    positions = [0, 2, n - 1, n + 2]
+    interp = {"steering": spec.to_dict(), "points": POINTS, "positions": positions}
+    out = client.completions.create(
+        model=SERVED, prompt=PROMPT, max_tokens=6, temperature=0, extra_body={"interp": interp}
+    )
+    assert out.model_extra is not None
+    answer = out.model_extra["interp"]
+    assert answer["positions"] == positions and sorted(answer["activations"]) == sorted(POINTS)
+    # the Python API's model on the same engine (/interp), and the eager backend
+    whole = _post(
+        server,
+        "/interp/v1/capture_generation",
+        {"text": PROMPT, "points": POINTS, "max_tokens": 6, "steering": spec.to_dict()},
+    )
+    assert whole.status_code == 200, whole.text
+    assert whole.json()["completion"]["text"] == out.choices[0].text
+    tokens = direct.to_tokens(PROMPT)[0].tolist()
+    completion, cache = capture_generation(
+        direct, tokens, POINTS, max_tokens=6, steering_spec=spec, positions=positions
+    )
+    assert completion.text == out.choices[0].text
+    for point in POINTS:
+        got = torch.tensor(answer["activations"][point])
+        assert got.shape == (len(positions), D_MODEL)
+        same_engine = _decoded(whole.json()["activations"][point])[positions]
+        assert torch.allclose(got, same_engine, atol=1e-5), point
+        assert torch.allclose(got, cache[point][0], atol=1e-4, rtol=1e-4), (point, (got - cache[point][0]).abs().max())
+    # streamed: the points come in the chunk before [DONE]
+    chunks = list(
+        client.completions.create(
+            model=SERVED, prompt=PROMPT, max_tokens=6, temperature=0, stream=True, extra_body={"interp": interp}
+        )
+    )
+    extras = [c.model_extra["interp"] for c in chunks if c.model_extra and "interp" in c.model_extra]
+    assert len(extras) == 1 and extras[0]["positions"] == positions
+    _close(extras[0]["activations"], answer["activations"])
+
+
+def test_points_at_chat_spans_equal_explicit_positions(server: VllmServe, client: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "Tell me about Paris."}]
+    tokens = _post(server, "/interp/v1/tokenize", {"messages": messages})
+    assert tokens.status_code == 200, tokens.text
+    span = next(s for s in tokens.json()["chat"]["messages"] if s["role"] == "user")
+
+    def read(positions: Any) -> dict[str, Any]:
+        out = client.chat.completions.create(
+            model=SERVED,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=3,
+            temperature=0,
+            extra_body={"interp": {"points": ["resid_post.0"], "positions": positions}},
+        )
+        assert out.model_extra is not None
+        return dict(out.model_extra["interp"])
+
+    named, explicit = read("user[-1]"), read(list(range(span["start"], span["end"])))
+    assert named["positions"] == explicit["positions"] == list(range(span["start"], span["end"]))
+    assert named["activations"] == explicit["activations"]
+
+
+def test_points_past_the_generation_are_left_out(server: VllmServe, client: openai.OpenAI) -> None:
+    n = _n_prompt(server)
+    ids = _ids(_steered(client, None, max_tokens=4))
+    positions = [0, n, n + 2]
+    out = client.completions.create(
+        model=SERVED,
+        prompt=PROMPT,
+        max_tokens=4,
+        temperature=0,
+        extra_body={
+            "stop_token_ids": [ids[1]],  # the generation ends at its second token
+            "interp": {"points": ["resid_post.1"], "positions": positions},
+        },
+    )
+    assert out.model_extra is not None and out.usage is not None
+    generated = out.usage.completion_tokens
+    assert generated < 4
+    kept = [p for p in positions if p < n + generated - 1]  # vLLM never runs the last token it samples
+    assert out.model_extra["interp"]["positions"] == kept
+    assert len(out.model_extra["interp"]["activations"]["resid_post.1"]) == len(kept)
+
+
+@pytest.mark.parametrize(
+    ("interp", "kind", "param", "max_tokens"),
+    [
+        ({"points": ["resid_post.1"]}, "InvalidOption", "interp.positions", 2),
+        ({"points": ["resid_post.1"], "positions": [0, 200]}, "InvalidOption", "interp.positions", 2),
+        ({"points": ["resid_post.1"], "positions": [-1]}, "InvalidOption", "interp.positions", 2),
+        ({"points": ["resid_post.1"], "positions": [0, 0]}, "InvalidOption", "interp.positions", 2),
+        ({"points": ["resid_post.9"], "positions": [0]}, "LayerOutOfRange", "interp.points[0]", 2),
+        ({"points": ["resid_post.1", "nope.1"], "positions": [0]}, "UnknownKind", "interp.points[1]", 2),
+        ({"points": "resid_post.1", "positions": [0]}, "InvalidOption", "interp.points", 2),
+        (
+            {"points": ["mlp_post.0", "mlp_post.1", "mlp_post.2"], "positions": list(range(60))},
+            "LimitExceeded",
+            None,
+            64,
+        ),
+        ({"points": ["resid_post.1"], "positions": "assistant"}, "InvalidOption", "interp.positions", 2),
+    ],
+    ids=["no-positions", "past", "negative", "twice", "layer", "kind", "not-a-list", "cap", "span-on-text"],
+)
+def test_bad_points_are_a_400_naming_the_field(
+    server: VllmServe, client: openai.OpenAI, interp: dict[str, Any], kind: str, param: str | None, max_tokens: int
+) -> None:
+    body = {"model": SERVED, "prompt": PROMPT, "max_tokens": max_tokens, "interp": interp}
+    answer = _post(server, "/v1/completions", body)
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["type"] == kind, error
+    if param is not None:
+        assert error["param"] == param, error
+    if kind == "LimitExceeded":
+        assert error["valid"] == 65536 and "points_max_values" in error["message"]
+    assert _steered(client, None).choices[0].text  # still serving
+
+
+def test_the_capture_routes_equal_the_python_api(server: VllmServe, direct: Any) -> None:
+    """``/interp/v1/capture`` and ``/interp/v1/capture_generation`` of the mounted app serve the
+    same engine as vLLM's routes and equal the Python API (eager backend, same spec)."""
+    from interp_engine import Cache, run_with_cache
+
+    spec = _spec(2.0, layer=2)
+    tokens = direct.to_tokens(PROMPT)[0].tolist()
+    body = {"token_ids": tokens, "points": ["resid_post.2", READOUT], "steering": spec.to_dict()}
+    captured = _post(server, "/interp/v1/capture", body)
+    assert captured.status_code == 200, captured.text
+    direct.attach_sae("res", load_sae(shipped_saes()["interp:tiny-sae"]))
+    try:
+        reference = run_with_cache(direct, tokens, ["resid_post.2", READOUT], steering_spec=spec)
+    finally:
+        direct.detach_sae("res")
+    got = _decoded(captured.json()["activations"]["resid_post.2"])
+    assert torch.allclose(got, reference["resid_post.2"][0], atol=1e-4, rtol=1e-4)
+    readout = captured.json()["features"][READOUT]
+    assert torch.tensor(readout["ids"]).tolist() == reference[READOUT].ids[0].tolist()
+    # the whole generation's capture as a safetensors Cache file
+    answer = httpx.post(
+        f"{server.url}/interp/v1/capture_generation",
+        json={"token_ids": tokens, "points": ["resid_post.3"], "max_tokens": 5, "format": "safetensors"},
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=120,
+    )
+    assert answer.status_code == 200, answer.text
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".safetensors") as f:
+        f.write(answer.content)
+        f.flush()
+        cache = Cache.load(f.name)
+    from interp_engine import capture_generation
+
+    _, eager = capture_generation(direct, tokens, ["resid_post.3"], max_tokens=5)
+    assert cache["resid_post.3"].shape == eager["resid_post.3"].shape
+    assert torch.allclose(cache["resid_post.3"], eager["resid_post.3"], atol=1e-4, rtol=1e-4)

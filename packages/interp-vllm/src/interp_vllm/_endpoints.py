@@ -9,8 +9,8 @@ workers' taps and these routes::
 
 What the server then has:
 
-- **Steering per request** on ``POST /v1/completions`` and ``POST /v1/chat/completions``
-  (streamed or not): ``"interp": {"steering": SPEC}`` in the body (the OpenAI client's
+- **Steering per request** on ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed
+  or not) and ``POST /v1/responses``: ``"interp": {"steering": SPEC}`` in the body (the OpenAI client's
   ``extra_body``), or the same object as a JSON string in ``vllm_xargs["interp"]``. ``SPEC`` is a
   steering spec's JSON (``SteeringSpec.to_json``), with feature writes naming an attached SAE and,
   on chat completions, positions naming chat spans (``"assistant"``, ``"user[-1].last"``) of the
@@ -19,6 +19,14 @@ What the server then has:
 - **Readouts and the lens** per request on the same routes: ``"interp": {"features": [...], "lens":
   {"layers": [...], "top_k": k}}`` gives each generated token's feature readouts and logit lens
   under ``interp.steps`` in the answer, or in each stream chunk for the tokens it carries.
+- **Points at a few positions** on the same routes: ``"interp": {"points": ["resid_post.1"],
+  "positions": [0, 5]}`` (positions from the prompt's first token, ``"prompt"``, or on chat
+  completions a chat span name) gives the activations at those addresses and positions under
+  ``interp.activations`` (by address, ``[n_positions, ...]`` as JSON lists, a form interp serve
+  reads as a tensor) with ``interp.positions``, in the answer or, streamed, in the chunk before
+  ``[DONE]``. vLLM never runs the last token it samples: positions past the generation's
+  last-but-one token are left out. At most ``points_max_values`` numbers (``--additional-config``;
+  else a ``400 LimitExceeded`` naming it); whole captures: ``/interp/v1/capture_generation``.
 - **Presets**: a model name from ``presets`` is the served model plus that spec, so a client that
   knows nothing of interp-engine gets the steered model; ``GET /v1/models`` lists them.
   ``PUT``/``DELETE /interp/v1/presets/{name}`` change them at run time (the next request sees the
@@ -26,9 +34,9 @@ What the server then has:
   requests in flight, SAEs held and time spent in the taps. ``PUT /interp/v1/saes/{name}``
   (``{"path": FOLDER}``, read on the server) and ``DELETE`` attach and detach SAEs at run time, on a
   server started with ``--api-key``.
-- **``/interp/...``**: the whole of ``interp serve``'s API over the same engine (``/interp/v1/
-  capture``, ``/interp/v1/generate``, ``/interp/v1/points``, ...), with its schemas and tensor
-  formats, behind the server's ``--api-key``.
+- **``/interp/...``**: the whole of ``interp serve``'s API over the same engine
+  (``/interp/v1/capture``, ``/interp/v1/capture_generation``, ``/interp/v1/generate``, ...), with
+  its schemas and tensor formats, behind the server's ``--api-key``.
 
 The taps run in vLLM's eager mode: on a server that compiles the model (no ``--enforce-eager``),
 requests with ``interp`` fields are refused with a message saying so, and everything else is
@@ -44,6 +52,7 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import os
 import secrets
 import threading
@@ -52,9 +61,12 @@ from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from fastapi import HTTPException, Request
 
 from interp_engine import (
+    Address,
+    CaptureMemoryExceeded,
     InterpError,
     InvalidOption,
     InvalidSteering,
@@ -62,9 +74,11 @@ from interp_engine import (
     SteeringSpec,
     load_sae,
 )
-from interp_engine.chat import build_chat_tokens, is_span_name
+from interp_engine.chat import build_chat_tokens, is_span_name, select_positions
 
 from . import _compat
+from ._capture_memory import OPTION as CAPTURE_MEMORY_OPTION
+from ._capture_memory import needed_bytes
 from ._lens_assembly import keyed, with_lens
 
 logger = logging.getLogger(__name__)
@@ -75,8 +89,13 @@ CONFIG_KEY = "interp"
 """The entry of ``--additional-config`` that configures the plugin."""
 FIELD = "interp"
 """The request field (and ``vllm_xargs`` entry) that carries a request's steering."""
-INTERP_FIELDS = ("steering", "features", "lens")
+INTERP_FIELDS = ("steering", "features", "lens", "points", "positions")
 """What a request's ``interp`` object may hold on vLLM's routes."""
+CONFIG_FIELDS = ("saes", "presets", "capture_memory_bytes", "points_max_values")
+"""The settings of ``--additional-config``'s ``interp`` entry."""
+POINTS_MAX_VALUES = 65536
+"""Most numbers ``interp.points`` returns in one answer (positions x values per position), unless
+``points_max_values`` says otherwise."""
 STEERED_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
 
@@ -89,17 +108,45 @@ class Refused(Exception):
         self.param = param
 
 
+class LimitExceeded(InvalidOption):
+    """A request asking for more than the server's bound (``valid``: the bound)."""
+
+    def __init__(self, message: str, *, valid: int) -> None:
+        super().__init__(message)
+        self.valid = valid
+
+
 class _Steps:
     """Each generated token's readouts and lens, as the engine's outputs come, until the response
-    (or its next stream chunk) takes them."""
+    (or its next stream chunk) takes them; and the points asked for, once the generation is done."""
 
-    def __init__(self) -> None:
+    def __init__(self, per_token: bool) -> None:
+        self.per_token = per_token
         self.ready: list[dict[str, Any]] = []
+        self.points: dict[str, Any] | None = None
         self.generations = 0
 
     def take(self) -> list[dict[str, Any]]:
         taken, self.ready = self.ready, []
         return taken
+
+    def chunk(self, last: bool) -> dict[str, Any] | None:
+        """The ``interp`` object of a stream chunk: the steps ready (``last``: the chunk before
+        ``[DONE]``, with the points too), ``None`` when there is nothing to send."""
+        out: dict[str, Any] = {}
+        ready = self.take()
+        if ready:
+            out["steps"] = ready
+        if last and self.points is not None:
+            out.update(self.points)
+        return _finite(out) if out else None
+
+    def whole(self) -> dict[str, Any]:
+        """The ``interp`` object of a whole answer."""
+        out: dict[str, Any] = {"steps": self.take()} if self.per_token else {}
+        if self.points is not None:
+            out.update(self.points)
+        return dict(_finite(out))
 
 
 @dataclass(frozen=True)
@@ -112,6 +159,8 @@ class _Call:
     chat_options: Mapping[str, Any] | None = None
     features: tuple[Any, ...] = ()
     lens: Mapping[str, Any] | None = None
+    points: tuple[str, ...] = ()
+    positions: Any = None
     steps: _Steps | None = None
 
 
@@ -135,6 +184,7 @@ class InterpEndpoints:
         self.base_names: tuple[str, ...] = ()
         self.refusal: str | None = "the interp-engine plugin has not started yet"
         self.api_keys: tuple[str, ...] = ()
+        self.points_max_values = POINTS_MAX_VALUES
         self._interp_app: Any = None
         self._presets_lock = threading.Lock()
 
@@ -203,12 +253,14 @@ class InterpEndpoints:
         vllm_config = engine.vllm_config
         model_config = vllm_config.model_config
         config = dict((getattr(vllm_config, "additional_config", None) or {}).get(CONFIG_KEY) or {})
-        unknown = sorted(set(config) - {"saes", "presets", "capture_memory_bytes"})
+        unknown = sorted(set(config) - set(CONFIG_FIELDS))
         if unknown:
             raise InvalidOption(
-                f"unknown {CONFIG_KEY!r} settings in --additional-config: {unknown}; "
-                "valid: saes, presets, capture_memory_bytes"
+                f"unknown {CONFIG_KEY!r} settings in --additional-config: {unknown}; valid: {', '.join(CONFIG_FIELDS)}"
             )
+        cap = config.get("points_max_values", POINTS_MAX_VALUES)
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+            raise InvalidOption(f"points_max_values is a positive int (numbers per answer), got {cap!r}")
         if not model_config.enforce_eager:
             raise InvalidOption(
                 "the taps run in vLLM's eager mode and this server compiles the model; start it with --enforce-eager"
@@ -238,6 +290,7 @@ class InterpEndpoints:
             await model.shutdown()  # its own resources only: the engine is vLLM's
             raise
         self.api_keys = api_keys(args)
+        self.points_max_values = cap
         self._wrap_generate(engine)
         self._interp_app = self._build_interp_app(model)
         self.refusal = None
@@ -390,12 +443,14 @@ class InterpEndpoints:
         spec = preset
         features: tuple[Any, ...] = ()
         lens: dict[str, Any] | None = None
+        points: tuple[str, ...] = ()
+        positions: Any = None
         if given is not None:
             if not isinstance(given, dict) or set(given) - set(INTERP_FIELDS):
                 raise Refused(
                     InvalidOption(
                         f"interp is an object with the fields {', '.join(INTERP_FIELDS)}; got {_keys(given)} "
-                        "(captures of whole activations: the /interp/v1 routes)"
+                        "(whole captures: the /interp/v1 routes)"
                     ),
                     FIELD,
                 )
@@ -405,19 +460,21 @@ class InterpEndpoints:
                 raise Refused(exc, f"{FIELD}.steering") from None
             spec = asked if preset is None else SteeringSpec([*preset.writes, *asked.writes])
             features, lens = _readouts_asked(given)
+            points, positions = _points_asked(given)
         if preset is not None:
             request.model = self.base_names[0]
         if spec is not None and not spec.writes:
             spec = None
-        if spec is None and not features and lens is None:
+        if spec is None and not features and lens is None and not points:
             return None
         steps = None
-        if features or lens is not None:
+        if features or lens is not None or points:
             if int(getattr(request, "n", 1) or 1) != 1 or getattr(request, "use_beam_search", False):
                 raise Refused(
-                    InvalidOption("readouts and the lens are read for one completion (n=1, no beam search)"), FIELD
+                    InvalidOption("readouts, points and the lens are read for one completion (n=1, no beam search)"),
+                    FIELD,
                 )
-            steps = _Steps()
+            steps = _Steps(per_token=bool(features) or lens is not None)
         messages = getattr(request, "messages", None)
         options = None
         if messages is not None:
@@ -434,6 +491,8 @@ class InterpEndpoints:
             options,
             features=features,
             lens=lens,
+            points=points,
+            positions=positions,
             steps=steps,
         )
 
@@ -445,30 +504,41 @@ class InterpEndpoints:
             call = _CALL.get()
             if call is None or not hasattr(sampling_params, "extra_args"):
                 return original(prompt, sampling_params, request_id, *args, **kwargs)
-            prompt, checked = endpoints._check(call, prompt, sampling_params)
-            return endpoints._steer(original, call.steps, checked, prompt, sampling_params, request_id, args, kwargs)
+            prompt, checked, selected = endpoints._check(call, prompt, sampling_params)
+            return endpoints._steer(
+                original, call.steps, checked, selected, prompt, sampling_params, request_id, args, kwargs
+            )
 
         engine.generate = generate
 
-    def _check(self, call: _Call, prompt: Any, params: Any) -> tuple[Any, Any]:
-        """The prompt (with a cache salt of its own) and the request's checked steering."""
+    def _check(self, call: _Call, prompt: Any, params: Any) -> tuple[Any, Any, list[int]]:
+        """The prompt (with a cache salt of its own), the request's checked steering, readouts and
+        points, and the positions its points are read at."""
         model = self.model
         ids = _compat.prompt_token_ids(model._engine, prompt)
         if ids is None or not isinstance(prompt, dict):
             raise Refused(InvalidSteering("steering needs a prompt of tokens (not embeddings)"), call.field)
         tokens: Any = list(ids)
-        if call.spec is not None and any(is_span_name(w.positions) for w in call.spec.writes):
-            tokens = self._chat_tokens(call, tokens)
+        named = call.spec is not None and any(is_span_name(w.positions) for w in call.spec.writes)
+        if named or (isinstance(call.positions, str) and call.positions != "prompt"):
+            try:
+                tokens = self._chat_tokens(call, tokens)
+            except Refused as exc:
+                if named:
+                    raise
+                raise Refused(InvalidOption(str(exc.error)), f"{FIELD}.positions") from None
         if call.steps is not None:
             call.steps.generations += 1
             if call.steps.generations > 1:
                 raise Refused(InvalidOption("readouts and the lens are read for one prompt per request"), FIELD)
+        max_tokens = int(params.max_tokens or 1)
+        points = self._addresses(call.points, len(ids), max_tokens)
         try:
             lens = None if call.lens is None else LensRequest(**call.lens)
             checked = model._check_generation(
                 tokens,
-                model._stream_readouts(call.features),
-                max_tokens=int(params.max_tokens or 1),
+                [*model._stream_readouts(call.features), *points],
+                max_tokens=max_tokens,
                 steering_spec=call.spec,
                 sampling={},
                 lens=lens,
@@ -478,7 +548,68 @@ class InterpEndpoints:
         except TypeError as exc:  # a lens object with fields LensRequest does not take
             fields = InvalidOption(f"interp.lens takes layers and top_k: {exc}")
             raise Refused(fields, f"{FIELD}.lens") from None
-        return {**prompt, "cache_salt": f"interp-{secrets.token_hex(8)}"}, checked
+        selected = self._positions(call, tokens, checked, max_tokens) if points else []
+        return {**prompt, "cache_salt": f"interp-{secrets.token_hex(8)}"}, checked, selected
+
+    def _addresses(self, points: tuple[str, ...], n: int, max_tokens: int) -> list[Address]:
+        """``interp.points`` as addresses, each checked against the model (the entry at fault named)."""
+        model = self.model
+        out = []
+        for i, text in enumerate(points):
+            try:
+                address = Address.parse(text)
+                model._check_generation([0] * n, [address], max_tokens=max_tokens, steering_spec=None, sampling={})
+            except InterpError as exc:
+                raise Refused(exc, f"{FIELD}.points[{i}]") from None
+            out.append(address)
+        return out
+
+    def _positions(self, call: _Call, tokens: Any, checked: Any, max_tokens: int) -> list[int]:
+        """The positions ``interp.positions`` selects, each one the engine runs (the prompt's and
+        every generated token's but the last, which vLLM samples and never runs), and the answer
+        within :attr:`points_max_values` and the capture memory."""
+        n = len(checked.token_ids)
+        runs = n + max_tokens - 1
+        field = f"{FIELD}.positions"
+        if isinstance(call.positions, list):
+            past = [p for p in call.positions if p >= runs]
+            if past:
+                raise Refused(
+                    InvalidOption(
+                        f"position {past[0]} is past the last one this request runs: positions 0..{runs - 1} (the "
+                        f"prompt's {n} tokens, then each generated token but the last, which the model never runs)"
+                    ),
+                    field,
+                )
+        try:
+            selected = select_positions(call.positions, tokens, n, runs)
+        except InterpError as exc:
+            raise Refused(exc, field) from None
+        model = self.model
+        n_total = n + max_tokens
+        per_position = sum(needed_bytes([a], n_total, model.info) // (4 * n_total) for a in checked.addresses)
+        values = len(selected) * per_position
+        if values > self.points_max_values:
+            raise Refused(
+                LimitExceeded(
+                    f"interp.points at these {len(selected)} positions would return {values} numbers; this server "
+                    f"returns at most points_max_values={self.points_max_values} in an answer (fewer points or "
+                    "positions, or /interp/v1/capture_generation for whole captures)",
+                    valid=self.points_max_values,
+                ),
+                f"{FIELD}.points",
+            )
+        needed = needed_bytes(checked.addresses, n_total, model.info)
+        if needed > model.capture_memory.limit:
+            error = CaptureMemoryExceeded(
+                f"interp.points holds {needed} bytes while the request runs and the capture memory cap is "
+                f"{model.capture_memory.limit} bytes (fewer points or a smaller max_tokens)",
+                needed=needed,
+                limit=model.capture_memory.limit,
+                option=CAPTURE_MEMORY_OPTION,
+            )
+            raise Refused(error, f"{FIELD}.points")
+        return selected
 
     def _chat_tokens(self, call: _Call, ids: list[int]) -> Any:
         if call.messages is None:
@@ -512,6 +643,7 @@ class InterpEndpoints:
         original: Callable[..., Any],
         steps: _Steps | None,
         checked: Any,
+        selected: list[int],
         prompt: Any,
         params: Any,
         request_id: str,
@@ -521,51 +653,77 @@ class InterpEndpoints:
         model = self.model
 
         async def run() -> AsyncGenerator[Any, None]:
-            from vllm.sampling_params import RequestOutputKind
-
             engine = model._engine
             await model._sync_saes(engine, checked)
             keys = model._use_saes(checked)
-            drains = bool(checked.readouts or checked.lens)
-            rid = f"interp-{uuid.uuid4().hex}"
-            delta = getattr(params, "output_kind", None) == RequestOutputKind.DELTA
+
+            def generate(steered: Any) -> Any:
+                return original(prompt, steered, request_id, *args, **kwargs)
+
             try:
-                n = len(checked.token_ids)
-                payload = model._payload(
-                    rid, [], checked.writes, n, n + checked.max_tokens, checked.readouts, stream=drains
-                )
-                payload = keyed(with_lens(payload, checked.lens), keys)
-                steered = copy.copy(params)
-                steered.extra_args = {**(params.extra_args or {}), **payload.extra_args()}
-                position, emitted = n - 1, 0
-                pending: dict[int, dict[Any, Any]] = {}
-                lens_pending: dict[int, tuple[Any, Any]] = {}
-                async for output in original(prompt, steered, request_id, *args, **kwargs):
-                    count = len(output.outputs[0].token_ids) if drains and output.outputs else 0
-                    new = count if delta else count - emitted
-                    if new > 0 and steps is not None:
-                        await model._drain(engine, rid, pending, lens_pending)
-                        for _ in range(new):
-                            steps.ready.append(
-                                _step(
-                                    position,
-                                    pending.pop(position, {}),
-                                    lens_pending.pop(position, None),
-                                    checked,
-                                    model.tokenizer,
-                                )
-                            )
-                            position += 1
-                        emitted += new
-                    yield output
+                n_total = len(checked.token_ids) + checked.max_tokens
+                async with model.capture_memory.reserved(checked.addresses, n_total, model.info) as regions:
+                    outputs = self._generate(generate, params, engine, keys, regions, steps, checked, selected)
+                    async for output in outputs:
+                        yield output
             finally:
-                try:
-                    if drains:
-                        await model._release(engine, rid)
-                finally:
-                    await model._unuse_saes(engine, keys)
+                await model._unuse_saes(engine, keys)
 
         return run()
+
+    async def _generate(
+        self,
+        generate: Callable[[Any], Any],
+        params: Any,
+        engine: Any,
+        keys: dict[str, str],
+        regions: Any,
+        steps: _Steps | None,
+        checked: Any,
+        selected: list[int],
+    ) -> AsyncGenerator[Any, None]:
+        """vLLM's generation of one steered or read request, its readouts and lens drained into
+        ``steps`` as its tokens come, its points read once it is done."""
+        from vllm.sampling_params import RequestOutputKind
+
+        model = self.model
+        points = checked.addresses
+        drains = bool(checked.readouts or checked.lens)
+        holds = drains or bool(points)
+        rid = f"interp-{uuid.uuid4().hex}"
+        delta = getattr(params, "output_kind", None) == RequestOutputKind.DELTA
+        n = len(checked.token_ids)
+        payload = model._payload(
+            rid, points, checked.writes, n, n + checked.max_tokens, checked.readouts, stream=drains, regions=regions
+        )
+        payload = keyed(with_lens(payload, checked.lens), keys)
+        steered = copy.copy(params)
+        steered.extra_args = {**(params.extra_args or {}), **payload.extra_args()}
+        position, generated = n - 1, 0
+        pending: dict[int, dict[Any, Any]] = {}
+        lens_pending: dict[int, tuple[Any, Any]] = {}
+        fetched = False
+        try:
+            async for output in generate(steered):
+                count = len(output.outputs[0].token_ids) if holds and output.outputs else 0
+                new = count if delta else count - generated
+                generated += max(new, 0)
+                if new > 0 and drains and steps is not None:
+                    await model._drain(engine, rid, pending, lens_pending)
+                    for _ in range(new):
+                        found = pending.pop(position, {})
+                        lens = lens_pending.pop(position, None)
+                        steps.ready.append(_step(position, found, lens, checked, model.tokenizer))
+                        position += 1
+                yield output
+            if points and steps is not None:
+                ran = n + max(generated - 1, 0)  # vLLM never runs the last token it samples
+                values, _, _ = await model._fetch(engine, rid, points, ran, (), regions)
+                fetched = True
+                steps.points = _points_answer(checked, values, [p for p in selected if p < ran])
+        finally:
+            if holds and not fetched:
+                await model._release(engine, rid)
 
     def _models(self, endpoint: Callable[..., Any]) -> Callable[..., Any]:
         endpoints = self
@@ -616,6 +774,55 @@ def _readouts_asked(given: Mapping[str, Any]) -> tuple[tuple[Any, ...], dict[str
     return tuple(features), lens
 
 
+def _points_asked(given: Mapping[str, Any]) -> tuple[tuple[str, ...], Any]:
+    """The ``points`` (address strings) and ``positions`` (ints, ``"prompt"`` or a chat span name)
+    of an ``interp`` object, checked for shape (what they name is checked against the prompt)."""
+    points, positions = given.get("points"), given.get("positions")
+    if points is None:
+        if positions is not None:
+            refused = InvalidOption("interp.positions selects the positions of interp.points")
+            raise Refused(refused, f"{FIELD}.positions")
+        return (), None
+    if not isinstance(points, list) or not points or not all(isinstance(p, str) for p in points):
+        raise Refused(
+            InvalidOption(
+                "interp.points is a non-empty list of addresses such as 'resid_post.1' (feature readouts: "
+                "interp.features)"
+            ),
+            f"{FIELD}.points",
+        )
+    if positions is None:
+        raise Refused(
+            InvalidOption(
+                "interp.points needs interp.positions, the few positions to read (ints, 'prompt' or a chat span "
+                "name); whole captures: /interp/v1/capture_generation"
+            ),
+            f"{FIELD}.positions",
+        )
+    if isinstance(positions, str):
+        if positions != "prompt" and not is_span_name(positions):
+            raise Refused(
+                InvalidOption(
+                    f"interp.positions is a list of positions (ints from 0), 'prompt' or a chat span name such as "
+                    f"'user[-1].last', got {positions!r:.60}"
+                ),
+                f"{FIELD}.positions",
+            )
+    elif (
+        not isinstance(positions, list)
+        or not positions
+        or not all(isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in positions)
+    ):
+        raise Refused(
+            InvalidOption(
+                "interp.positions is a non-empty list of positions counted from the prompt's first token (ints from "
+                "0: the length of a generation is not known before it ends), 'prompt' or a chat span name"
+            ),
+            f"{FIELD}.positions",
+        )
+    return tuple(points), positions
+
+
 def _step(position: int, features: Mapping[Any, Any], lens: Any, checked: Any, tokenizer: Any) -> dict[str, Any]:
     """One generated token's readouts and lens as JSON, in the shapes of ``interp serve``'s stream
     steps: ``position`` is the one that produced it."""
@@ -641,6 +848,28 @@ def _step(position: int, features: Mapping[Any, Any], lens: Any, checked: Any, t
     return step
 
 
+def _points_answer(checked: Any, values: Mapping[Address, Any], positions: list[int]) -> dict[str, Any]:
+    """``interp.positions`` and ``interp.activations`` (by address as asked: ``[n_positions, ...]``
+    as JSON lists; an attention pattern's ``[heads, n_positions, keys]``); a value that
+    overflowed float32 is ``null``."""
+    rows = torch.tensor(positions, dtype=torch.long)
+    out = {}
+    for asked, address in checked.points.items():
+        value = values[address]
+        picked = value[:, rows] if address.info.width == "heads x keys" else value[rows]
+        out[str(asked)] = picked.tolist()
+    return {"positions": positions, "activations": out}
+
+
+def _finite(value: Any) -> Any:
+    """JSON data (dicts, lists, numbers) with every inf or NaN as ``None`` (JSON has neither)."""
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
 def _with_steps(response: Any, steps: _Steps) -> Any:
     """vLLM's answer with the generated tokens' readouts and lens under ``interp``: in the body, or
     in each stream chunk (the steps of the tokens that chunk carries)."""
@@ -653,14 +882,14 @@ def _with_steps(response: Any, steps: _Steps) -> Any:
             async for chunk in chunks:
                 text = chunk if isinstance(chunk, str) else bytes(chunk).decode()
                 if text.startswith("data: [DONE]"):
-                    left = steps.take()
+                    left = steps.chunk(last=True)
                     if left:
-                        yield f"data: {json.dumps({'interp': {'steps': left}})}\n\n"
+                        yield f"data: {json.dumps({'interp': left})}\n\n"
                 elif text.startswith("data: "):
-                    ready = steps.take()
+                    ready = steps.chunk(last=False)
                     if ready:
                         body = json.loads(text[len("data: ") :])
-                        body["interp"] = {"steps": ready}
+                        body["interp"] = ready
                         text = f"data: {json.dumps(body)}\n\n"
                     yield text
                     continue
@@ -670,7 +899,7 @@ def _with_steps(response: Any, steps: _Steps) -> Any:
         return response
     if isinstance(response, JSONResponse) and response.status_code == 200:
         body = json.loads(bytes(response.body))
-        body["interp"] = {"steps": steps.take()}
+        body["interp"] = steps.whole()
         return JSONResponse(body, status_code=200)
     return response
 
