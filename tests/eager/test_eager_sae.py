@@ -183,8 +183,12 @@ def test_transcoder_reads_one_address_and_writes_another(tiny: Any) -> None:
         torch.testing.assert_close(
             added - tiny.capture(ids_of(tiny), [out])[out], (1.5 * tc.feature_direction(2)).expand_as(added)
         )
-        with pytest.raises(InvalidFeatures, match="transcoder"):
-            tiny.capture(ids_of(tiny), [out], steering_spec=SteeringSpec([FeatureWrite("tc", 2, "clamp", 1.0)]))
+        # a clamp reads the feature at mlp_in.1 and writes (1 - f) d at mlp_out.1 (tests/circuits has more)
+        clamped = tiny.capture(ids_of(tiny), [out], steering_spec=SteeringSpec([FeatureWrite("tc", 2, "clamp", 1.0)]))
+        f = tc.encode(acts[tc.address])[:, 2:3]
+        torch.testing.assert_close(
+            clamped[out] - tiny.capture(ids_of(tiny), [out])[out], (1.0 - f) * tc.feature_direction(2)
+        )
     finally:
         tiny.model.detach_sae("tc")
 

@@ -24,6 +24,7 @@ from ._errors import (
     IncompatibleDependency,
     InterpError,
     InvalidActivations,
+    InvalidAdapter,
     InvalidAddress,
     InvalidChat,
     InvalidFeatures,
@@ -39,6 +40,7 @@ from ._errors import (
     StaticConfigError,
     UndeclaredAddress,
     UnguardedScript,
+    UnknownAdapter,
     UnknownKind,
     UnknownSae,
     UnknownWeight,
@@ -53,6 +55,7 @@ from ._plugins import (
     load_model,
 )
 from ._shipped import (
+    shipped_adapters,
     shipped_models,
     shipped_saes,
     tiny_model_path,
@@ -74,6 +77,7 @@ if TYPE_CHECKING:
         SyncModel,
         sync_model,
     )
+    from .adapters._adapter import Adapter
     from .analysis._attribution import attribution_patch
     from .analysis._dla import (
         accumulated_resid,
@@ -93,6 +97,10 @@ if TYPE_CHECKING:
         weights,
     )
     from .chat._spans import ChatTokens, Span
+    from .circuits._attribute import attribution_graph
+    from .circuits._formats import load_transcoders
+    from .circuits._graph import AttributionGraph
+    from .circuits._transcoders import CrossLayerTranscoder, TranscoderSet
     from .protocol._base import ModelBase
     from .protocol._protocol import (
         BatchCapture,
@@ -138,6 +146,7 @@ _LAZY: dict[str, str] = {
     "run_with_cache": "._api",
     "SyncModel": "._sync",
     "sync_model": "._sync",
+    "Adapter": ".adapters._adapter",
     "attribution_patch": ".analysis._attribution",
     "accumulated_resid": ".analysis._dla",
     "decompose_resid": ".analysis._dla",
@@ -151,6 +160,11 @@ _LAZY: dict[str, str] = {
     "Weights": ".analysis._weights",
     "weights": ".analysis._weights",
     "ChatTokens": ".chat._spans",
+    "AttributionGraph": ".circuits._graph",
+    "CrossLayerTranscoder": ".circuits._transcoders",
+    "TranscoderSet": ".circuits._transcoders",
+    "attribution_graph": ".circuits._attribute",
+    "load_transcoders": ".circuits._formats",
     "Span": ".chat._spans",
     "CheckedRequest": ".protocol._requests",
     "ModelBase": ".protocol._base",
@@ -190,7 +204,9 @@ __all__ = [
     "ALIASES",
     "KINDS",
     "WEIGHT_NAMES",
+    "Adapter",
     "Address",
+    "AttributionGraph",
     "BackendError",
     "BackendNotFound",
     "BatchCapture",
@@ -201,6 +217,7 @@ __all__ = [
     "CheckedRequest",
     "Completion",
     "ContextTooLong",
+    "CrossLayerTranscoder",
     "FeatureReadout",
     "FeatureWrite",
     "Features",
@@ -213,6 +230,7 @@ __all__ = [
     "InterpError",
     "InterpModel",
     "InvalidActivations",
+    "InvalidAdapter",
     "InvalidAddress",
     "InvalidChat",
     "InvalidFeatures",
@@ -244,8 +262,10 @@ __all__ = [
     "SteeringSpec",
     "StreamStep",
     "SyncModel",
+    "TranscoderSet",
     "UndeclaredAddress",
     "UnguardedScript",
+    "UnknownAdapter",
     "UnknownKind",
     "UnknownSae",
     "UnknownWeight",
@@ -259,6 +279,7 @@ __all__ = [
     "WorkerStats",
     "Write",
     "accumulated_resid",
+    "attribution_graph",
     "attribution_patch",
     "capture_attention",
     "capture_generation",
@@ -271,9 +292,11 @@ __all__ = [
     "lens_top_k",
     "load_model",
     "load_sae",
+    "load_transcoders",
     "logit_attribution",
     "run_with_cache",
     "run_with_gradients",
+    "shipped_adapters",
     "shipped_models",
     "shipped_saes",
     "sync_model",

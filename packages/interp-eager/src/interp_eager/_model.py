@@ -40,9 +40,11 @@ from interp_engine import (
     UnsupportedAddress,
 )
 from interp_engine.backend import (
+    Adapter,
     CheckedLens,
     LensResult,
     LensTopK,
+    RowAdapters,
     RowSpecs,
     TextPieces,
     TokenizerMixin,
@@ -52,6 +54,7 @@ from interp_engine.backend import (
     pad_rows,
 )
 
+from ._adapters import PeftAdapters
 from ._batches import batch_readouts, batch_writes, row_at, to_cpu, zero_padding
 from ._compat import default_thread_state
 from ._families import Family
@@ -90,6 +93,7 @@ class EagerModel(TokenizerMixin, ModelBase):
 
     backend = "eager"
     supported_points = EAGER_KINDS
+    transcoder_clamps = True
 
     def __init__(self, hf_model: nn.Module, tokenizer: Any, *, family: Family | None = None) -> None:
         self._hf: nn.Module | None = hf_model.eval()
@@ -121,6 +125,7 @@ class EagerModel(TokenizerMixin, ModelBase):
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="interp-eager")
         self._weight_info: WeightInfo | None = None
+        self._peft = PeftAdapters(hf_model)
 
     @classmethod
     def from_hf(cls, hf_model: nn.Module, tokenizer: Any) -> EagerModel:
@@ -208,7 +213,10 @@ class EagerModel(TokenizerMixin, ModelBase):
         use_cache: bool = False,
         last_logits_only: bool = False,
         grad: bool = False,
+        adapters: Sequence[str | None] = (),
     ) -> Any:
+        """One forward of ``plan`` over ``input_ids``; ``adapters``: each batch row's adapter
+        (``None`` or nothing: the base model)."""
         hf = self.hf_model
         kwargs: dict[str, Any] = {"input_ids": input_ids.to(self.device), "use_cache": use_cache}
         if attention_mask is not None:
@@ -220,7 +228,13 @@ class EagerModel(TokenizerMixin, ModelBase):
         needs_weights = any(a.kind in _NEEDS_EAGER_ATTENTION for a in plan.wanted)
         output = None
         mode = torch.enable_grad() if grad else torch.inference_mode()
-        with self._lock, mode, self._attention_weights(needs_weights), plan.installed(chunk):
+        with (
+            self._lock,
+            mode,
+            self._attention_weights(needs_weights),
+            self._peft.rows(adapters),
+            plan.installed(chunk),
+        ):
             output = hf(**kwargs)
         return output
 
@@ -256,7 +270,13 @@ class EagerModel(TokenizerMixin, ModelBase):
             write_rows=write_rows,
         )
         padded = min(lengths) < ids.shape[1]
-        output = self._forward(plan, Chunk(len(rows), ids.shape[1], 0), ids, attention_mask=mask if padded else None)
+        output = self._forward(
+            plan,
+            Chunk(len(rows), ids.shape[1], 0),
+            ids,
+            attention_mask=mask if padded else None,
+            adapters=[r.adapter for r in requests],
+        )
         values = plan.result()
         if wants_logits:
             values[_LOGITS] = output.logits
@@ -266,11 +286,16 @@ class EagerModel(TokenizerMixin, ModelBase):
         return {a: zero_padding(a, to_cpu(values[a]), lengths) for a in addresses}, readouts
 
     async def capture(
-        self, token_ids: Sequence[int], points: Iterable[Any], *, steering_spec: SteeringSpec | None = None
+        self,
+        token_ids: Sequence[int],
+        points: Iterable[Any],
+        *,
+        steering_spec: SteeringSpec | None = None,
+        adapter: str | None = None,
     ) -> Results:
         """Activations ``[n_tokens, width]`` at ``points`` (head addresses ``[n_tokens, heads,
-        d_head]``, attention patterns and scores ``[heads, q, k]``)."""
-        values = await self.capture_batch([token_ids], points, steering_spec=steering_spec)
+        d_head]``, attention patterns and scores ``[heads, q, k]``), under ``adapter`` if given."""
+        values = await self.capture_batch([token_ids], points, steering_spec=steering_spec, adapter=adapter)
         return Results({a: t[0] for a, t in values.items()})  # a FeatureReadout indexes like a tensor
 
     async def capture_batch(
@@ -279,12 +304,14 @@ class EagerModel(TokenizerMixin, ModelBase):
         points: Iterable[Any],
         *,
         steering_spec: RowSpecs = None,
+        adapter: RowAdapters = None,
     ) -> Results:
         """One batched forward over prompts of any lengths: ``[batch, n_max, width]`` (head
         addresses ``[batch, n_max, heads, d_head]``), right-padded with zeros (attention scores:
         ``-inf``); each row equals its solo run. ``steering_spec``: one spec for every row, or a
-        list of one spec (or ``None``) per row, still one forward."""
-        requests = self._check_capture_batch(rows, points, steering_spec)
+        list of one spec (or ``None``) per row, still one forward; ``adapter`` likewise (PEFT's
+        mixed batch: each row's LoRA applies to its own rows only)."""
+        requests = self._check_capture_batch(rows, points, steering_spec, adapter)
         values, readouts = await self._run(lambda: self._capture_sync(requests))
         return requests[0].keyed(values, readouts)
 
@@ -294,12 +321,13 @@ class EagerModel(TokenizerMixin, ModelBase):
         points: Iterable[Any],
         *,
         steering_spec: RowSpecs = None,
+        adapter: RowAdapters = None,
     ) -> Results:
         """:meth:`capture_batch` without an event loop, checked and run in the calling thread
         when torch's per-thread state there is what a thread of the model's own has (no autocast,
         no torch-function or dispatch mode: :func:`~interp_eager._compat.default_thread_state`),
         else run on the worker thread while the caller waits; one forward at a time either way."""
-        requests = self._check_capture_batch(rows, points, steering_spec)
+        requests = self._check_capture_batch(rows, points, steering_spec, adapter)
         if default_thread_state(self.device):
             values, readouts = self._capture_sync(requests)
         else:
@@ -314,6 +342,7 @@ class EagerModel(TokenizerMixin, ModelBase):
         metric: GradientMetric,
         *,
         steering_spec: RowSpecs = None,
+        adapter: RowAdapters = None,
     ) -> tuple[Results, Results, float]:
         """One forward with autograd on over prompts of any lengths (right-padded), one backward
         of ``metric(logits, lengths)``: the activations at ``points``, the metric's gradient with
@@ -332,7 +361,7 @@ class EagerModel(TokenizerMixin, ModelBase):
                 "and project onto its encoder",
                 address=readouts[0],
             )
-        requests = self._check_capture_batch(rows, points, steering_spec)
+        requests = self._check_capture_batch(rows, points, steering_spec, adapter)
         for address in requests[0].addresses:
             check_probe(self.arch, address)
         values, grads, value = await self._run(lambda: self._gradients_sync(requests, metric))
@@ -349,7 +378,12 @@ class EagerModel(TokenizerMixin, ModelBase):
         plan = Plan(self.arch, addresses, writes, lengths, saes=saes, write_rows=write_rows, probes=addresses)
         padded = not bool(mask.all())
         output = self._forward(
-            plan, Chunk(len(rows), ids.shape[1], 0), ids, attention_mask=mask if padded else None, grad=True
+            plan,
+            Chunk(len(rows), ids.shape[1], 0),
+            ids,
+            attention_mask=mask if padded else None,
+            grad=True,
+            adapters=[r.adapter for r in requests],
         )
         logits = output.logits
         logits = logits if logits.dtype == torch.float64 else logits.float()  # float32, or a float64 model's
@@ -385,6 +419,7 @@ class EagerModel(TokenizerMixin, ModelBase):
         max_tokens: int,
         sampling: SamplingOptions,
         plan_for: Callable[[int], Plan] | None,
+        adapter: str | None = None,
     ) -> AsyncIterator[tuple[int, torch.Tensor, Plan]]:
         """Yield ``(token, logits, plan)`` per generated token; after the last, the plan has
         also seen the last token's forward (so activations cover every generated token)."""
@@ -403,6 +438,7 @@ class EagerModel(TokenizerMixin, ModelBase):
                 past=state["past"],
                 use_cache=True,
                 last_logits_only=not wants_raw_logits,
+                adapters=[adapter],
             )
             state["past"] = output.past_key_values
             logits: torch.Tensor = output.logits[0, -1]
@@ -421,6 +457,17 @@ class EagerModel(TokenizerMixin, ModelBase):
                 return
             offset += len(ids)
             ids = [token]
+
+    # -- the frozen-linear replacement model (attribution graphs) ---------------------------
+    def linearize(self, token_ids: Sequence[int], input_kind: str = "mlp_in") -> Any:
+        """The frozen-linear replacement model of one prompt (:class:`~interp_eager._linear.FrozenForward`):
+        attention patterns and norm scales fixed at their values on ``token_ids``, each MLP's
+        output a constant, gradient probes at the embeddings and the MLP outputs. What
+        :func:`interp_engine.circuits.attribution_graph` differentiates."""
+        from ._linear import FrozenForward
+
+        checked = self._check_capture_batch([token_ids], [Address(input_kind, 0)], None)
+        return FrozenForward(self, checked[0].token_ids, input_kind)
 
     def _plan_for(self, request: CheckedRequest, points: list[Address] | None = None) -> Callable[[int], Plan]:
         wanted = list(dict.fromkeys((request.addresses if points is None else points) + request.readout_addresses))
@@ -451,11 +498,13 @@ class EagerModel(TokenizerMixin, ModelBase):
         *,
         max_tokens: int,
         steering_spec: SteeringSpec | None = None,
+        adapter: str | None = None,
         **sampling: Any,
     ) -> Completion:
-        """A completion (greedy unless ``temperature``/``top_k``/``top_p``/``seed`` say otherwise)."""
+        """A completion (greedy unless ``temperature``/``top_k``/``top_p``/``seed`` say otherwise),
+        under ``adapter`` if given."""
         completion, _ = await self.capture_generation(
-            token_ids, [], max_tokens=max_tokens, steering_spec=steering_spec, **sampling
+            token_ids, [], max_tokens=max_tokens, steering_spec=steering_spec, adapter=adapter, **sampling
         )
         return completion
 
@@ -469,7 +518,9 @@ class EagerModel(TokenizerMixin, ModelBase):
         plan: Plan | None = None
         read: list[LensTopK] = []
         n_prompt = len(request.token_ids)
-        async for token, _, used in self._decode(request.token_ids, request.max_tokens, request.sampling, plan_for):
+        async for token, _, used in self._decode(
+            request.token_ids, request.max_tokens, request.sampling, plan_for, request.adapter
+        ):
             if request.lens is not None:
                 prompt_lens, step_lens = await self._read_lens(used, request.lens, n_prompt - 1 + len(tokens), n_prompt)
                 if prompt_lens is not None:
@@ -494,7 +545,7 @@ class EagerModel(TokenizerMixin, ModelBase):
         count = 0
         n_prompt = len(request.token_ids)
         async for token, logits, plan in self._decode(
-            request.token_ids, request.max_tokens, request.sampling, plan_for
+            request.token_ids, request.max_tokens, request.sampling, plan_for, request.adapter
         ):
             position = n_prompt - 1 + count
             count += 1
@@ -541,6 +592,17 @@ class EagerModel(TokenizerMixin, ModelBase):
             logits = self.arch.unembed_residuals(rows.to(device=param.device, dtype=param.dtype))
             ids, probs = lens_top_k(logits, lens.top_k)
         return ids.cpu(), probs.cpu()
+
+    # -- adapters (PEFT) -----------------------------------------------------------------
+    def _load_adapter(self, adapter: Adapter) -> None:
+        """Load the adapter's LoRA weights into the model (PEFT), once no forward is running, and
+        place every hook on the LoRA layers (their output includes the adapter's part). A
+        request in flight keeps the plan it was built with: its rows name no new adapter, and
+        a LoRA layer's base rows equal its base layer's."""
+        with self._lock:
+            self._peft.load(adapter)
+            self.arch = Architecture(self.hf_model, self.family)
+            self._weight_info = None
 
     # -- logit lens ---------------------------------------------------------------------
     async def _decode_residuals(self, residuals: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ attention tap runs before the attention function
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Container, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -82,6 +82,8 @@ class _Edit:
     vector: torch.Tensor | None = None
     sae: Sae | None = None
     """A feature write's SAE."""
+    source: Callable[[], torch.Tensor] | None = None
+    """A transcoder feature write's input rows this chunk (``[batch, length, d_in]``)."""
 
     def _vector(self, like: torch.Tensor, target: bool = False) -> torch.Tensor:
         """The write's vector (or its target) on ``like``'s device and dtype (the vector cached)."""
@@ -114,7 +116,8 @@ class _Edit:
             if self.sae is None:  # pragma: no cover - the plan binds every feature write's SAE
                 raise UnsupportedAddress(f"no SAE for the feature write on {self.write.sae!r}")
             out = rows.clone()
-            out[b, c] = self.write.apply(rows[b, c], self.sae)
+            source = None if self.source is None else self.source()[b, c]
+            out[b, c] = self.write.apply(rows[b, c], self.sae, source=source)
             return out
         picked = torch.tensor(vec_rows, device=rows.device)
         vector = self._vector(rows)
@@ -140,6 +143,9 @@ class _SitePlan:
     mid_layer: int | None = None
     probes: list[Address] = field(default_factory=list)
     mid_probes: list[Address] = field(default_factory=list)
+    sources: list[Address] = field(default_factory=list)
+    """Transcoder inputs kept for the feature writes at their outputs (this chunk's rows)."""
+    mid_sources: list[Address] = field(default_factory=list)
 
     @property
     def changes(self) -> bool:
@@ -164,6 +170,7 @@ class Plan:
         write_rows: Sequence[frozenset[int] | None] | None = None,
         probes: Sequence[Address] = (),
         rows_at: Mapping[Address, Container[int]] | None = None,
+        live: bool = False,
     ) -> None:
         """``write_rows``: per write, the batch rows it applies to (``None``: every row), for a
         batch whose rows carry different steering specs. ``probes``: addresses where a zero
@@ -172,14 +179,18 @@ class Plan:
         (:attr:`probed`) is its gradient with respect to the value there. ``rows_at``: addresses
         read only at some absolute positions (the logit lens during generation): each forward
         keeps just those rows, in :attr:`rows` (they join :attr:`values` only if also in
-        ``points``), and they do not count as wanted (no extra forward for them)."""
+        ``points``), and they do not count as wanted (no extra forward for them). ``live``: the
+        values read keep their autograd graph (the frozen-linear forward of ``_linear``
+        differentiates them)."""
         self.arch = arch
+        self.live = live
         self.stop_early = stop_early
         self.steered = bool(writes)
         """Whether this request writes anywhere (its values may then be what the writes made)."""
         self.chunk = Chunk(batch=len(rows_lengths), length=max(rows_lengths), offset=0)
         self.values: dict[Address, list[torch.Tensor]] = defaultdict(list)
         self._stash: dict[int, torch.Tensor] = {}
+        self._kept: dict[Address, torch.Tensor] = {}
         self._sites: dict[Site, _SitePlan] = defaultdict(_SitePlan)
         prompts = list(n_prompt or rows_lengths)
         totals = list(total or rows_lengths)
@@ -202,6 +213,8 @@ class Plan:
             edit = _Edit(write, positions)
             if isinstance(write, FeatureWrite):
                 edit.sae = (saes or {})[write.sae]
+                if edit.sae.is_transcoder:
+                    edit.source = self._source(edit.sae.address.resolve(len(arch.layers)))
             if write.address.kind == "resid_mid":
                 self._plan_mid(write.address.layer).mid_edits.append(edit)
             else:
@@ -227,6 +240,27 @@ class Plan:
             else:
                 self._sites[arch.site(point)].reads.append(point)
 
+    def _source(self, address: Address) -> Callable[[], torch.Tensor]:
+        """Keep ``address``'s rows each chunk (a transcoder's input), and how to get them."""
+        self.arch.check_servable(address)
+        if address.kind == "resid_mid":
+            site_plan = self._plan_mid(address.layer)
+            if address not in site_plan.mid_sources:
+                site_plan.mid_sources.append(address)
+        else:
+            site_plan = self._sites[self.arch.site(address)]
+            if address not in site_plan.sources:
+                site_plan.sources.append(address)
+
+        def rows() -> torch.Tensor:
+            if address not in self._kept:
+                raise UnsupportedAddress(
+                    f"the forward reached the transcoder's output before {address}", address=address
+                )
+            return self._kept[address]
+
+        return rows
+
     def _plan_mid(self, layer: int | None) -> _SitePlan:
         if layer is None:  # pragma: no cover - resid_mid is per layer by construction
             raise UnsupportedAddress("resid_mid needs a layer", address="resid_mid")
@@ -248,7 +282,9 @@ class Plan:
         return rows + delta
 
     def _record(self, address: Address, rows: torch.Tensor) -> None:
-        if address in self.wanted:  # contiguous, as a concatenation of the chunks would be
+        if address in self.wanted and self.live:
+            self.values[address].append(rows)
+        elif address in self.wanted:  # contiguous, as a concatenation of the chunks would be
             self.values[address].append(rows.detach().clone(memory_format=torch.contiguous_format))
         keep = self._rows_at.get(address)
         if keep is not None:
@@ -306,7 +342,7 @@ class Plan:
             edited = self._probe(address, edited)
         for layer in plan.stash_resid_pre_for:
             self._stash[layer] = edited
-        if plan.mid_layer is not None and (plan.mid_edits or plan.mid_reads or plan.mid_probes):
+        if plan.mid_layer is not None and (plan.mid_edits or plan.mid_reads or plan.mid_probes or plan.mid_sources):
             resid_pre = self._stash[plan.mid_layer]
             mid = resid_pre + edited
             steered = mid
@@ -319,6 +355,10 @@ class Plan:
                 edited = edited + self.probed[address][-1]
             for address in plan.mid_reads:
                 self._record(address, steered)
+            for address in plan.mid_sources:
+                self._kept[address] = steered
+        for address in plan.sources:
+            self._kept[address] = edited
         for address in plan.reads:
             self._record(address, edited)
         if edited is rows:

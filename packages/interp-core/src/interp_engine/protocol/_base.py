@@ -57,16 +57,19 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from .._errors import (
+    InvalidAdapter,
     InvalidAddress,
     InvalidFeatures,
     InvalidOption,
     InvalidSteering,
     InvalidTokens,
     KindNotInFamily,
+    UnknownAdapter,
     UnknownSae,
     UnsupportedAddress,
     UnsupportedOperation,
 )
+from ..adapters._adapter import Adapter, check_adapter, is_adapter_folder
 from ..addresses._address import Address, AddressLike, PointInfo
 from ..addresses._kinds import KINDS, missing_reason
 from ..chat._render import build_chat_tokens
@@ -110,12 +113,18 @@ class ModelBase(ModelLifecycle, abc.ABC):
     """The address kinds a steering spec may write (``None``: every writable kind)."""
     sampling_options: ClassVar[Collection[str]] = SAMPLING_OPTIONS
     """The generation options this backend takes."""
+    transcoder_clamps: ClassVar[bool] = False
+    """Whether a feature write may clamp or ablate a transcoder's feature (read at its input
+    address, written at its output address, in one forward): the backend then binds such a
+    :class:`~interp_engine.FeatureWrite` to the output address and applies it with the input rows
+    (``FeatureWrite.apply(..., source=...)``)."""
 
     def __init__(self, info: ModelInfo, *, eos_ids: Iterable[int] = ()) -> None:
         self.info = info
         self.eos_ids: frozenset[int] = frozenset(eos_ids)
         super().__init__()
         self._saes: dict[str, Sae] = {}
+        self._adapters: dict[str, Adapter] = {}
 
     # -- the end of a sequence --------------------------------------------------------------------
     @staticmethod
@@ -288,7 +297,88 @@ class ModelBase(ModelLifecycle, abc.ABC):
     def _resolve_feature_writes(self, writes: Sequence[AnyWrite]) -> tuple[list[AnyWrite], dict[str, Sae]]:
         """Feature writes made concrete: ``add`` becomes a plain write of its scaled decoder
         direction at the SAE's output address; ``clamp``/``ablate`` are bound to its address."""
-        return resolve_feature_writes(writes, self._sae, self.info)
+        return resolve_feature_writes(
+            writes, self._sae, self.info, transcoder_clamps=self.transcoder_clamps, backend=self.backend
+        )
+
+    # -- adapters ---------------------------------------------------------------------------------
+    @property
+    def adapters(self) -> Mapping[str, Adapter]:
+        """The LoRA adapters registered on this model, by name (read-only); a request names one
+        with ``adapter=`` (``None``: the base model)."""
+        return types.MappingProxyType(self._adapters)
+
+    def load_adapter(self, name: str, path: str | os.PathLike[str] | None = None) -> Adapter:
+        """Register the LoRA adapter in ``path`` (a PEFT adapter folder, or a shipped name such as
+        ``"interp:tiny-lora"``; default: ``name`` itself) under ``name``, checked against this
+        model before any compute. Requests then run under it with ``adapter=name``, each alone:
+        other requests, in flight or batched beside it, keep their own adapter or none.
+
+        Raises ``InvalidAdapter`` for a taken name, a folder that is no LoRA adapter, weights of
+        another model's shapes, a rank over the backend's limit, or a backend that serves no
+        adapters (the message names one that does)."""
+        self._check_open()
+        if not isinstance(name, str) or not name or name == "__base__":
+            raise InvalidAdapter(f"an adapter's name is a non-empty string other than '__base__', got {name!r}")
+        if name in self._adapters:
+            raise InvalidAdapter(f"an adapter is already registered as {name!r}", name=name, valid=list(self._adapters))
+        adapter = check_adapter(name, name if path is None else path, self.info, max_rank=self._max_adapter_rank())
+        self._load_adapter(adapter)
+        self._adapters[name] = adapter
+        return adapter
+
+    def _max_adapter_rank(self) -> int | None:
+        """The largest LoRA rank this backend serves (``None``: any)."""
+        return None
+
+    def _load_adapter(self, adapter: Adapter) -> None:
+        """A backend's part of registering an adapter (load it, or tell its engine); raise
+        ``InvalidAdapter`` to refuse."""
+        raise InvalidAdapter(
+            f"the {self.backend} backend serves no adapters; the eager backend (PEFT) and the vllm backend "
+            "(vLLM's LoRA, enable_lora=True) do",
+            name=adapter.name,
+        )
+
+    def _check_adapter(self, adapter: Any) -> str | None:
+        """The registered name a request's ``adapter=`` means: ``None`` (the base model), a
+        registered name, or an adapter folder or shipped name, registered under that spelling on
+        first use. Anything else is ``UnknownAdapter``, listing the registered ones."""
+        if adapter is None:
+            return None
+        if isinstance(adapter, os.PathLike):
+            adapter = os.fspath(adapter)
+        if not isinstance(adapter, str):
+            raise InvalidAdapter(
+                f"adapter must be a registered adapter's name, an adapter folder or None, got {type(adapter).__name__}"
+            )
+        if adapter in self._adapters:
+            return adapter
+        if is_adapter_folder(adapter):
+            self.load_adapter(adapter)
+            return adapter
+        known = ", ".join(sorted(self._adapters)) or "none (model.load_adapter(name, path) registers one)"
+        raise UnknownAdapter(
+            f"no adapter is registered as {adapter!r}, and it is no adapter folder; registered: {known} "
+            "(None is the base model)",
+            name=adapter,
+            valid=sorted(self._adapters),
+        )
+
+    def _row_adapters(self, adapter: Any, n_rows: int) -> list[str | None]:
+        """``adapter`` as one checked adapter (or ``None``) per row of a batch: a single name (or
+        ``None``) is every row's; a list gives one per row."""
+        if adapter is None or isinstance(adapter, (str, os.PathLike)):
+            return [self._check_adapter(adapter)] * n_rows
+        if not isinstance(adapter, Sequence):
+            raise InvalidAdapter(f"adapter must be a name, a folder, None or a list of them per row, got {adapter!r}")
+        names = list(adapter)
+        if len(names) != n_rows:
+            raise InvalidAdapter(
+                f"adapter lists {len(names)} adapters but the batch has {n_rows} rows; give one per row "
+                "(None for the base model) or one for every row"
+            )
+        return [self._check_adapter(name) for name in names]
 
     # -- request checks ---------------------------------------------------------------------------
     def _check_n_logprobs(self, n_logprobs: Any) -> int:
@@ -337,16 +427,17 @@ class ModelBase(ModelLifecycle, abc.ABC):
         return check_spec(SteeringSpec(writes), self.info, self._writable_kinds()), used
 
     def _check_capture(
-        self, token_ids: Any, points: Iterable[Any], steering_spec: SteeringSpec | None
+        self, token_ids: Any, points: Iterable[Any], steering_spec: SteeringSpec | None, adapter: Any = None
     ) -> CheckedRequest:
         """The checks at the top of a capture over the prompt (at least one point)."""
-        return self._check_capture_batch([token_ids], points, steering_spec)[0]
+        return self._check_capture_batch([token_ids], points, steering_spec, adapter)[0]
 
     def _check_capture_batch(
-        self, rows: Iterable[Any], points: Iterable[Any], steering_spec: RowSpecs
+        self, rows: Iterable[Any], points: Iterable[Any], steering_spec: RowSpecs, adapter: Any = None
     ) -> list[CheckedRequest]:
         """:meth:`_check_capture` for several prompts sharing the points; ``steering_spec`` is
-        one spec for every row, or a list of one spec (or ``None``) per row."""
+        one spec for every row, or a list of one spec (or ``None``) per row; ``adapter`` likewise
+        one adapter (or ``None``) for every row or a list of one per row."""
         self._check_open()
         given = list(rows)
         checked = [check_token_ids(row, self.info) for row in given]
@@ -363,11 +454,14 @@ class ModelBase(ModelLifecycle, abc.ABC):
         for spec in specs:  # a spec shared by several rows is checked once
             if id(spec) not in resolved:
                 resolved[id(spec)] = self._check_writes(spec)
+        adapters = self._row_adapters(adapter, len(checked))
         requests = []
-        for ids, spec in zip(checked, specs, strict=True):
+        for ids, spec, row_adapter in zip(checked, specs, adapters, strict=True):
             writes, written = resolved[id(spec)]
             check_write_shapes(writes, len(ids), len(ids))
-            request = CheckedRequest(ids, mapping, writes, readouts=readouts, saes={**saes, **written})
+            request = CheckedRequest(
+                ids, mapping, writes, readouts=readouts, saes={**saes, **written}, adapter=row_adapter
+            )
             self._check_request(request)
             requests.append(request)
         return requests
@@ -382,6 +476,7 @@ class ModelBase(ModelLifecycle, abc.ABC):
         sampling: Mapping[str, Any],
         n_logprobs: Any = 0,
         lens: LensRequest | None = None,
+        adapter: Any = None,
     ) -> CheckedRequest:
         """The checks at the top of ``generate`` / ``capture_generation`` / ``stream`` (points
         may be empty: then nothing is captured; ``lens``: the logit lens to read per step)."""
@@ -405,6 +500,7 @@ class ModelBase(ModelLifecycle, abc.ABC):
             readouts=readouts,
             saes={**saes, **written},
             lens=self._check_lens(lens, token_ids, len(ids)),
+            adapter=self._check_adapter(adapter),
         )
         self._check_request(request)
         return request
@@ -473,9 +569,15 @@ class ModelBase(ModelLifecycle, abc.ABC):
 
     @abc.abstractmethod
     async def capture(
-        self, token_ids: Sequence[int], points: Iterable[AddressLike], *, steering_spec: SteeringSpec | None = None
+        self,
+        token_ids: Sequence[int],
+        points: Iterable[AddressLike],
+        *,
+        steering_spec: SteeringSpec | None = None,
+        adapter: str | None = None,
     ) -> Results:
-        """Activations at ``points`` over the prompt tokens (and any feature readouts)."""
+        """Activations at ``points`` over the prompt tokens (and any feature readouts), under
+        ``adapter`` (``None``: the base model)."""
 
     @abc.abstractmethod
     async def generate(self, token_ids: Sequence[int], *, max_tokens: int, **sampling: Any) -> Completion:
@@ -489,15 +591,22 @@ class ModelBase(ModelLifecycle, abc.ABC):
         max_tokens: int,
         steering_spec: SteeringSpec | None = None,
         lens: LensRequest | None = None,
+        adapter: str | None = None,
         **sampling: Any,
     ) -> tuple[Completion, Results]:
         """A completion and activations over prompt + every generated token (and with ``lens``,
-        a :class:`LensResult` keyed by the request).
+        a :class:`LensResult` keyed by the request), under ``adapter`` (``None``: the base model).
 
         The request is checked here (:meth:`_check_generation`); the backend's
         :meth:`_capture_generation` serves it."""
         request = self._check_generation(
-            token_ids, points, max_tokens=max_tokens, steering_spec=steering_spec, sampling=sampling, lens=lens
+            token_ids,
+            points,
+            max_tokens=max_tokens,
+            steering_spec=steering_spec,
+            sampling=sampling,
+            lens=lens,
+            adapter=adapter,
         )
         return await self._capture_generation(request)
 
@@ -515,11 +624,12 @@ class ModelBase(ModelLifecycle, abc.ABC):
         steering_spec: SteeringSpec | None = None,
         features: Iterable[Any] = (),
         lens: LensRequest | None = None,
+        adapter: str | None = None,
         **sampling: Any,
     ) -> AsyncIterator[StreamStep]:
         """Generated tokens one at a time, each with its top-n logprobs, the ``features``
         readouts (``StreamStep.features``) and the ``lens`` (``StreamStep.lens``) at the position
-        that produced it.
+        that produced it, under ``adapter`` (``None``: the base model).
 
         The request is checked here (:meth:`_check_generation`, with ``features`` readouts only),
         on the first step asked for; the backend's :meth:`_stream` produces the steps, and is
@@ -532,6 +642,7 @@ class ModelBase(ModelLifecycle, abc.ABC):
             sampling=sampling,
             n_logprobs=n_logprobs,
             lens=lens,
+            adapter=adapter,
         )
         async with contextlib.aclosing(self._stream(request)) as steps:
             async for step in steps:
@@ -543,10 +654,15 @@ class ModelBase(ModelLifecycle, abc.ABC):
         raise UnsupportedOperation(f"the {self.backend} backend does not stream")
 
     async def capture_attention(
-        self, token_ids: Sequence[int], layers: Iterable[int], *, steering_spec: SteeringSpec | None = None
+        self,
+        token_ids: Sequence[int],
+        layers: Iterable[int],
+        *,
+        steering_spec: SteeringSpec | None = None,
+        adapter: str | None = None,
     ) -> Activations:
         """Attention probabilities ``[heads, q, k]`` keyed by ``Address("attn_pattern", L)``,
-        under ``steering_spec`` if given."""
+        under ``steering_spec`` and ``adapter`` if given."""
         self._check_open()
         if isinstance(layers, int):
             layers = [layers]
@@ -555,7 +671,8 @@ class ModelBase(ModelLifecycle, abc.ABC):
             raise UnsupportedAddress(
                 "capture_attention needs at least one layer", address=None, valid=f"0..{self.info.n_layers - 1}"
             )
-        values = await self.capture(token_ids, points, steering_spec=steering_spec)
+        extra: dict[str, Any] = {} if adapter is None else {"adapter": adapter}  # a backend before adapters
+        values = await self.capture(token_ids, points, steering_spec=steering_spec, **extra)
         return {a: v for a, v in values.items() if isinstance(a, Address) and isinstance(v, torch.Tensor)}
 
     async def decode_residuals(

@@ -78,11 +78,17 @@ def split_points(points: Iterable[Any]) -> tuple[list[Any], tuple[Features, ...]
 
 
 def resolve_feature_writes(
-    writes: Sequence[AnyWrite], sae_of: Callable[[str], Sae], info: ModelInfo
+    writes: Sequence[AnyWrite],
+    sae_of: Callable[[str], Sae],
+    info: ModelInfo,
+    *,
+    transcoder_clamps: bool = False,
+    backend: str = "this",
 ) -> tuple[list[AnyWrite], dict[str, Sae]]:
     """Feature writes made concrete (``sae_of`` gives the SAE attached under a name): ``add``
     becomes a plain write of its scaled decoder direction at the SAE's output address;
-    ``clamp``/``ablate`` are bound to its address."""
+    ``clamp``/``ablate`` are bound to its address (a transcoder's: its output address, where the
+    backend serves them, ``transcoder_clamps``)."""
     out: list[AnyWrite] = []
     used: dict[str, Sae] = {}
     for write in writes:
@@ -104,10 +110,16 @@ def resolve_feature_writes(
             out.append(Write(sae.address_out, write.value * direction, "add", positions=write.positions))
             continue
         if sae.is_transcoder:
-            raise InvalidFeatures(
-                f"{write.op} of a transcoder feature ({write.sae!r}) is not served: the feature is read at "
-                f"{sae.address} and written at {sae.address_out}; use op='add' with the value to add"
-            )
+            if not transcoder_clamps:
+                raise InvalidFeatures(
+                    f"{write.op} of a transcoder feature ({write.sae!r}) is not served by the {backend} backend "
+                    f"(the feature is read at {sae.address} and written at {sae.address_out}); the eager backend "
+                    "serves it, and here op='add' with the value to add, or AttributionGraph.steering_spec(..., "
+                    "mode='constant'), writes the same change at the prompt's own activations"
+                )
+            used[write.sae] = sae
+            out.append(write.bound(sae.address_out.resolve(info.n_layers)))
+            continue
         used[write.sae] = sae
         out.append(write.bound(sae.address.resolve(info.n_layers)))
     return out, used

@@ -307,8 +307,15 @@ class FeatureWrite:
     - ``op="ablate"``: the clamp to 0;
     - ``op="add"``: ``x + value * d_i`` (a transcoder's ``add`` writes at its output address).
 
+    On a transcoder the feature is read at its input address and its decoder written at its
+    output address: ``clamp`` is ``y + (value - f_i(x)) d_i`` with ``x`` the transcoder's input
+    and ``y`` the MLP output there (so the MLP's output stays reconstruction + error, with only
+    feature ``i``'s part changed); served where the backend can read both in one forward
+    (``ModelBase.transcoder_clamps``).
+
     ``positions`` as for :class:`Write`. ``address`` is filled in by the model from the
-    attached SAE when a request is checked (leave it ``None``).
+    attached SAE when a request is checked (leave it ``None``); a transcoder's is its output
+    address.
     """
 
     sae: str
@@ -357,17 +364,28 @@ class FeatureWrite:
         """This write placed at ``address`` (the model does it from the attached SAE)."""
         return FeatureWrite(self.sae, self.feature, self.op, self.value, self.positions, address=address)
 
-    def apply(self, x: torch.Tensor, sae: Sae) -> torch.Tensor:
+    def apply(self, x: torch.Tensor, sae: Sae, *, source: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` (rows ``[..., width]``) with this write applied through ``sae`` (an
-        :class:`~interp_engine.Sae`); a new tensor in ``x``'s dtype."""
+        :class:`~interp_engine.Sae`); a new tensor in ``x``'s dtype. For a transcoder, ``x`` is
+        the rows at its output address and ``source`` the same positions' rows at its input
+        address (what the feature is read from)."""
         rows = x.float()
-        if rows.dim() >= 2 and rows.shape[-1] != sae.d_in:  # a head address: [..., heads, d_head]
+        if rows.dim() >= 2 and rows.shape[-1] != sae.d_out:  # a head address: [..., heads, d_head]
             rows = rows.flatten(-2)
-        direction = sae.feature_direction(self.feature, x=rows).to(device=x.device, dtype=torch.float32)
+        if sae.is_transcoder and self.op != "add":
+            if source is None:
+                raise InvalidSteering(
+                    f"a {self.op} of transcoder {self.sae!r} reads the feature at {sae.address}: pass source="
+                )
+            read_from = source.float()
+            direction = sae.feature_direction(self.feature).to(device=x.device, dtype=torch.float32)
+        else:
+            read_from = rows
+            direction = sae.feature_direction(self.feature, x=rows).to(device=x.device, dtype=torch.float32)
         if self.op == "add":
             out = rows + self.value * direction
         else:
-            current = sae.encode(rows)[..., self.feature : self.feature + 1].to(torch.float32)
+            current = sae.encode(read_from)[..., self.feature : self.feature + 1].to(torch.float32)
             out = rows + (self.value - current) * direction
         result: torch.Tensor = out.reshape(x.shape).to(x.dtype)
         return result

@@ -1,0 +1,162 @@
+"""The attribution graph is exact in the frozen-linear replacement model.
+
+The oracle is a hand-written forward of ``interp:tiny`` (GPT-2 shaped) from its HF weights, with
+the attention patterns and the layer-norm scales of the prompt's own run (captured through the
+ordinary capture path) and each MLP's output a given constant: the frozen-linear model written out,
+independent of the eager backend's hooks. In it:
+
+- completeness: each node's value (a feature's pre-activation, a logit minus the mean logit)
+  equals the sum of its incoming edges plus its constant term -- the value with every source
+  (features, errors, embeddings) removed;
+- each sampled edge's weight equals the change of its target when its source's contribution is
+  removed (a feature's activation times its decoder rows, an error vector, an embedding).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+
+from interp_engine import Address
+from interp_engine.circuits import AttributionGraph, Replacement
+
+from .conftest import N_LAYERS, PROMPT
+
+TOL = 1e-4
+
+
+def _scale(x: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    return torch.sqrt((x - x.mean(-1, keepdim=True)).pow(2).mean(-1, keepdim=True) + eps)
+
+
+class FrozenGpt2:
+    """interp:tiny's frozen-linear model written out (module docstring)."""
+
+    def __init__(self, tiny: Any) -> None:
+        self.hf = tiny.model.hf_model
+        tokens = tiny.to_tokens(PROMPT)[0].tolist()
+        points = [Address("embed"), Address("resid_post", N_LAYERS - 1)]
+        for layer in range(N_LAYERS):
+            points += [Address(k, layer) for k in ("resid_pre", "resid_mid", "attn_pattern", "mlp_out")]
+        caps = tiny.capture(tokens, points)
+        self.embed = caps[Address("embed")]
+        self.mlp_out = {layer: caps[Address("mlp_out", layer)] for layer in range(N_LAYERS)}
+        self.patterns = [caps[Address("attn_pattern", layer)] for layer in range(N_LAYERS)]
+        self.s1 = [_scale(caps[Address("resid_pre", layer)]) for layer in range(N_LAYERS)]
+        self.s2 = [_scale(caps[Address("resid_mid", layer)]) for layer in range(N_LAYERS)]
+        self.sf = _scale(caps[Address("resid_post", N_LAYERS - 1)])
+
+    @torch.no_grad()
+    def __call__(self, embed: torch.Tensor, mlp_out: dict[int, torch.Tensor]) -> dict[str, Any]:
+        tr = self.hf.transformer
+        x = embed.clone()
+        n, d = x.shape
+        mlp_in, resid_mid = {}, {}
+        for layer, block in enumerate(tr.h):
+            h = (x - x.mean(-1, keepdim=True)) / self.s1[layer] * block.ln_1.weight + block.ln_1.bias
+            qkv = h @ block.attn.c_attn.weight + block.attn.c_attn.bias
+            heads = self.patterns[layer].shape[0]
+            v = qkv[:, 2 * d :].reshape(n, heads, d // heads).transpose(0, 1)
+            z = (self.patterns[layer] @ v).transpose(0, 1).reshape(n, d)
+            x = x + z @ block.attn.c_proj.weight + block.attn.c_proj.bias
+            resid_mid[layer] = x.clone()
+            mlp_in[layer] = (x - x.mean(-1, keepdim=True)) / self.s2[layer] * block.ln_2.weight + block.ln_2.bias
+            x = x + mlp_out[layer]
+        f = (x - x.mean(-1, keepdim=True)) / self.sf * tr.ln_f.weight + tr.ln_f.bias
+        logits = f[-1] @ tr.wte.weight.T
+        return {"mlp_in": mlp_in, "resid_mid": resid_mid, "logits": logits}
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny: Any) -> FrozenGpt2:
+    return FrozenGpt2(tiny)
+
+
+def _target(graph: AttributionGraph, rep: Replacement, index: int, out: dict[str, Any]) -> float:
+    node = graph.nodes[index]
+    if node.kind == "logit":
+        logits = out["logits"]
+        return float(logits[node.token] - logits.mean())
+    assert node.layer is not None and node.feature is not None
+    x = out[rep.input_kind][node.layer][node.position]
+    return float(rep.pre_acts(node.layer, x)[node.feature])
+
+
+def _removed(graph: AttributionGraph, oracle: FrozenGpt2, source: int) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """The oracle's inputs with ``source``'s contribution removed."""
+    node = graph.nodes[source]
+    embed = oracle.embed.clone()
+    mlp_out = {layer: v.clone() for layer, v in oracle.mlp_out.items()}
+    if node.kind == "embedding":
+        embed[node.position] -= graph.embeddings[source]
+    elif node.kind == "error":
+        assert node.layer is not None
+        mlp_out[node.layer][node.position] -= graph.errors[source]
+    else:
+        for out_layer, scaled in graph.decoders[source]:
+            mlp_out[out_layer][node.position] -= scaled
+    return embed, mlp_out
+
+
+@pytest.mark.parametrize("which", ["plt", "clt"])
+def test_the_oracle_is_the_model(tiny: Any, oracle: FrozenGpt2, which: str) -> None:
+    out = oracle(oracle.embed, oracle.mlp_out)
+    logits = tiny.capture(tiny.to_tokens(PROMPT)[0].tolist(), [Address("logits")])[Address("logits")][-1]
+    assert float((out["logits"] - logits).abs().max()) <= 1e-4
+
+
+@pytest.mark.parametrize("which", ["plt", "clt"])
+def test_every_row_is_complete(request: pytest.FixtureRequest, oracle: FrozenGpt2, which: str) -> None:
+    graph: AttributionGraph = request.getfixturevalue(f"{which}_graph")
+    rep: Replacement = request.getfixturevalue(which)
+    # every source removed: the embeddings zero, each MLP output its replacement's decoder bias
+    zero = oracle(
+        torch.zeros_like(oracle.embed),
+        {
+            layer: rep.decoder_bias(layer).expand_as(oracle.mlp_out[layer])
+            if layer in rep.layers
+            else torch.zeros_like(v)
+            for layer, v in oracle.mlp_out.items()
+        },
+    )
+    clean = oracle(oracle.embed, oracle.mlp_out)
+    rows = [n.index for n in graph.nodes if n.kind in ("feature", "logit")]
+    assert len(rows) > 50
+    worst = 0.0
+    for i in rows:
+        value = _target(graph, rep, i, clean)
+        assert abs(value - float(graph.values[i])) <= TOL
+        constant = _target(graph, rep, i, zero)
+        worst = max(worst, abs(value - float(graph.adjacency[i].double().sum()) - constant))
+    assert worst <= TOL
+
+
+@pytest.mark.parametrize("which", ["plt", "clt"])
+def test_sampled_edges_equal_removing_the_source(
+    request: pytest.FixtureRequest, oracle: FrozenGpt2, which: str
+) -> None:
+    graph: AttributionGraph = request.getfixturevalue(f"{which}_graph")
+    rep: Replacement = request.getfixturevalue(which)
+    clean = oracle(oracle.embed, oracle.mlp_out)
+    rng = random.Random(0)
+    targets = [n.index for n in graph.nodes_of("logit")] + rng.sample(
+        [n.index for n in graph.nodes_of("feature") if n.layer and n.layer >= 2], 6
+    )
+    checked = {"feature": 0, "error": 0, "embedding": 0}
+    for t in targets:
+        sources = torch.nonzero(graph.adjacency[t]).flatten().tolist()
+        strongest = sorted(sources, key=lambda s: -abs(float(graph.adjacency[t, s])))[:4]
+        for s in strongest + rng.sample(sources, min(4, len(sources))):
+            removed = oracle(*_removed(graph, oracle, s))
+            change = _target(graph, rep, t, clean) - _target(graph, rep, t, removed)
+            assert abs(change - float(graph.adjacency[t, s])) <= TOL, (graph.nodes[s], graph.nodes[t])
+            checked[graph.nodes[s].kind] += 1
+    assert all(checked.values()), checked
+    # a source after its target (a later position or layer) has no edge
+    for t in targets:
+        node = graph.nodes[t]
+        for s in torch.nonzero(graph.adjacency[t]).flatten().tolist():
+            assert graph.nodes[s].position <= node.position
