@@ -1,4 +1,4 @@
-"""Render the README's table of model types from what the family tests recorded.
+"""Render the documentation's table of model types from what the family tests recorded.
 
 The family tests (``tests/eager/test_eager_families.py``, ``tests/vllm/test_vllm_families.py`` and the
 sweep of every model type, ``pytest -m sweep`` on the vLLM family tests) write one JSON per model type and backend to
@@ -9,7 +9,8 @@ sweep of every model type, ``pytest -m sweep`` on the vLLM family tests) write o
 
 This script joins them into one markdown table (model type; eager, vllm, vllm-static: how many
 address kinds were checked against HF, or "refused"; what is refused and why) and writes it
-between the ``<!-- family-table -->`` markers of README.md (``--print``: to stdout instead).
+between the ``<!-- family-table -->`` markers of docs/reference/model-types.md (``--print``: to stdout
+instead).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def render(table: dict[str, dict[str, dict[str, object]]]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--print", action="store_true", help="print the table instead of writing README.md")
+    parser.add_argument("--print", action="store_true", help="print the table instead of writing docs/reference/model-types.md")
     parser.add_argument("--results", type=pathlib.Path, default=RESULTS)
     args = parser.parse_args()
     table = load(args.results)
@@ -76,15 +77,15 @@ def main() -> int:
     if args.print:
         print(text)
         return 0
-    readme = ROOT / "README.md"
-    body = readme.read_text()
+    page = ROOT / "docs" / "reference" / "model-types.md"
+    body = page.read_text()
     if START not in body or END not in body:
-        print(f"README.md has no {START} ... {END} markers", file=sys.stderr)
+        print(f"{page} has no {START} ... {END} markers", file=sys.stderr)
         return 1
     head, rest = body.split(START, 1)
     _, tail = rest.split(END, 1)
-    readme.write_text(f"{head}{START}\n{text}\n{END}{tail}")
-    print(f"wrote {len(table)} model types to README.md")
+    page.write_text(f"{head}{START}\n{text}\n{END}{tail}")
+    print(f"wrote {len(table)} model types to {page.relative_to(ROOT)}")
     return 0
 
 

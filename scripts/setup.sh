@@ -17,5 +17,19 @@ if [ "${INTERP_SKIP_VLLM:-0}" != 1 ]; then
   # next to the CPU torch wheel they break `import transformers`. The text models need none.
   .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
-"${PIP[@]}" -e "packages/interp-core[serve]" -e packages/interp-eager -e packages/interp-vllm -e ".[dev]" -e tests/toy_backend \
+# Debian's Chromium for the documentation site's browser test (tests/docs/test_docs_site.py drives it
+# with Playwright; a browser download of Playwright's own cannot reach its host from here).
+if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1; then
+  SUDO=()
+  [ "$(id -u)" = 0 ] || SUDO=(sudo -n)
+  for attempt in 1 2 3; do
+    if "${SUDO[@]}" apt-get update -qq >/dev/null 2>&1 \
+      && DEBIAN_FRONTEND=noninteractive "${SUDO[@]}" apt-get install -y -qq --no-install-recommends chromium >/dev/null 2>&1; then
+      break
+    fi
+    echo "setup: installing chromium failed (attempt $attempt)" >&2
+    sleep $((attempt * 5))
+  done
+fi
+"${PIP[@]}" -e "packages/interp-core[serve]" -e "packages/interp-eager[peft]" -e packages/interp-vllm -e ".[dev]" -e tests/toy_backend \
   -e tests/testkit

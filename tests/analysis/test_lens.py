@@ -381,23 +381,6 @@ def test_chat_span_positions(tiny: Any) -> None:
     assert cache.lens.positions == (span[-1], len(tokens.ids) - 1, len(tokens.ids))
 
 
-def test_the_readme_example_prints_what_its_comments_say() -> None:
-    import contextlib
-    import io
-    import re
-
-    readme = pathlib.Path(__file__).resolve().parents[2] / "README.md"
-    text = readme.read_text()
-    start = text.index("### The logit lens during generation")
-    section = text[start : text.index("\n## ", start)]
-    (block,) = re.findall(r"```python\n(.*?)```", section, re.S)
-    expected = [line[2:] for line in block.splitlines() if line.startswith("# ")]
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
-        exec(compile(block, str(readme), "exec"), {})
-    assert out.getvalue().splitlines() == expected
-
-
 def test_concurrent_mixed_requests_equal_their_solo_runs(tiny: Any) -> None:
     """16 concurrent streams, half with a lens (different layers, k, positions), half plain, some
     steered: each equals its own solo run bit for bit, and the plain ones carry no lens."""

@@ -4,10 +4,6 @@ demo and attention command draw with them."""
 
 from __future__ import annotations
 
-import contextlib
-import io
-import pathlib
-import re
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -257,17 +253,3 @@ def test_the_attention_command_has_readable_labels_and_a_colorbar(
     head = fig.axes[0]
     assert tick_texts(head.get_yticklabels())[1] == "\u2423capital"
     assert min(t.get_fontsize() for t in head.get_xticklabels()) >= 8
-
-
-def test_the_readme_plots_example_runs(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
-    text = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
-    start = text.index("\n## Plots")
-    (block,) = re.findall(r"```python\n(.*?)```", text[start : text.index("\n## ", start + 1)], re.S)
-    monkeypatch.chdir(tmp_path)
-    namespace: dict[str, Any] = {}
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        exec(compile(block, "README.md", "exec"), namespace)
-    for name in ("lens", "attention", "induction", "patching", "dla"):
-        assert is_png(tmp_path / f"{name}.png"), name
-    again = plots.induction(namespace["pattern"], repeat_start=16)
-    assert again.axes[0].get_title() == "head 0: induction 1.00"  # as the comment says

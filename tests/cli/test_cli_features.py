@@ -33,7 +33,6 @@ from interp_testkit.suite import tiny_model_path
 
 from ..support.cli import PNG, interp, is_png, our_lines
 
-README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 MODEL = "interp:tiny"
 SAE = "interp:tiny-sae"
 PROMPT = "The capital of France is"
@@ -323,28 +322,3 @@ def test_demo_skips_the_sae_sections_on_a_model_it_does_not_fit(capsys: pytest.C
     assert "6. features" not in out
     status, _, err = interp(capsys, "demo", "--sae", "interp:no-such-sae", "--no-plots")
     assert status == 1 and len(our_lines(err)) == 1 and "shipped SAEs" in err
-
-
-# -- the README shows real output ---------------------------------------------------------------------
-
-
-def readme_block(after: str) -> list[str]:
-    """The lines of the first code block after ``after`` in the README, without rules and blanks."""
-    text = README.read_text(encoding="utf-8")
-    block = text[text.index(after) :].split("```", 2)[1]
-    return [line for line in block.splitlines()[1:] if line.strip() and not set(line) <= {"-", " "}]
-
-
-def test_the_readme_shows_the_demo_and_the_command_as_they_print(
-    capsys: pytest.CaptureFixture[str], demo_out: str
-) -> None:
-    tour = readme_block("## The demo, a tour")
-    shown = tour[next(i for i, line in enumerate(tour) if line.startswith("6. features")) :]
-    printed = [line for line in demo_out.splitlines() if line.strip()]
-    start = printed.index(shown[0])
-    assert [line for line in printed[start:] if not set(line) <= {"-", " "}][: len(shown)] == shown
-    (command, *table) = readme_block("### `interp features MODEL TEXT --sae NAME_OR_PATH`")
-    argv = re.findall(r'"[^"]*"|\S+', command.removeprefix("$ interp "))
-    status, out, err = interp(capsys, *[a.strip('"') for a in argv])
-    assert status == 0, err
-    assert [line for line in out.splitlines() if line.strip() and not set(line) <= {"-", " "}] == table

@@ -106,15 +106,11 @@ def test_the_public_interp_engine_names_are_aliases(alias: str, kind: str) -> No
     assert hash(address) == hash(Address(kind, layer))
 
 
-def test_every_alias_and_kind_is_in_the_readme() -> None:
-    """The README's vocabulary table lists every kind, the alias table every alias."""
-    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme[readme.index("## Addresses") : readme.index("### TransformerLens hook names")]
-    for kind in KINDS:
-        assert f"`{kind}`" in section, kind
-    for alias in ALIASES:
-        assert f"| `{alias}` |" in section, alias
-    status = section[section.index("| kind | eager |") :]
+def test_every_kind_is_in_the_per_backend_table() -> None:
+    """The reference's table of how each backend reads a kind (written by hand, unlike the
+    vocabulary and alias tables it generates from KINDS and ALIASES) has a row for every kind."""
+    page = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "reference" / "addresses.md").read_text()
+    status = page[page.index("| kind | eager |") :]
     for kind in KINDS:
         listed = f"`{kind}`" in status or f"`{kind.rsplit('_', 1)[0]}_*`" in status
         assert listed, f"{kind} has no row in the per-backend table"

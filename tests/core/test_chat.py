@@ -5,9 +5,7 @@ selections and ``Cache.select``."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import io
 import json
 import pathlib
 import re
@@ -536,24 +534,6 @@ def test_cache_select() -> None:
         1
     ]
     assert torch.equal(only_new["resid_post.0"][0], new)
-
-
-# -- the README's "Chat models" example runs as written and prints what its comments say -------------
-def test_the_readme_chat_example() -> None:
-    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
-    start = readme.index("## Chat models")
-    (block,) = re.findall(r"```python\n(.*?)```", readme[start : readme.index("\n## ", start + 1)], re.S)
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
-        exec(compile(block, "README.md", "exec"), {})
-    printed = out.getvalue().splitlines()
-    said = [c.strip() for c in re.findall(r"# (.*)$", block, re.M)]
-    assert printed[0] == said[0]
-    assert printed[1:3] == said[2:4]  # the two span lines
-    assert printed[3] == said[4]
-    assert printed[4] == said[6]
-    assert printed[5] == "True" and printed[6] == "True"
-    assert printed[7] == "user"
 
 
 def test_chats_and_kept_positions_survive_concat_and_save(tmp_path: pathlib.Path) -> None:

@@ -1,6 +1,6 @@
 """The steering op registry (``interp_engine.steering._writes.OP_ROWS``) drives everything an op touches.
 
-The op type, the checks of a ``Write``, the HTTP schema's op enum and field docs, the README's op
+The op type, the checks of a ``Write``, the HTTP schema's op enum and field docs, docs/guides/steering.md's op
 table, the eager/vllm write path (``apply_op``) and vllm-static's slot tables (``Pipeline`` folds
 evaluated by ``StaticWrites``) all come from the rows: each test below loops over the rows, so an
 op added as a row is checked here with no edit to this file.
@@ -93,16 +93,13 @@ def test_the_http_schema_takes_its_op_enum_and_field_docs_from_the_rows() -> Non
         WriteBody.model_validate({"address": "resid_post.0", "vector": [1.0], "op": "nope"})
 
 
-def _readme() -> str:
-    for parent in pathlib.Path(__file__).resolve().parents:
-        if (parent / "README.md").is_file() and (parent / "packages").is_dir():
-            return (parent / "README.md").read_text()
-    raise FileNotFoundError("the repository's README.md")
+STEERING_GUIDE = pathlib.Path(__file__).resolve().parents[2] / "docs" / "guides" / "steering.md"
 
 
-def test_the_readme_op_table_is_the_registry() -> None:
+def test_the_guide_op_table_is_the_registry() -> None:
     table = op_table()
-    assert table in _readme(), f"README's op table differs from the registry; it should read:\n{table}"
+    text = STEERING_GUIDE.read_text()
+    assert table in text, f"docs/guides/steering.md's op table differs from the registry; it should read:\n{table}"
     assert table.count("\n") == len(OP_ROWS) + 2
 
 

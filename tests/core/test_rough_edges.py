@@ -5,12 +5,9 @@ negative positions and early option checks, the tests' toy backend hidden from u
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import pathlib
-import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -360,25 +357,3 @@ def test_a_served_cache_file_with_negative_layers_loads(model: Any, ids: list[in
     assert list(cache) == [Address("embed"), Address("resid_post", 3)]
     direct = sync_model(model).capture(ids, ["resid_post.3"])[Address("resid_post", 3)]
     assert torch.equal(cache["resid_post.-1"][0], direct)
-
-
-# -- the README's example ------------------------------------------------------------------------------
-
-
-def test_the_readme_cache_example_prints_what_its_comments_say() -> None:
-    text = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
-    start = text.index("### Points, layers and the Cache")
-    (block,) = re.findall(r"```python\n(.*?)```", text[start : text.index("\n### ", start + 1)], re.S)
-    out = io.StringIO()
-    namespace: dict[str, Any] = {}
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
-        exec(compile(block, "README.md", "exec"), namespace)
-    said = [line.split("# ", 1)[1] for line in block.splitlines() if line.startswith("print(")]
-    printed = out.getvalue().splitlines()
-    assert printed[0] == said[0].split(":")[0] == "True"
-    assert printed[1] == str(namespace["cache"].stack_labels("resid_post", include_embed=True))
-    assert said[1] == "['embed', 'resid_post.0', ..., 'resid_post.3']"
-    assert printed[2] == said[2] == "[2, 5, 128] tensor([1, 5])"
-    for name in ("resid", "logits"):  # the shapes in the comments
-        shown = re.search(rf"^{name} = .*# (\[[0-9, ]+\])", block, re.M)
-        assert shown is not None and str(list(namespace[name].shape)) == shown.group(1)

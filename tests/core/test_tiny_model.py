@@ -4,7 +4,7 @@ These tests check behaviours, not weights: the model completes the corpus's capi
 lens shows the answer forming in the later layers, one head is an induction head on repeated
 random tokens, and adding the Germany-minus-France residual flips " Paris" to " Berlin". The
 training script itself is run end to end with a handful of steps (the full run that produced the
-shipped weights takes minutes; see the README).
+shipped weights takes minutes; see docs/getting-started/tiny-model.md).
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def test_shipped_files_are_small_float32_safetensors() -> None:
 
 
 def test_shipped_weights_come_from_the_scripts_defaults() -> None:
-    """``training.json`` records the run; it must be the script's default run (what the README says to rerun)."""
+    """``training.json`` records the run; it must be the script's default run (the documented one)."""
     recorded = json.loads((tiny_model_path() / "training.json").read_text())["arguments"]
     defaults = vars(_script("train_tiny").parse_args([]))
     defaults = {k: (v.name if isinstance(v, pathlib.Path) else v) for k, v in defaults.items() if k != "out"}

@@ -1311,7 +1311,7 @@ def test_granite_multipliers_that_keep_the_residual_identity_are_served() -> Non
     assert rel_diff(lens, out.logits[0]) <= TOL
 
 
-# -- the result files the README table is rendered from --------------------------------------------
+# -- the result files docs/reference/model-types.md's table is rendered from -----------------------------
 
 
 def _write(family: str, status: str, kinds: list[str], reason: str) -> None:

@@ -7,7 +7,7 @@ conversion. Nothing is downloaded. For each TransformerLens name in ``TL_PER_LAY
 ``TL_MODEL_LEVEL``, at every layer, ``run_with_cache(model, tokens, [name])`` must hold
 TransformerLens's ``run_with_cache`` value for that name, or, where the two legitimately differ,
 the relation written next to the case in ``_relation`` (the test checks that it is not plain
-equality, so a differing alias cannot pass by accident). README "Checked against TransformerLens
+equality, so a differing alias cannot pass by accident). docs/reference/addresses.md "Checked against TransformerLens
 itself" lists the differences.
 
 Run alone: ``.venv/bin/python -m pytest -q tests/eager/test_tl_oracle.py``.
@@ -195,7 +195,7 @@ def _ours(family: str, points: list[str]) -> Any:
 
 
 def _relation(family: str, suffix: str) -> str:
-    """How our value of the TransformerLens name relates to TransformerLens's (see README)."""
+    """How our value of the TransformerLens name relates to TransformerLens's (see docs/reference/addresses.md)."""
     if suffix in ("ln1.hook_normalized", "ln2.hook_normalized", "ln_final.hook_normalized"):
         if family in POST_NORM and suffix != "ln_final.hook_normalized":
             return "post_norm_ln"
@@ -227,7 +227,7 @@ def _relation(family: str, suffix: str) -> str:
 def _differs(ours: torch.Tensor, tl: torch.Tensor, name: str) -> None:
     assert rel_diff(ours, tl) > DIFFERS, (
         f"{name}: ours equals TransformerLens's value here; the relation asserted instead no longer "
-        f"tells them apart (update _relation and the README)"
+        f"tells them apart (update _relation and docs/reference/addresses.md)"
     )
 
 

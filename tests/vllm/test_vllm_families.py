@@ -8,7 +8,7 @@ GPT-NeoX and OLMo 2 are served by vLLM's Transformers modeling backend (HF's mod
 linear layers and attention; the attention kernel is called as ``attn.forward(q, k, v)``), Gemma 2
 and 3 and Phi-3 and Mixtral by vLLM's own model classes. One engine per (family, backend), shut
 down when that family's tests finish. Each (family, backend) that passes writes
-``.cache/family-results/<backend>/<model_type>.json`` (for the README's table).
+``.cache/family-results/<backend>/<model_type>.json`` (for docs/reference/model-types.md's table).
 
 The sweep over every other model type vLLM runs here is marked ``sweep`` (deselected by default;
 ``pytest -m sweep tests/vllm/test_vllm_families.py``).
@@ -455,7 +455,7 @@ def test_sweep(model_type: str, backend: str) -> None:
                 got = model.capture(ids, logits, steering_spec=spec)[logits[0]]
                 assert rel_diff(got, eager.capture(ids, logits, steering_spec=spec)[logits[0]]) <= TOL, write.address
         _write_result(out, model_type, backend, "verified", sorted(checked))
-    except Exception as exc:  # a failure is recorded too ("fails" in the README's table), then raised
+    except Exception as exc:  # a failure is recorded too ("fails" in the model-types table), then raised
         _write_result(out, model_type, backend, "fails", [], _failure(exc))
         raise
     finally:

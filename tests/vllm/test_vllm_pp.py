@@ -374,7 +374,7 @@ def test_pp2_static_equals_dynamic_pp1(pp: tuple[Any, Any]) -> None:
 
 
 # 4 workers on this 2-core machine (~60 s to start, ~0.5 s per decode step): after the session's
-# other engines the machine lacks the memory to start them, so this runs apart (README)
+# other engines the machine lacks the memory to start them, so this runs apart (docs/guides/scaling.md)
 @pytest.mark.apart
 def test_tp2_pp2_equals_pp1(pp: tuple[Any, Any]) -> None:
     """Four ranks: two stages of two tensor-parallel workers each (vLLM's layout: global rank

@@ -228,7 +228,7 @@ def test_ray_tp2_sae_readouts(engines: tuple[Any, Any]) -> None:
     assert [s["live_requests"] for s in ray.worker_stats()] == [0, 0]
 
 
-@pytest.mark.apart  # a third Ray engine after the session's others: memory runs out here (README)
+@pytest.mark.apart  # a third Ray engine after the session's others: memory runs out here (docs/guides/scaling.md)
 def test_ray_pp2_equals_default_tp2(engines: tuple[Any, Any], cluster: dict[str, str]) -> None:
     """Pipeline stages over Ray (the multi-node layout: a stage per node) equal the default
     executor's TP=2: the front end finds each worker's stage from the workers themselves."""

@@ -29,7 +29,7 @@ def test_every_kind_has_one_site() -> None:
 
 
 def test_the_recomputed_kinds_are_the_readmes() -> None:
-    """What ``points()`` reports as recomputed on vLLM: the README's table of where each kind lives
+    """What ``points()`` reports as recomputed on vLLM: docs/reference/addresses.md's table of where each kind lives
     says the same (its vLLM column)."""
     recomputed = {kind for kind, site in SITES.items() if site.how == "recompute"}
     assert recomputed == {

@@ -1,0 +1,368 @@
+"""The documentation site's generated parts (an mkdocs hook: ``hooks:`` in mkdocs.yml).
+
+A page asks for a generated block with a marker on a line of its own, ``<!-- generated: NAME -->``;
+:func:`on_page_markdown` replaces it with the markdown that :data:`GENERATORS` renders for NAME,
+from the code's own tables at build time, so the site cannot disagree with the code:
+
+- ``kinds``: the address vocabulary, one row per :data:`interp_engine.KINDS` row;
+- ``aliases``: :data:`interp_engine.ALIASES`;
+- ``needs``: what a model family must have to serve each kind, and the reason given when it does not;
+- ``errors``: the error tree, walked from :class:`interp_engine.InterpError`'s subclasses;
+- ``cli``: every ``interp`` command's arguments, read from its argparse parser;
+- ``http``: every route of ``interp serve``, read from the app's OpenAPI schema;
+- ``bench:NAME``: the figures benchmark NAME recorded in ``bench/results/NAME*.json``, with their
+  age in commits (or, before its first run, the command that records them).
+
+The renderers are plain functions (tests/docs/test_docs_site.py calls them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import re
+import subprocess
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+MARKER = re.compile(r"^<!-- generated: ([a-z-]+)(?::([A-Za-z0-9_]+))? -->$", re.M)
+
+
+def _cell(text: object) -> str:
+    """A markdown table cell: pipes escaped, newlines folded."""
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def _table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_cell(value) for value in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+# -- addresses -------------------------------------------------------------------------------------
+
+
+def render_kinds(kinds: Mapping[str, Any] | None = None) -> str:
+    """The address vocabulary, one row per kind, in forward order (``embed`` first, ``logits`` last)."""
+    if kinds is None:
+        from interp_engine import KINDS as kinds
+    rows = []
+    for name in _forward_order(kinds):
+        info = kinds[name]
+        shape = info.width
+        label = f"`{name}` L" if info.per_layer else f"`{name}`"
+        rows.append((label, shape, "yes" if info.writable else "read only", info.meaning))
+    return _table(("kind", "shape per token", "writable", "meaning"), rows)
+
+
+def _forward_order(kinds: Mapping[str, Any]) -> list[str]:
+    """Model-level kinds before the layers (``embed``) or after them (``final_norm``, ``logits``)."""
+
+    def key(name: str) -> tuple[int, int]:
+        info = kinds[name]
+        if info.per_layer:
+            return (1, info.order)
+        return (0, info.order) if info.order < 0 else (2, info.order)
+
+    return sorted(kinds, key=key)
+
+
+def render_needs(kinds: Mapping[str, Any] | None = None) -> str:
+    """The kinds a family may lack: what it must have, and the reason given when it does not."""
+    if kinds is None:
+        from interp_engine import KINDS as kinds
+    rows = [
+        (f"`{name}`", f"`{kinds[name].needs}`", kinds[name].missing or "")
+        for name in _forward_order(kinds)
+        if kinds[name].needs is not None
+    ]
+    return _table(("kind", "the family needs", "why a family may not serve it"), rows)
+
+
+def render_aliases(aliases: Mapping[str, str] | None = None) -> str:
+    """Other names an address parser reads as ours."""
+    if aliases is None:
+        from interp_engine import ALIASES as aliases
+    return _table(("name", "ours"), ((f"`{name}`", f"`{ours}`") for name, ours in sorted(aliases.items())))
+
+
+# -- errors ----------------------------------------------------------------------------------------
+
+
+def render_errors(root: type[BaseException] | None = None) -> str:
+    """The error tree under ``root`` (default :class:`interp_engine.InterpError`): each error with the
+    builtins it also is and the first line of its docstring."""
+    if root is None:
+        from interp_engine import InterpError as root
+    lines: list[str] = []
+
+    def walk(cls: type[BaseException], depth: int) -> None:
+        builtins = [base.__name__ for base in cls.__bases__ if base.__module__ == "builtins" and base is not Exception]
+        doc = (cls.__doc__ or "").strip().split("\n\n")[0]
+        doc = " ".join(doc.split())
+        also = f" ({', '.join(builtins)})" if builtins else ""
+        lines.append(f"{'    ' * depth}- **`{cls.__name__}`**{also}: {doc}")
+        for sub in sorted(cls.__subclasses__(), key=lambda c: c.__name__):
+            walk(sub, depth + 1)
+
+    walk(root, 0)
+    return "\n".join(lines)
+
+
+# -- the command line ------------------------------------------------------------------------------
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def _argument(action: argparse.Action) -> str:
+    if action.option_strings:
+        names = ", ".join(f"`{name}`" for name in action.option_strings)
+        if action.nargs == 0:
+            return names
+        metavar = action.metavar or action.dest.upper()
+        return f"{names} `{metavar if isinstance(metavar, str) else ' '.join(metavar)}`"
+    return f"`{action.metavar or action.dest}`"
+
+
+def render_cli(parser: argparse.ArgumentParser | None = None) -> str:
+    """One section per ``interp`` command: its usage line and a table of its arguments."""
+    if parser is None:
+        from interp_engine.cli import build_parser
+
+        parser = build_parser()
+    out: list[str] = []
+    for name, sub in _subcommands(parser).items():
+        usage = " ".join(sub.format_usage().split())
+        out += [f"### `interp {name}`", "", f"```text\n{usage.removeprefix('usage: ')}\n```", ""]
+        if sub.description:
+            out += [sub.description, ""]
+        rows = []
+        for action in sub._actions:
+            if isinstance(action, argparse._HelpAction) or action.help == argparse.SUPPRESS:
+                continue
+            default = action.default
+            shown = "" if default in (None, False, argparse.SUPPRESS) or action.nargs == 0 else f"`{default}`"
+            rows.append((_argument(action), shown, (action.help or "").replace("%(default)s", str(default))))
+        out += [_table(("argument", "default", "meaning"), rows), ""]
+    return "\n".join(out).rstrip()
+
+
+# -- HTTP ------------------------------------------------------------------------------------------
+
+
+def render_http(schema: Mapping[str, Any] | None = None) -> str:
+    """Every route of the server's OpenAPI schema: method, path, summary and the request body's schema."""
+    if schema is None:
+        from interp_engine.server import create_app
+
+        schema = create_app("interp:tiny").openapi()
+    rows = []
+    for path, methods in schema["paths"].items():
+        for method, op in methods.items():
+            body = op.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema", {})
+            ref = body.get("$ref", "").rsplit("/", 1)[-1]
+            summary = (op.get("description") or op.get("summary") or "").strip().split("\n\n")[0]
+            rows.append((f"`{method.upper()}`", f"`{path}`", f"`{ref}`" if ref else "", summary))
+    out = [_table(("method", "path", "body", "what it does"), rows), ""]
+    for name, component in sorted(schema.get("components", {}).get("schemas", {}).items()):
+        props = component.get("properties")
+        if not props or not name.endswith("Request"):
+            continue
+        out += [f"### `{name}`", ""]
+        if component.get("description"):
+            out += [" ".join(component["description"].split()), ""]
+        required = set(component.get("required", ()))
+        fields = []
+        for field, spec in props.items():
+            kind = spec.get("type") or "/".join(
+                str(s.get("type") or s.get("$ref", "").rsplit("/", 1)[-1]) for s in spec.get("anyOf", [])
+            )
+            fields.append((f"`{field}`", kind or "", "yes" if field in required else "", spec.get("description", "")))
+        out += [_table(("field", "type", "required", "meaning"), fields), ""]
+    return "\n".join(out).rstrip()
+
+
+# -- benchmarks ------------------------------------------------------------------------------------
+
+RESULTS = ROOT / "bench" / "results"
+
+
+def _git(root: pathlib.Path, *args: str) -> str | None:
+    try:
+        done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def commits_since(commit: str, paths: Sequence[str], root: pathlib.Path = ROOT) -> int | None:
+    """How many commits since ``commit`` changed any of ``paths`` (None: the commit is unknown here)."""
+    if _git(root, "cat-file", "-e", f"{commit}^{{commit}}") is None:
+        return None
+    out = _git(root, "rev-list", "--count", f"{commit}..HEAD", "--", *paths)
+    return None if out is None else int(out.strip())
+
+
+def bench_names(bench: pathlib.Path = ROOT / "bench") -> list[str]:
+    """The benchmarks: every ``bench/NAME.py`` but the private helpers."""
+    return sorted(path.stem for path in bench.glob("*.py") if not path.name.startswith("_"))
+
+
+def _figure(value: object) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value)
+
+
+def render_bench(record: Mapping[str, Any], root: pathlib.Path = ROOT, link: str = "") -> str:
+    """One benchmark's newest run: where and when it ran, its age, and a row per result."""
+    runs = record.get("runs") or []
+    if not runs:
+        return "No run recorded."
+    run = runs[-1]
+    machine = run.get("machine") or {}
+    age = commits_since(run["commit"], record.get("measures") or ["."], root)
+    if age is None:
+        age_text = f"commit `{run['commit'][:10]}` is not in this checkout's history: its age is unknown"
+    elif age == 0:
+        age_text = "current: no commit since it ran changed the code it measures"
+    else:
+        age_text = f"**stale: {age} commit{'s' if age != 1 else ''}** since it ran changed the code it measures"
+    versions = ", ".join(
+        f"{key} {machine[key]}" for key in ("python", "torch", "vllm", "transformers") if machine.get(key)
+    )
+    lines = [
+        f"`{run['command']}` at `{run['commit'][:10]}`{' (uncommitted changes)' if run.get('dirty') else ''}, "
+        f"{run.get('date', '')}, on {machine.get('cores', '?')} cores ({machine.get('cpu', 'unknown CPU')}; "
+        f"{versions}). Age: {age_text}.{f' Data: {link}.' if link else ''}",
+        "",
+    ]
+    rows = []
+    for result in run.get("results") or []:
+        met = {True: "yes", False: "no", None: ""}[result.get("met")]
+        rounds = ", ".join(_figure(r) for r in result.get("rounds") or [])
+        rows.append(
+            (
+                f"`{result['name']}`",
+                _figure(result.get("value")),
+                result.get("target") or "",
+                met,
+                rounds,
+                result.get("note") or "",
+            )
+        )
+    lines.append(_table(("result", "value", "target", "met", "rounds", "note"), rows))
+    return "\n".join(lines)
+
+
+def result_files(name: str, results: pathlib.Path = RESULTS) -> list[pathlib.Path]:
+    """The result files of benchmark ``name``: ``NAME.json`` and its variants' ``NAME_VARIANT.json``."""
+    return sorted(
+        path for path in results.glob(f"{name}*.json") if path.stem == name or path.stem.startswith(f"{name}_")
+    )
+
+
+def render_bench_section(
+    name: str, results: pathlib.Path = RESULTS, root: pathlib.Path = ROOT, link_base: str = ""
+) -> str:
+    """Benchmark ``name``'s newest recorded run of each of its result files, or the command that records one."""
+    files = result_files(name, results)
+    if not files:
+        return f"No results recorded yet: `.venv/bin/python bench/{name}.py` writes `bench/results/{name}.json`."
+    out: list[str] = []
+    for path in files:
+        record = json.loads(path.read_text())
+        link = f"[`bench/results/{path.name}`]({link_base}{path.name})" if link_base else f"`bench/results/{path.name}`"
+        if len(files) > 1:
+            out += [f"**`{record.get('bench', path.stem)}`**", ""]
+        out += [render_bench(record, root, link), ""]
+    return "\n".join(out).rstrip()
+
+
+def stale_results(results: pathlib.Path = RESULTS, root: pathlib.Path = ROOT) -> dict[str, int | None]:
+    """``{bench: commits since its newest run}`` for every result file whose code changed since
+    (``None`` where the run's commit is unknown)."""
+    stale: dict[str, int | None] = {}
+    for path in sorted(results.glob("*.json")):
+        record = json.loads(path.read_text())
+        if not record.get("runs"):
+            continue
+        age = commits_since(record["runs"][-1]["commit"], record.get("measures") or ["."], root)
+        if age != 0:
+            stale[path.stem] = age
+    return stale
+
+
+# -- the hook --------------------------------------------------------------------------------------
+
+RESULTS_URL = "bench-results/"
+"""Where the site serves the result files (``on_files`` adds them), relative to the site root."""
+
+GENERATORS: dict[str, Callable[[], str]] = {
+    "kinds": render_kinds,
+    "needs": render_needs,
+    "aliases": render_aliases,
+    "errors": render_errors,
+    "cli": render_cli,
+    "http": render_http,
+}
+"""The blocks without an argument; ``bench:NAME`` is :func:`render_bench_section`."""
+
+
+def generate(markdown: str) -> str:
+    """``markdown`` with every ``<!-- generated: NAME -->`` (or ``NAME:ARGUMENT``) marker replaced by its block."""
+
+    def replace(match: re.Match[str]) -> str:
+        name, argument = match.group(1), match.group(2)
+        if name == "bench" and argument:
+            if argument not in bench_names():
+                raise KeyError(f"no benchmark bench/{argument}.py; known: {', '.join(bench_names())}")
+            return render_bench_section(argument, link_base=RESULTS_URL)
+        if name not in GENERATORS or argument:
+            raise KeyError(f"unknown generated block {name!r}; known: {', '.join(sorted(GENERATORS))}")
+        return GENERATORS[name]()
+
+    return MARKER.sub(replace, markdown)
+
+
+def on_page_markdown(markdown: str, **kwargs: Any) -> str:
+    return generate(markdown)
+
+
+_ROLE = re.compile(r":(?:class|func|meth|data|mod|attr|exc|obj|py:\w+):(<code>)")
+
+
+def on_page_content(html: str, **kwargs: Any) -> str:
+    """Docstrings' Sphinx roles (``:class:`X```) rendered as the plain code they name."""
+    return _ROLE.sub(r"\1", html)
+
+
+def on_config(config: Any, **kwargs: Any) -> Any:
+    """Pages that exist only once their feature lands join the navigation when they do."""
+    docs = pathlib.Path(config["docs_dir"])
+    optional = {"guides/circuits.md": ("Guides", "Circuits")}
+    for page, (section, title) in optional.items():
+        if not (docs / page).is_file():
+            continue
+        for entry in config["nav"]:
+            if isinstance(entry, dict) and section in entry and {title: page} not in entry[section]:
+                entry[section].append({title: page})
+    return config
+
+
+def on_files(files: Any, config: Any, **kwargs: Any) -> Any:
+    """Every ``bench/results/*.json`` served with the site, so a figure links to its data."""
+    from mkdocs.structure.files import File
+
+    for path in sorted(RESULTS.glob("*.json")):
+        files.append(File.generated(config, f"{RESULTS_URL}{path.name}", abs_src_path=str(path)))
+    return files

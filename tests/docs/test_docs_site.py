@@ -1,0 +1,337 @@
+"""The documentation site: it builds with ``mkdocs build --strict``, its generated tables are the
+code's own tables, its benchmark figures carry their age, and two of its pages render in a real
+browser (headless Chromium, driven by Playwright) with their title, navigation and code."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import http.server
+import importlib.util
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import threading
+import warnings
+from collections.abc import Iterator
+from dataclasses import replace
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CHROMIUM = "/usr/bin/chromium"
+
+
+def _hooks() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("docs_hooks", ROOT / "scripts" / "docs_hooks.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+hooks = _hooks()
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """The site, built once with ``mkdocs build --strict`` (a warning fails the build)."""
+    out = tmp_path_factory.mktemp("site")
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-6000:]
+    return out
+
+
+def page(site: pathlib.Path, path: str) -> str:
+    return (site / path / "index.html").read_text(encoding="utf-8")
+
+
+# -- the build ---------------------------------------------------------------------------------------
+
+
+def test_the_strict_build_has_every_page(site: pathlib.Path) -> None:
+    for path in ("", "guides/capture", "reference/api", "reference/addresses", "reference/cli", "benchmarks"):
+        assert (site / path / "index.html").is_file(), path
+    assert (site / "tour" / "index.html").is_file()  # the notebook, rendered without running it
+    api = page(site, "reference/api")
+    assert "load_model" in api and "run_with_cache" in api and "doc-heading" in api  # from the docstrings
+    assert ":class:" not in api and ":func:" not in api  # Sphinx roles rendered as code
+
+
+def test_every_marker_is_replaced(site: pathlib.Path) -> None:
+    for html in site.rglob("*.html"):
+        assert "<!-- generated:" not in html.read_text(encoding="utf-8"), html
+
+
+def test_an_unknown_marker_fails_the_build() -> None:
+    with pytest.raises(KeyError, match="nope"):
+        hooks.generate("<!-- generated: nope -->")
+    with pytest.raises(KeyError, match="no benchmark"):
+        hooks.generate("<!-- generated: bench:nope -->")
+
+
+# -- the generated tables are the code's tables --------------------------------------------------------
+
+
+def test_the_vocabulary_is_the_kind_rows(site: pathlib.Path) -> None:
+    from interp_engine import ALIASES, KINDS
+
+    html = page(site, "reference/addresses")
+    for kind, info in KINDS.items():
+        assert f"<code>{kind}</code>" in html and info.meaning.split("(")[0].strip()[:30] in html, kind
+    for alias in ALIASES:
+        assert f"<code>{alias}</code>" in html, alias
+    fake = dict(KINDS, fake_kind=replace(KINDS["mlp_out"], meaning="a kind added in a test", order=230))
+    table = hooks.render_kinds(fake)
+    assert "| `fake_kind` L | d_model | yes | a kind added in a test |" in table
+    assert table.index("`mlp_out`") < table.index("`fake_kind`") < table.index("`resid_post`")  # forward order
+    assert "| `fake` | `resid_post` |" in hooks.render_aliases({"fake": "resid_post"})
+    needs = hooks.render_needs(dict(KINDS, fake_kind=replace(KINDS["mlp_post"], missing="a test says so")))
+    assert "| `fake_kind` | `dense_mlp` | a test says so |" in needs
+
+
+def test_the_error_tree_is_the_classes(site: pathlib.Path) -> None:
+    from interp_engine import InterpError
+
+    html = page(site, "reference/errors")
+    pending = [InterpError]
+    while pending:
+        cls = pending.pop()
+        assert f"<code>{cls.__name__}</code>" in html, cls
+        pending += cls.__subclasses__()
+
+    class Root(Exception):
+        """The root of a test's tree."""
+
+    class Child(Root, KeyError):
+        """A child that is also a KeyError.
+
+        More text that is not shown."""
+
+    tree = hooks.render_errors(Root)
+    assert tree.splitlines() == [
+        "- **`Root`**: The root of a test's tree.",
+        "    - **`Child`** (KeyError): A child that is also a KeyError.",
+    ]
+
+
+def test_the_cli_reference_is_the_parser(site: pathlib.Path) -> None:
+    from interp_engine.cli import build_parser
+
+    html = page(site, "reference/cli")
+    for name, sub in hooks._subcommands(build_parser()).items():
+        assert f"interp {name}" in html, name
+        for action in sub._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            for option in action.option_strings:
+                assert f"<code>{option}</code>" in html, (name, option)
+    parser = argparse.ArgumentParser(prog="interp")
+    sub = parser.add_subparsers().add_parser("frob", description="Frobs a model.")
+    sub.add_argument("--depth", type=int, default=3, help="how deep")
+    text = hooks.render_cli(parser)
+    assert "### `interp frob`" in text and "Frobs a model." in text
+    assert "| `--depth` `DEPTH` | `3` | how deep |" in text
+
+
+def test_the_http_reference_is_the_schema(site: pathlib.Path) -> None:
+    from interp_engine.server import create_app
+
+    html = page(site, "reference/http")
+    for path in create_app("interp:tiny").openapi()["paths"]:
+        assert f"<code>{path}</code>" in html, path
+    schema = {
+        "paths": {"/v1/frob": {"post": {"description": "Frobs.", "requestBody": _body("FrobRequest")}}},
+        "components": {
+            "schemas": {
+                "FrobRequest": {"properties": {"depth": {"type": "integer", "description": "how deep"}}, "required": []}
+            }
+        },
+    }
+    text = hooks.render_http(schema)
+    assert "| `POST` | `/v1/frob` | `FrobRequest` | Frobs. |" in text
+    assert "| `depth` | integer |  | how deep |" in text
+
+
+def _body(name: str) -> dict[str, Any]:
+    return {"content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}}}
+
+
+# -- benchmark figures and their age -----------------------------------------------------------------
+
+
+def _git(repo: pathlib.Path, *args: str) -> str:
+    done = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True)
+    return done.stdout.strip()
+
+
+def _commit(repo: pathlib.Path, path: str, text: str) -> str:
+    (repo / path).parent.mkdir(parents=True, exist_ok=True)
+    (repo / path).write_text(text)
+    _git(repo, "add", path)
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", f"change {path}")
+    return _git(repo, "rev-parse", "HEAD")
+
+
+def _record(commit: str, value: float = 0.99) -> dict[str, Any]:
+    return {
+        "schema": 1,
+        "bench": "fake",
+        "measures": ["code", "bench/fake.py"],
+        "runs": [
+            {
+                "command": ".venv/bin/python bench/fake.py",
+                "commit": commit,
+                "dirty": False,
+                "date": "2026-12-04T23:50:00Z",
+                "machine": {"cores": 2, "cpu": "a CPU", "python": "3.11.7", "torch": "2.13.0", "vllm": None},
+                "results": [
+                    {"name": "capture_vs_plain", "value": value, "target": "0.97", "met": True, "rounds": [1.0, 0.98]},
+                    {"name": "bytes", "value": None, "target": None, "met": None, "rounds": None, "note": "not run"},
+                ],
+            }
+        ],
+    }
+
+
+def test_a_figure_shows_its_age_in_commits(tmp_path: pathlib.Path) -> None:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    ran_at = _commit(repo, "code/a.py", "x = 1\n")
+    results = repo / "bench" / "results"
+    results.mkdir(parents=True)
+    (repo / "bench" / "fake.py").write_text("")
+    before = hooks.render_bench_section("fake", results, repo)
+    assert "No results recorded yet: `.venv/bin/python bench/fake.py`" in before
+    (results / "fake.json").write_text(json.dumps(_record(ran_at)))
+    text = hooks.render_bench_section("fake", results, repo)
+    assert "| `capture_vs_plain` | 0.99 | 0.97 | yes | 1, 0.98 |  |" in text
+    assert "| `bytes` | — |  |  |  | not run |" in text
+    assert "current: no commit since it ran" in text and hooks.stale_results(results, repo) == {}
+    _commit(repo, "docs/other.md", "not measured\n")  # outside the measured paths: still current
+    assert "current" in hooks.render_bench_section("fake", results, repo)
+    _commit(repo, "code/a.py", "x = 2\n")
+    _commit(repo, "code/b.py", "y = 1\n")
+    assert "**stale: 2 commits** since it ran" in hooks.render_bench_section("fake", results, repo)
+    assert hooks.stale_results(results, repo) == {"fake": 2}
+    (results / "fake_narrow.json").write_text(json.dumps(_record("f" * 40, 0.5)))  # a variant, from elsewhere
+    text = hooks.render_bench_section("fake", results, repo)
+    assert "**`fake`**" in text and "| 0.5 |" in text and "is not in this checkout's history" in text
+    assert hooks.stale_results(results, repo) == {"fake": 2, "fake_narrow": None}
+
+
+def test_every_benchmark_has_its_table_on_the_page(site: pathlib.Path) -> None:
+    markdown = (ROOT / "docs" / "benchmarks.md").read_text()
+    html = page(site, "benchmarks")
+    for name in hooks.bench_names():
+        assert f"<!-- generated: bench:{name} -->" in markdown, name
+        for path in hooks.result_files(name):
+            assert f"bench-results/{path.name}" in html and (site / "bench-results" / path.name).is_file()
+        if not hooks.result_files(name):
+            assert f"bench/{name}.py</code> writes" in html, name
+
+
+def test_the_result_files_are_valid_and_their_age_is_known() -> None:
+    """Every recorded result has the schema the page reads; stale ones are reported (a benchmark
+    takes minutes to an hour on this machine, so a stale figure is flagged, not a failure)."""
+    for path in sorted(hooks.RESULTS.glob("*.json")):
+        record = json.loads(path.read_text())
+        assert record["schema"] == 1 and record["measures"] and record["runs"], path
+        for run in record["runs"]:
+            assert len(run["commit"]) == 40 and {"command", "date", "machine", "results"} <= set(run), path
+            assert all({"name", "value", "target", "met"} <= set(result) for result in run["results"]), path
+    stale = hooks.stale_results()
+    if stale:
+        warnings.warn(f"benchmark results older than the code they measure (commits since): {stale}", stacklevel=1)
+
+
+# -- the site in a browser -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served(site: pathlib.Path) -> Iterator[str]:
+    """The built site over HTTP on a free loopback port, as ``mkdocs serve`` would serve it."""
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(site)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """Debian's Chromium, headless, with a fresh profile and no background network traffic."""
+    assert shutil.which(CHROMIUM), f"{CHROMIUM} is missing: bash scripts/setup.sh installs Debian's chromium"
+    from playwright.sync_api import sync_playwright
+
+    profile = tmp_path_factory.mktemp("chromium-profile")  # --user-data-dir, as Playwright passes it
+    flags = [
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+    ]
+    with sync_playwright() as playwright:
+        context = playwright.chromium.launch_persistent_context(
+            str(profile), executable_path=CHROMIUM, args=flags, headless=True, viewport={"width": 1280, "height": 900}
+        )
+        try:
+            yield context
+        finally:
+            context.close()
+
+
+def _blank(png: pathlib.Path) -> bool:
+    """Whether a screenshot is one flat colour (nothing rendered)."""
+    import matplotlib.image
+
+    pixels = matplotlib.image.imread(str(png))
+    return float(pixels[..., :3].std()) < 0.02
+
+
+@pytest.mark.parametrize(
+    ("path", "title", "code"),
+    [("", "interp-engine", "load_model"), ("reference/api/", "API", "run_with_cache")],
+)
+def test_a_page_renders_in_a_browser(
+    browser: Any, served: str, tmp_path: pathlib.Path, path: str, title: str, code: str
+) -> None:
+    tab = browser.new_page()
+    try:
+        tab.goto(served + path, wait_until="load")
+        assert tab.title().startswith(title), tab.title()
+        nav = tab.locator("nav.md-nav--primary").first
+        assert nav.is_visible()
+        for section in ("Getting started", "Guides", "Backends", "Reference"):
+            assert nav.get_by_text(section, exact=True).count() >= 1, section
+        block = tab.locator("div.highlight pre, .doc-signature pre").filter(has_text=code).first
+        assert block.is_visible()
+        assert block.locator("span").count() > 3  # highlighted: the code is split into styled tokens
+        shot = tmp_path / "page.png"
+        tab.screenshot(path=str(shot))
+        assert shot.stat().st_size > 20_000 and not _blank(shot)
+    finally:
+        tab.close()
