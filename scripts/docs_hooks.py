@@ -7,6 +7,7 @@ from the code's own tables at build time, so the site cannot disagree with the c
 - ``kinds``: the address vocabulary, one row per :data:`interp_engine.KINDS` row;
 - ``aliases``: :data:`interp_engine.ALIASES`;
 - ``needs``: what a model family must have to serve each kind, and the reason given when it does not;
+- ``ops``: the steering ops, one row per op of the write registry;
 - ``errors``: the error tree, walked from :class:`interp_engine.InterpError`'s subclasses;
 - ``cli``: every ``interp`` command's arguments, read from its argparse parser;
 - ``http``: every route of ``interp serve``, read from the app's OpenAPI schema;
@@ -86,6 +87,13 @@ def render_aliases(aliases: Mapping[str, str] | None = None) -> str:
     if aliases is None:
         from interp_engine import ALIASES as aliases
     return _table(("name", "ours"), ((f"`{name}`", f"`{ours}`") for name, ours in sorted(aliases.items())))
+
+
+def render_ops() -> str:
+    """The steering ops: the registry's own table (``interp_engine.steering._writes.op_table``)."""
+    from interp_engine.steering._writes import op_table
+
+    return str(op_table())
 
 
 # -- errors ----------------------------------------------------------------------------------------
@@ -311,6 +319,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "kinds": render_kinds,
     "needs": render_needs,
     "aliases": render_aliases,
+    "ops": render_ops,
     "errors": render_errors,
     "cli": render_cli,
     "http": render_http,

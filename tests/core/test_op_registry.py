@@ -97,9 +97,10 @@ STEERING_GUIDE = pathlib.Path(__file__).resolve().parents[2] / "docs" / "guides"
 
 
 def test_the_guide_op_table_is_the_registry() -> None:
+    """The steering guide's op table is generated from :func:`op_table` when the site builds
+    (tests/docs/test_docs_site.py checks the built page)."""
     table = op_table()
-    text = STEERING_GUIDE.read_text()
-    assert table in text, f"docs/guides/steering.md's op table differs from the registry; it should read:\n{table}"
+    assert "<!-- generated: ops -->" in STEERING_GUIDE.read_text()
     assert table.count("\n") == len(OP_ROWS) + 2
 
 

@@ -102,6 +102,15 @@ def test_the_vocabulary_is_the_kind_rows(site: pathlib.Path) -> None:
     assert "| `fake_kind` | `dense_mlp` | a test says so |" in needs
 
 
+def test_the_op_table_is_the_registry(site: pathlib.Path) -> None:
+    from interp_engine.steering._writes import OP_ROWS, op_table
+
+    assert hooks.generate("<!-- generated: ops -->") == op_table()
+    html = page(site, "guides/steering")
+    for row in OP_ROWS:
+        assert f"<td><code>{row.name}</code></td>" in html, row.name
+
+
 def test_the_error_tree_is_the_classes(site: pathlib.Path) -> None:
     from interp_engine import InterpError
 

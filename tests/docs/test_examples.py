@@ -1,4 +1,4 @@
-"""Every Python example of the README and the documentation site runs, and prints what it shows.
+"""Every Python example of the READMEs and the documentation site runs, and prints what it shows.
 
 The code blocks are collected with pytest-markdown-docs's parser (the fence options of
 mkdocs-material's superfences: ```` ```{.python continuation} ```` continues the block before
@@ -43,8 +43,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def documents() -> list[pathlib.Path]:
-    """The README and every page of the site."""
-    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    """The README, the packages' READMEs and every page of the site."""
+    packages = sorted((ROOT / "packages").glob("*/README.md"))
+    return [ROOT / "README.md", *packages, *sorted((ROOT / "docs").rglob("*.md"))]
 
 
 def blocks() -> list[Any]:

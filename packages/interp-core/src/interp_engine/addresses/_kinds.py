@@ -264,7 +264,7 @@ KINDS: dict[str, KindInfo] = {
         missing=_MOE,
     ),
 }
-"""The address vocabulary (TransformerLens meanings), in the order the README's table lists it."""
+"""The address vocabulary (TransformerLens meanings), in the order the documentation's table lists it."""
 
 ALIASES: dict[str, str] = {
     "embeddings": "embed",

@@ -7,7 +7,7 @@ eager and vllm backends, through :func:`apply_op`) and ``fold`` into a :class:`P
 fixed per-token map (an affine stage, a cap, a norm-scaled add) that a compiled graph applies
 from slot tables (vllm-static evaluates :func:`run_stages` on them). The op type :data:`Op`, the
 checks of a :class:`~interp_engine.Write`, the HTTP schema's op enum and field docs, the
-README's op table (:func:`op_table`) and the tensor-parallel refusal all read these rows: a new
+documentation's op table (:func:`op_table`) and the tensor-parallel refusal all read these rows: a new
 op is one row here and its two functions.
 
 Notation: ``d = vector / |vector|`` per row, ``p = x . d`` over the last axis (per head at a head
@@ -378,9 +378,9 @@ class OpRow:
 
     name: Op
     doc: str
-    """Its effect, one line (the README's op table, Markdown)."""
+    """Its effect, one line (the documentation's op table, Markdown)."""
     vector: str
-    """The vector shapes it takes (the README's op table, Markdown)."""
+    """The vector shapes it takes (the documentation's op table, Markdown)."""
     apply: Apply
     """Its math on activations (:func:`apply_op`)."""
     fold: Fold
@@ -417,7 +417,7 @@ OP_ROWS: tuple[OpRow, ...] = (
     ),
     OpRow(
         "ablate",
-        "`x − scale * p d̂` (directional ablation)",  # noqa: RUF001 (the README's minus sign)
+        "`x − scale * p d̂` (directional ablation)",  # noqa: RUF001 (the documentation's minus sign)
         "`[width]`",
         _apply_ablate,
         _fold_ablate,
@@ -427,7 +427,7 @@ OP_ROWS: tuple[OpRow, ...] = (
     ),
     OpRow(
         "cap",
-        "`x + (clamp(p, lo, hi) − p) d̂` — projection capping; `lo`, `hi` or both, `scale` stays 1",  # noqa: RUF001 (the README's minus sign)
+        "`x + (clamp(p, lo, hi) − p) d̂` — projection capping; `lo`, `hi` or both, `scale` stays 1",  # noqa: RUF001 (the documentation's minus sign)
         "same as `add`",
         _apply_cap,
         _fold_cap,
@@ -438,7 +438,7 @@ OP_ROWS: tuple[OpRow, ...] = (
     ),
     OpRow(
         "rescale",
-        "`x + (scale − 1) p d̂` — the component along `d̂` times `scale`, the rest kept",  # noqa: RUF001 (the README's minus sign)
+        "`x + (scale − 1) p d̂` — the component along `d̂` times `scale`, the rest kept",  # noqa: RUF001 (the documentation's minus sign)
         "same as `add`",
         _apply_rescale,
         _fold_rescale,
@@ -458,7 +458,7 @@ OP_ROWS: tuple[OpRow, ...] = (
     ),
     OpRow(
         "swap",
-        "`x + scale * p (t̂ − d̂)`, `t̂ = target/‖target‖` — the component along `d̂` moved onto `t̂`",  # noqa: RUF001 (the README's minus sign)
+        "`x + scale * p (t̂ − d̂)`, `t̂ = target/‖target‖` — the component along `d̂` moved onto `t̂`",  # noqa: RUF001 (the documentation's minus sign)
         "same as `add`; `target` too",
         _apply_swap,
         _fold_swap,
@@ -512,7 +512,7 @@ def param_doc(name: str) -> str:
 
 
 def op_table() -> str:
-    """The README's op table (Markdown), one line per row of :data:`OP_ROWS`."""
+    """The documentation's op table (Markdown, docs/guides/steering.md), one line per row of :data:`OP_ROWS`."""
     lines = ["| op | effect | vector |", "|---|---|---|"]
     lines += [f"| `{row.name}` | {row.doc} | {row.vector} |" for row in OP_ROWS]
     return "\n".join(lines) + "\n"
