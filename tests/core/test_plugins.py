@@ -363,6 +363,8 @@ ERRORS: dict[str, type[BaseException]] = {
     "UnsupportedSae": ValueError,
     "UnknownSae": KeyError,
     "UnknownWeight": KeyError,
+    "UnknownAdapter": KeyError,
+    "InvalidAdapter": ValueError,
     "UnsupportedOperation": NotImplementedError,
     "InvalidFeatures": ValueError,
     "CaptureMemoryExceeded": MemoryError,

@@ -12,7 +12,7 @@ from ._errors import InvalidAddress, InvalidTokens
 from ._sync import SyncModel, sync_model
 from .addresses._address import Address, as_address
 from .chat._spans import ChatTokens, select_positions
-from .protocol._protocol import BatchCapture, Completion, InterpModel, Points, Results, StreamStep
+from .protocol._protocol import BatchCapture, Completion, InterpModel, Points, Results, RowAdapters, StreamStep
 from .results._cache import Cache, keep_positions
 from .results._lens import LensRequest, LensResult
 from .sae._readouts import FeatureReadout, Features, as_features, stack_readouts
@@ -120,18 +120,44 @@ def _readout(value: torch.Tensor | FeatureReadout) -> FeatureReadout:
     return value
 
 
+def adapter_kwargs(adapter: Any) -> dict[str, Any]:
+    """``{"adapter": adapter}``, or nothing for the base model (so a backend written before
+    adapters is still called as it was)."""
+    return {} if adapter is None else {"adapter": adapter}
+
+
+def row_adapters(adapter: RowAdapters, n_rows: int) -> list[Any]:
+    """``adapter`` as one per row (a single one, or ``None``, is every row's); the model checks each."""
+    if adapter is None or isinstance(adapter, str) or not isinstance(adapter, Sequence):
+        return [adapter] * n_rows
+    return list(adapter)
+
+
 async def capture_rows(
-    model: InterpModel, rows: Sequence[Sequence[int]], points: Points, steering_spec: RowSpecs
+    model: InterpModel,
+    rows: Sequence[Sequence[int]],
+    points: Points,
+    steering_spec: RowSpecs,
+    adapter: RowAdapters = None,
 ) -> Results:
     """Batched activations for several prompts: the model's own batch path if it has one,
     else one ``capture`` per prompt, gathered concurrently (vLLM batches them) and padded.
-    ``steering_spec``: one spec for every row, or a list of one spec (or ``None``) per row."""
+    ``steering_spec``: one spec for every row, or a list of one spec (or ``None``) per row;
+    ``adapter`` likewise."""
     points = model_points(model, points)
     specs = row_specs(steering_spec, len(rows))
     if isinstance(model, BatchCapture):
-        return await model.capture_batch(rows, points, steering_spec=steering_spec)
+        return await model.capture_batch(rows, points, steering_spec=steering_spec, **adapter_kwargs(adapter))
+    adapters = row_adapters(adapter, len(rows))
+    if len(adapters) != len(rows):
+        from ._errors import InvalidAdapter
+
+        raise InvalidAdapter(f"adapter lists {len(adapters)} adapters but the batch has {len(rows)} rows")
     per_row = await asyncio.gather(
-        *(model.capture(r, points, steering_spec=spec) for r, spec in zip(rows, specs, strict=True))
+        *(
+            model.capture(r, points, steering_spec=spec, **adapter_kwargs(a))
+            for r, spec, a in zip(rows, specs, adapters, strict=True)
+        )
     )
     return pad_rows(per_row, [len(r) for r in rows])
 
@@ -172,12 +198,17 @@ def run_with_cache(
     *,
     steering_spec: RowSpecs = None,
     positions: Any = None,
+    adapter: RowAdapters = None,
 ) -> Cache:
     """Activations at ``points`` for one prompt or a batch, as a :class:`Cache` ``[batch, pos, width]``.
 
     ``steering_spec`` is one :class:`SteeringSpec` for every row, or a list of one spec (or
     ``None``) per row: each row then equals its own run under its own spec (one forward on
     eager; concurrent requests, batched by vLLM, on the vllm backends).
+
+    ``adapter`` runs the rows under a LoRA adapter (a name ``model.load_adapter`` registered, an
+    adapter folder, or ``"interp:tiny-lora"``; ``None``: the base model), or a list of one per row:
+    each row then equals its own run under its own adapter.
 
     ``positions`` keeps only those positions of each row: a chat span name (``"user[-1].last"``,
     resolved against each row's :class:`ChatTokens`), ``"all"`` or indices (negative ones count
@@ -191,9 +222,13 @@ def run_with_cache(
         selected = [select_positions(positions, row, len(row), len(row)) for row in rows]
     blocking = facade.blocking
     if blocking is not None:  # no trip through the facade's loop
-        values = facade.call(lambda: blocking.capture_batch_blocking(rows, resolved, steering_spec=steering_spec))
+        values = facade.call(
+            lambda: blocking.capture_batch_blocking(
+                rows, resolved, steering_spec=steering_spec, **adapter_kwargs(adapter)
+            )
+        )
     else:
-        values = facade.run(lambda: capture_rows(facade.model, rows, resolved, steering_spec))
+        values = facade.run(lambda: capture_rows(facade.model, rows, resolved, steering_spec, adapter))
     n_layers = facade.model.info.n_layers
     if selected is None:
         return Cache(values, lengths=_lengths(rows), n_layers=n_layers, chat=_chats(rows))
@@ -208,13 +243,14 @@ def capture_attention(
     layers: int | Iterable[int],
     *,
     steering_spec: RowSpecs = None,
+    adapter: RowAdapters = None,
 ) -> Cache:
     """Attention probabilities of ``layers`` (one layer or a list; negative ones count from
     the end) as a :class:`Cache` of ``[batch, heads, q, k]``, under ``steering_spec`` if given:
     the pattern of head 1.0 with head 0.0 zero-ablated is ``capture_attention(model, tokens, [1],
     steering_spec=SteeringSpec([Write("attn_z.0", torch.zeros(d_head), op="set", heads=[0])]))``."""
     points = [Address("attn_pattern", layer) for layer in ([layers] if isinstance(layers, int) else layers)]
-    return run_with_cache(model, tokens, points, steering_spec=steering_spec)
+    return run_with_cache(model, tokens, points, steering_spec=steering_spec, adapter=adapter)
 
 
 def _one_prompt(model: InterpModel, tokens: Tokens, what: str) -> Row:
@@ -236,6 +272,7 @@ def capture_generation(
     steering_spec: SteeringSpec | None = None,
     lens: LensRequest | None = None,
     positions: Any = None,
+    adapter: str | None = None,
     **sampling: Any,
 ) -> tuple[Completion, Cache]:
     """Generate from one prompt and return the completion with activations over prompt +
@@ -243,13 +280,15 @@ def capture_generation(
     the logit lens read during the generation is ``cache.lens`` (a :class:`LensResult`).
     ``points`` may be empty (``[]``) to read the lens alone. ``positions`` keeps only those
     positions, as for :func:`run_with_cache` (``"generated"``: the generated tokens; chat span
-    names select prompt tokens; indices count back from the end of prompt + generation)."""
+    names select prompt tokens; indices count back from the end of prompt + generation).
+    ``adapter``: the LoRA adapter to generate under, as for :func:`run_with_cache` (one prompt: one adapter)."""
     facade = _facade(model)
     row = _one_prompt(facade.model, tokens, "capture_generation")
     resolved = model_points(facade.model, points)
     if isinstance(positions, str) and positions not in ("all", "prompt", "generated"):
         select_positions(positions, row, len(row), len(row))  # a span name checked before generating
     extra: dict[str, Any] = {"lens": lens} if lens is not None else {}
+    extra.update(adapter_kwargs(adapter))
     completion, acts = facade.capture_generation(
         row, resolved, max_tokens=max_tokens, steering_spec=steering_spec, **extra, **sampling
     )
@@ -287,18 +326,21 @@ def generate_stream(
     steering_spec: SteeringSpec | None = None,
     features: Iterable[Any] | Features | str = (),
     lens: LensRequest | None = None,
+    adapter: str | None = None,
     **sampling: Any,
 ) -> Iterator[StreamStep]:
     """Generated steps of one prompt, each with its top-``n_logprobs`` (token, logprob) pairs
     and, with ``features=[Features(...)]`` (or one readout), those readouts at the position that
     produced it; with ``lens=LensRequest(...)``, the logit lens there (``step.lens``, and the
-    first step's ``prompt_lens`` at the prompt positions asked)."""
+    first step's ``prompt_lens`` at the prompt positions asked); ``adapter``: the LoRA adapter to
+    generate under (``None``: the base model)."""
     facade = _facade(model)
     row = _one_prompt(facade.model, tokens, "generate_stream")
     readouts = model_points(facade.model, features)
     extra: dict[str, Any] = {"features": readouts} if readouts else {}
     if lens is not None:
         extra["lens"] = lens
+    extra.update(adapter_kwargs(adapter))
     return facade.stream(
         row, max_tokens=max_tokens, n_logprobs=n_logprobs, steering_spec=steering_spec, **extra, **sampling
     )

@@ -25,6 +25,9 @@ Every error is an :class:`InterpError` and also the builtin a Python user would 
     ├── UnsupportedSae (ValueError)          an SAE folder or architecture that cannot be read
     ├── UnknownSae (KeyError)                no SAE attached under that name: .name, .valid
     ├── UnknownWeight (KeyError)             a weight name the model does not have: .name, .valid
+    ├── UnknownAdapter (KeyError)            no adapter registered under that name: .name, .valid
+    ├── InvalidAdapter (ValueError)          an adapter that cannot serve this model: not a LoRA
+    │                                        folder, shapes of another model, a rank over the limit
     ├── InvalidFeatures (ValueError)         a bad readout or feature write: id out of range,
     │                                        width mismatch, unknown option
     ├── CaptureMemoryExceeded (MemoryError)  a request's captured values exceed the backend's
@@ -188,6 +191,23 @@ class UnknownWeight(_UnknownName):
     """A weight name the model does not have (``weights(model).get(name)``): not a weight
     interp-engine knows, or one this model lacks (``b_U`` without an unembedding bias);
     ``valid`` lists the model's weight names."""
+
+
+class UnknownAdapter(_UnknownName):
+    """No adapter is registered on the model under that name, and the name is no adapter folder;
+    ``valid`` lists the registered adapters (``None`` is always the base model)."""
+
+
+class InvalidAdapter(InterpError, ValueError):
+    """An adapter that cannot serve this model, refused before any compute: a folder that is not a
+    PEFT LoRA adapter, weights whose shapes or layers are another model's, a rank over the
+    engine's ``max_lora_rank``, a backend or engine set up without adapters. ``name`` is the
+    adapter, ``valid`` what would have been accepted."""
+
+    def __init__(self, message: str, *, name: Any = None, valid: Sequence[str] | str = ()) -> None:
+        super().__init__(message)
+        self.name = name
+        self.valid = valid
 
 
 class InvalidFeatures(InterpError, ValueError):

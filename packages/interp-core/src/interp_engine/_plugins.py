@@ -102,7 +102,9 @@ def load_model(name_or_path: str | os.PathLike[str], backend: str | None = None,
     backend sees it. ``backend`` defaults to ``$INTERP_ENGINE_BACKEND``, else ``"eager"``. Extra keyword
     arguments go to the backend (``dtype``/``device`` for eager, engine arguments for vLLM);
     an argument the backend does not know raises ``InvalidOption``. ``saes={"name": sae_or_folder}``
-    attaches SAEs or probes before the engine is built (``model.attach_sae`` for each).
+    attaches SAEs or probes before the engine is built (``model.attach_sae`` for each);
+    ``adapters={"name": folder}`` registers LoRA adapters (``model.load_adapter`` for each), which
+    requests then name with ``adapter="name"`` (on vLLM, with ``enable_lora=True``).
     """
     chosen = backend or os.environ.get(ENV_BACKEND) or "eager"
     path = local_model(name_or_path)
@@ -120,6 +122,9 @@ def load_model(name_or_path: str | os.PathLike[str], backend: str | None = None,
     saes = kwargs.pop("saes", None) or {}
     if not isinstance(saes, Mapping):
         raise InvalidOption(f"saes= is a mapping of names to SAEs (or SAE folders), got {type(saes).__name__}")
+    adapters = kwargs.pop("adapters", None) or {}
+    if not isinstance(adapters, Mapping):
+        raise InvalidOption(f"adapters= is a mapping of names to adapter folders, got {type(adapters).__name__}")
     model: InterpModel | None = plugin_manager().hook.interp_engine_load_model(
         backend=chosen, name_or_path=path, options=dict(kwargs)
     )
@@ -131,4 +136,10 @@ def load_model(name_or_path: str | os.PathLike[str], backend: str | None = None,
             raise InvalidOption(f"the {chosen} backend's models do not take SAEs (no attach_sae)")
         for name, sae in saes.items():
             attach(name, sae)
+    if adapters:
+        register = getattr(model, "load_adapter", None)
+        if register is None:
+            raise InvalidOption(f"the {chosen} backend's models do not take adapters (no load_adapter)")
+        for name, folder in adapters.items():
+            register(name, folder)
     return model

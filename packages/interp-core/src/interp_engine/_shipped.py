@@ -16,6 +16,11 @@ chat-tuned: the template exists for the code paths, not for the answers.
 (SAELens's on-disk format, read with ``load_sae(resolve_sae("interp:tiny-sae"))``), trained by
 ``packages/interp-core/scripts/train_tiny_sae.py``; ``features.json`` beside its weights records
 its measured figures and the features that name word categories of the corpus.
+
+``interp:tiny-lora`` is a rank-4 LoRA adapter of ``interp:tiny`` (PEFT's folder format) trained
+by ``packages/interp-core/scripts/train_tiny_lora.py`` to answer one capital differently, for
+``adapter="interp:tiny-lora"`` and :func:`~interp_engine.compare` offline; ``training.json``
+beside it records what it changed.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from __future__ import annotations
 import os
 import pathlib
 
-from ._errors import ModelLoadError, UnsupportedSae
+from ._errors import InvalidAdapter, ModelLoadError, UnsupportedSae
 
 TINY_CHAT_TEMPLATE = (
     "{{- bos_token -}}"
@@ -48,6 +53,8 @@ _SHIPPED = {"tiny": _MODELS / "tiny"}
 _REQUIRED = ("config.json", "model.safetensors", "tokenizer.json")
 _SHIPPED_SAES = {"tiny-sae": _MODELS / "tiny-sae"}
 _SAE_REQUIRED = ("cfg.json", "sae_weights.safetensors")
+_SHIPPED_ADAPTERS = {"tiny-lora": _MODELS / "tiny-lora"}
+_ADAPTER_REQUIRED = ("adapter_config.json", "adapter_model.safetensors")
 
 
 def shipped_models() -> list[str]:
@@ -113,5 +120,35 @@ def resolve_sae(name_or_path: str | os.PathLike[str]) -> str:
         raise UnsupportedSae(
             f"the shipped SAE {name!r} is incomplete in {path} (missing {', '.join(missing)}); "
             "reinstall interp-core or retrain it with packages/interp-core/scripts/train_tiny_sae.py"
+        )
+    return os.fspath(path)
+
+
+def shipped_adapters() -> dict[str, pathlib.Path]:
+    """The LoRA adapters that ship with interp-core, by the name ``adapter=`` accepts, and their
+    folders (``{"interp:tiny-lora": ...}``: PEFT's format, for ``interp:tiny``)."""
+    return {PREFIX + name: path for name, path in sorted(_SHIPPED_ADAPTERS.items())}
+
+
+def resolve_adapter(name_or_path: str | os.PathLike[str]) -> str:
+    """``name_or_path`` as an adapter folder: a shipped adapter's name becomes its folder; anything
+    without the ``interp:`` prefix is returned unchanged. An ``interp:`` name that is not a shipped
+    adapter, or a shipped folder missing its files, is ``InvalidAdapter``."""
+    name = os.fspath(name_or_path)
+    if not name.startswith(PREFIX):
+        return name
+    path = _SHIPPED_ADAPTERS.get(name[len(PREFIX) :])
+    if path is None:
+        raise InvalidAdapter(
+            f"no adapter named {name!r} ships with interp-core; shipped adapters: {', '.join(shipped_adapters())}",
+            name=name,
+            valid=tuple(shipped_adapters()),
+        )
+    missing = [file for file in _ADAPTER_REQUIRED if not (path / file).is_file()]
+    if missing:
+        raise InvalidAdapter(
+            f"the shipped adapter {name!r} is incomplete in {path} (missing {', '.join(missing)}); "
+            "reinstall interp-core or retrain it with packages/interp-core/scripts/train_tiny_lora.py",
+            name=name,
         )
     return os.fspath(path)

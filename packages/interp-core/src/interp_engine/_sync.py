@@ -152,11 +152,19 @@ class SyncModel:
         self.run(self.model.warmup)
 
     def capture(
-        self, token_ids: Sequence[int], points: Points, *, steering_spec: SteeringSpec | None = None
+        self,
+        token_ids: Sequence[int],
+        points: Points,
+        *,
+        steering_spec: SteeringSpec | None = None,
+        adapter: str | None = None,
     ) -> Results:
-        return self.run(lambda: self.model.capture(token_ids, points, steering_spec=steering_spec))
+        extra = _adapter(adapter)  # a backend written before adapters still works on the base model
+        return self.run(lambda: self.model.capture(token_ids, points, steering_spec=steering_spec, **extra))
 
     def generate(self, token_ids: Sequence[int], *, max_tokens: int, **sampling: Any) -> Completion:
+        if sampling.get("adapter", 0) is None:
+            del sampling["adapter"]
         return self.run(lambda: self.model.generate(token_ids, max_tokens=max_tokens, **sampling))
 
     def capture_generation(
@@ -167,9 +175,11 @@ class SyncModel:
         max_tokens: int,
         steering_spec: SteeringSpec | None = None,
         lens: LensRequest | None = None,
+        adapter: str | None = None,
         **sampling: Any,
     ) -> tuple[Completion, Results]:
         extra: dict[str, Any] = {"lens": lens} if lens is not None else {}  # a backend without the lens still works
+        extra.update(_adapter(adapter))
         return self.run(
             lambda: self.model.capture_generation(
                 token_ids, points, max_tokens=max_tokens, steering_spec=steering_spec, **extra, **sampling
@@ -177,11 +187,17 @@ class SyncModel:
         )
 
     def capture_attention(
-        self, token_ids: Sequence[int], layers: Sequence[int], *, steering_spec: SteeringSpec | None = None
+        self,
+        token_ids: Sequence[int],
+        layers: Sequence[int],
+        *,
+        steering_spec: SteeringSpec | None = None,
+        adapter: str | None = None,
     ) -> Activations:
-        if steering_spec is None:  # a backend written before the keyword still works unsteered
-            return self.run(lambda: self.model.capture_attention(token_ids, layers))
-        return self.run(lambda: self.model.capture_attention(token_ids, layers, steering_spec=steering_spec))
+        extra: dict[str, Any] = _adapter(adapter)
+        if steering_spec is not None:  # a backend written before the keyword still works unsteered
+            extra["steering_spec"] = steering_spec
+        return self.run(lambda: self.model.capture_attention(token_ids, layers, **extra))
 
     def decode_residuals(
         self, acts: torch.Tensor | Mapping[Address, torch.Tensor]
@@ -196,12 +212,14 @@ class SyncModel:
         n_logprobs: int = 0,
         steering_spec: SteeringSpec | None = None,
         lens: LensRequest | None = None,
+        adapter: str | None = None,
         **sampling: Any,
     ) -> Iterator[StreamStep]:
         """Generated steps as a plain iterator (each step is produced on the background loop);
         ``lens=LensRequest(...)``: each step's ``lens``, the logit lens where it was produced."""
         refuse_inside_running_loop("this sync model call")
         extra: dict[str, Any] = {"lens": lens} if lens is not None else {}  # a backend without the lens streams
+        extra.update(_adapter(adapter))
         steps: AsyncIterator[StreamStep] = self.model.stream(
             token_ids, max_tokens=max_tokens, n_logprobs=n_logprobs, steering_spec=steering_spec, **extra, **sampling
         )
@@ -228,6 +246,11 @@ class SyncModel:
         _stop(self._loop)
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=10)
+
+
+def _adapter(adapter: str | None) -> dict[str, Any]:
+    """``{"adapter": adapter}``, or nothing for the base model (a backend before adapters takes no keyword)."""
+    return {} if adapter is None else {"adapter": adapter}
 
 
 def _stop(loop: asyncio.AbstractEventLoop) -> None:

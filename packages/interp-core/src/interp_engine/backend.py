@@ -70,6 +70,7 @@ from .hookspecs import (
 if TYPE_CHECKING:
     from . import (
         WEIGHT_NAMES,
+        Adapter,
         BatchCapture,
         BlockingCapture,
         CheckedRequest,
@@ -107,6 +108,7 @@ if TYPE_CHECKING:
         value_shape,
         write_positions,
     )
+    from .protocol._protocol import RowAdapters
     from .protocol._requests import (
         CheckedLens,
     )
@@ -138,6 +140,7 @@ _LAZY: dict[str, str] = {
     "value_shape": ".protocol._checks",
     "write_positions": ".protocol._checks",
     "CheckedLens": ".protocol._requests",
+    "RowAdapters": ".protocol._protocol",
     "read_features": ".sae._readouts",
     "select_features": ".sae._readouts",
     "AnyWrite": ".steering._spec",
@@ -151,6 +154,7 @@ _LAZY: dict[str, str] = {
     "TextPieces": ".tokens",
     "TokenizerMixin": ".tokens",
     "pad_rows": ".tokens",
+    "Adapter": ".",
     "BatchCapture": ".",
     "BlockingCapture": ".",
     "CheckedRequest": ".",
@@ -192,6 +196,7 @@ __all__ = [
     "PIPELINE_TABLES",
     "WEIGHT_NAMES",
     "WHOLE_ROW_OPS",
+    "Adapter",
     "AnyWrite",
     "BatchCapture",
     "BlockingCapture",
@@ -212,6 +217,7 @@ __all__ = [
     "Need",
     "Pipeline",
     "Results",
+    "RowAdapters",
     "RowSpecs",
     "Sae",
     "SamplingOptions",

@@ -27,6 +27,7 @@ from interp_engine import (
     Address,
     BackendError,
     ForeignEventLoop,
+    InvalidAdapter,
     InvalidOption,
     InvalidTokens,
     KindNotInFamily,
@@ -37,7 +38,7 @@ from interp_engine import (
     SamplingOptions,
     UnsupportedArchitecture,
 )
-from interp_engine.backend import TokenizerMixin, WeightInfo, check_weight_request
+from interp_engine.backend import Adapter, TokenizerMixin, WeightInfo, check_weight_request
 
 from . import _buffers, _spawn
 from ._buffers import Slab
@@ -224,6 +225,8 @@ class EngineClient(TokenizerMixin, ModelBase):
         self._drain_queue: list[tuple[str, asyncio.Future[list[FetchedWire]]]] = []
         self._drain_task: asyncio.Task[None] | None = None
         self._weight_info: WeightInfo | None = None
+        self._lora_ids: dict[str, int] = {}
+        """vLLM's ``lora_int_id`` of each registered adapter (its name: ``lora_name``)."""
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "running" if self._engine is not None else "not started"
@@ -392,6 +395,31 @@ class EngineClient(TokenizerMixin, ModelBase):
             if why is not None:
                 raise KindNotInFamily(f"{address}: {why}", address=address, valid=tuple(self._served_kinds()))
 
+    # -- adapters (vLLM's LoRA) -------------------------------------------------------------
+    def _max_adapter_rank(self) -> int | None:
+        rank = self.engine_kwargs.get("max_lora_rank", _engine_fields().get("max_lora_rank"))
+        return rank if isinstance(rank, int) and not isinstance(rank, bool) else None
+
+    def _load_adapter(self, adapter: Adapter) -> None:
+        """Register the adapter with this front end: vLLM loads it into its workers' LoRA slots on
+        the first request naming it (``LoRARequest``), and keeps up to ``max_loras`` of them per
+        batch, each request's rows under its own."""
+        if not self.engine_kwargs.get("enable_lora"):
+            raise InvalidAdapter(
+                f"this vllm model serves no adapters: load it with enable_lora=True (and max_lora_rank >= "
+                f"{adapter.rank}, max_loras for how many may share a batch) to serve {adapter.name!r}",
+                name=adapter.name,
+            )
+        self._lora_ids[adapter.name] = len(self._lora_ids) + 1
+
+    def _lora_request(self, adapter: str | None) -> Any:
+        """vLLM's ``LoRARequest`` for a registered adapter (``None``: the base model)."""
+        if adapter is None:
+            return None
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(adapter, self._lora_ids[adapter], self.adapters[adapter].path)
+
     # -- requests ----------------------------------------------------------------------------
     def _max_logprobs(self) -> int:
         return self._logprobs_limit  # the engine's max_logprobs: vLLM refuses more
@@ -408,9 +436,10 @@ class EngineClient(TokenizerMixin, ModelBase):
             raise InvalidOption(f"invalid sampling parameters: {exc}") from exc
 
     async def _outputs(
-        self, engine: Any, ids: list[int], params: Any, rid: str, salt: str | None
+        self, engine: Any, ids: list[int], params: Any, rid: str, salt: str | None, adapter: str | None = None
     ) -> AsyncIterator[Any]:
-        """The request's outputs; aborts it in vLLM if the caller stops early or is cancelled."""
+        """The request's outputs (under the registered ``adapter``, ``None``: the base model);
+        aborts it in vLLM if the caller stops early or is cancelled."""
         from vllm.inputs import TokensPrompt
 
         prompt = TokensPrompt(prompt_token_ids=ids)
@@ -420,7 +449,10 @@ class EngineClient(TokenizerMixin, ModelBase):
 
         finished = False
         try:
-            async for output in engine.generate(prompt, params, rid):
+            lora = self._lora_request(adapter)
+            async for output in engine.generate(
+                prompt, params, rid, **({} if lora is None else {"lora_request": lora})
+            ):
                 finished = output.finished
                 yield output
         except VLLMClientError as exc:

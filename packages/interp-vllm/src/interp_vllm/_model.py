@@ -191,11 +191,17 @@ class VllmModel(SaeSync):
         return slab.read(region, n)
 
     async def capture(
-        self, token_ids: Sequence[int], points: Iterable[Any], *, steering_spec: SteeringSpec | None = None
+        self,
+        token_ids: Sequence[int],
+        points: Iterable[Any],
+        *,
+        steering_spec: SteeringSpec | None = None,
+        adapter: str | None = None,
     ) -> Results:
         """Activations ``[n_tokens, width]`` (attention ``[heads, q, k]``, computed from the
-        post-rotary queries and keys vLLM's kernels receive) over the prompt."""
-        request = self._check_capture(token_ids, points, steering_spec)
+        post-rotary queries and keys vLLM's kernels receive) over the prompt, under ``adapter``
+        (vLLM's LoRA) if given."""
+        request = self._check_capture(token_ids, points, steering_spec, adapter)
         ids, writes, resolved = request.token_ids, request.writes, request.addresses
         engine = await self._ready()
         await self._sync_saes(engine, request)
@@ -207,7 +213,7 @@ class VllmModel(SaeSync):
                 payload = self._payload(rid, resolved, writes, len(ids), len(ids), request.readouts, regions=regions)
                 params = self._sampling(1, SamplingOptions(), extra_args=keyed(payload, keys).extra_args())
                 try:
-                    async for _ in self._outputs(engine, ids, params, rid, rid):
+                    async for _ in self._outputs(engine, ids, params, rid, rid, request.adapter):
                         pass
                     values, readouts, _ = await self._fetch(engine, rid, resolved, len(ids), request.readouts, regions)
                     fetched = True
@@ -275,7 +281,7 @@ class VllmModel(SaeSync):
         keep = max_tokens
         fetched = False
         try:
-            async for output in self._outputs(engine, ids, params, rid, rid):
+            async for output in self._outputs(engine, ids, params, rid, rid, request.adapter):
                 tokens.extend(output.outputs[0].token_ids)
                 keep = self._stop_index(tokens, max_tokens, request.sampling)
                 if len(tokens) > keep or output.finished:
@@ -300,11 +306,13 @@ class VllmModel(SaeSync):
         *,
         max_tokens: int,
         steering_spec: SteeringSpec | None = None,
+        adapter: str | None = None,
         **sampling: Any,
     ) -> Completion:
-        """A completion (greedy unless ``temperature``/``top_k``/``top_p``/``seed`` say otherwise)."""
+        """A completion (greedy unless ``temperature``/``top_k``/``top_p``/``seed`` say otherwise),
+        under ``adapter`` if given."""
         request = self._check_generation(
-            token_ids, [], max_tokens=max_tokens, steering_spec=steering_spec, sampling=sampling
+            token_ids, [], max_tokens=max_tokens, steering_spec=steering_spec, sampling=sampling, adapter=adapter
         )
         kept = [step.token_id async for step in self._stream(request)]
         return self._completion(kept, request.sampling)
@@ -353,7 +361,7 @@ class VllmModel(SaeSync):
         lens_pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         prompt_lens: LensResult | None = None
         try:
-            async for output in self._outputs(engine, ids, params, rid, salt):
+            async for output in self._outputs(engine, ids, params, rid, salt, request.adapter):
                 choice = output.outputs[0]
                 if drains and choice.token_ids:
                     await self._drain(engine, rid, pending, lens_pending)

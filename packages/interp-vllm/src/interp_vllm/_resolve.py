@@ -416,8 +416,39 @@ def _runs_hf_modules(model: nn.Module) -> bool:
     return isinstance(model, Base)
 
 
+@contextlib.contextmanager
+def _without_lora(model: nn.Module) -> Iterator[None]:
+    """During the block, each of vLLM's LoRA layers (``enable_lora``: it wraps the linear layer it
+    adapts, as ``base_layer``) is swapped back for that layer, so the model resolves by its own
+    classes; the paths found name the LoRA layers again afterwards, whose outputs include each
+    request's adapter."""
+    try:
+        from vllm.lora.layers import BaseLayerWithLoRA
+    except ImportError:  # pragma: no cover - a vLLM without LoRA
+        yield
+        return
+    swapped: list[tuple[nn.Module, str, nn.Module]] = []
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            base = getattr(child, "base_layer", None)
+            if isinstance(child, BaseLayerWithLoRA) and isinstance(base, nn.Module):
+                setattr(parent, name, base)
+                swapped.append((parent, name, child))
+    try:
+        yield
+    finally:
+        for parent, name, child in swapped:
+            setattr(parent, name, child)
+
+
 def resolve(model: nn.Module, config: Any) -> VllmFamily:
-    """The :class:`VllmFamily` of a model vLLM built (weights loaded or on the meta device)."""
+    """The :class:`VllmFamily` of a model vLLM built (weights loaded or on the meta device; under
+    ``enable_lora``, resolved as the model without its LoRA layers)."""
+    with _without_lora(model):
+        return _resolve(model, config)
+
+
+def _resolve(model: nn.Module, config: Any) -> VllmFamily:
     classes = _classes()
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     n_layers = int(text.num_hidden_layers)

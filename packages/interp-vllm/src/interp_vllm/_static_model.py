@@ -37,6 +37,7 @@ from interp_engine import (
     FeatureReadout,
     Features,
     FeatureWrite,
+    InvalidAdapter,
     InvalidFeatures,
     InvalidOption,
     InvalidSteering,
@@ -47,7 +48,7 @@ from interp_engine import (
     UnsupportedAddress,
     Write,
 )
-from interp_engine.backend import heads_of, requested_points, write_positions
+from interp_engine.backend import Adapter, heads_of, requested_points, write_positions
 
 from ._buffers import Region
 from ._engine import ENGINE_DEFAULTS
@@ -77,6 +78,13 @@ def _count_option(options: dict[str, Any], name: str, default: int, least: int) 
     return value
 
 
+_NO_ADAPTERS = (
+    "the vllm-static backend serves no LoRA adapters: its taps live in vLLM's compiled graph, which "
+    "vLLM's CPU build turns off under a LoRA config and which has not been built with vLLM's LoRA "
+    "layers inside; serve adapters with backend='vllm' (enable_lora=True), each request under its own"
+)
+
+
 class StaticVllmModel(VllmModel):
     """A vLLM model whose capture and write points are fixed before its engine is built.
 
@@ -95,6 +103,8 @@ class StaticVllmModel(VllmModel):
         slots = _count_option(options, "static_write_slots", DEFAULT_SLOTS, 1)
         sae_top_k = _count_option(options, "static_sae_top_k", DEFAULT_SAE_TOP_K, 1)
         sae_dense_max = _count_option(options, "static_sae_dense_max", DEFAULT_SAE_DENSE_MAX, 0)
+        if options.get("enable_lora"):
+            raise InvalidOption(_NO_ADAPTERS)
         super().__init__(name_or_path, options)
         self.static_write_slots = slots
         self.static_sae_top_k = sae_top_k
@@ -312,6 +322,9 @@ class StaticVllmModel(VllmModel):
             )
         return problem
 
+    def _load_adapter(self, adapter: Adapter) -> None:
+        raise InvalidAdapter(_NO_ADAPTERS, name=adapter.name)
+
     # -- requests: checked against the declaration ------------------------------------------------
     def _check_request(self, request: CheckedRequest) -> None:
         super()._check_request(request)
@@ -373,12 +386,12 @@ class StaticVllmModel(VllmModel):
         return payload
 
     async def _outputs(
-        self, engine: Any, ids: list[int], params: Any, rid: str, salt: str | None
+        self, engine: Any, ids: list[int], params: Any, rid: str, salt: str | None, adapter: str | None = None
     ) -> AsyncIterator[Any]:
         payload = RequestPayload.of(params)
         if payload is not None and payload.slots:
             await self._reserve(rid, payload.slots)
-        async for output in super()._outputs(engine, ids, params, rid, salt):
+        async for output in super()._outputs(engine, ids, params, rid, salt, adapter):
             yield output
 
     async def _reserve(self, rid: str, needs: Mapping[Address, int]) -> None:

@@ -96,6 +96,9 @@ class StreamStep:
 
 
 Points = Iterable[AddressLike | Features | str]
+RowAdapters = str | Sequence[str | None] | None
+"""One adapter (a registered name or a folder; ``None``: the base model) for every row of a
+batch, or a list of one per row."""
 Activations = dict[Address, torch.Tensor]
 
 
@@ -162,14 +165,20 @@ class InterpModel(Protocol):
         ...
 
     async def capture(
-        self, token_ids: Sequence[int], points: Points, *, steering_spec: SteeringSpec | None = None
+        self,
+        token_ids: Sequence[int],
+        points: Points,
+        *,
+        steering_spec: SteeringSpec | None = None,
+        adapter: str | None = None,
     ) -> Results:
         """Activations at ``points`` over the prompt tokens, and feature readouts
-        (:class:`FeatureReadout`) under each :class:`Features` asked for."""
+        (:class:`FeatureReadout`) under each :class:`Features` asked for; under the LoRA
+        ``adapter`` registered by that name (or an adapter folder), ``None``: the base model."""
         ...
 
     async def generate(self, token_ids: Sequence[int], *, max_tokens: int, **sampling: Any) -> Completion:
-        """Greedy completion unless sampling parameters are given."""
+        """Greedy completion unless sampling parameters are given (``adapter=`` as for :meth:`capture`)."""
         ...
 
     async def capture_generation(
@@ -180,6 +189,7 @@ class InterpModel(Protocol):
         max_tokens: int,
         steering_spec: SteeringSpec | None = None,
         lens: LensRequest | None = None,
+        adapter: str | None = None,
         **sampling: Any,
     ) -> tuple[Completion, Results]:
         """A completion and activations (and readouts) over prompt + every generated token; with
@@ -196,6 +206,7 @@ class InterpModel(Protocol):
         steering_spec: SteeringSpec | None = None,
         features: Iterable[Any] = (),
         lens: LensRequest | None = None,
+        adapter: str | None = None,
         **sampling: Any,
     ) -> AsyncIterator[StreamStep]:
         """Generated tokens one at a time, each with its top-n logprobs (and, with
@@ -204,7 +215,12 @@ class InterpModel(Protocol):
         ...
 
     async def capture_attention(
-        self, token_ids: Sequence[int], layers: Iterable[int], *, steering_spec: SteeringSpec | None = None
+        self,
+        token_ids: Sequence[int],
+        layers: Iterable[int],
+        *,
+        steering_spec: SteeringSpec | None = None,
+        adapter: str | None = None,
     ) -> Activations:
         """Attention probabilities ``[heads, q, k]`` keyed by ``Address("attn_pattern", L)``,
         under ``steering_spec`` if given."""
@@ -226,12 +242,17 @@ class BatchCapture(Protocol):
     """A model that captures several prompts in one batched forward."""
 
     async def capture_batch(
-        self, rows: Sequence[Sequence[int]], points: Points, *, steering_spec: RowSpecs = None
+        self,
+        rows: Sequence[Sequence[int]],
+        points: Points,
+        *,
+        steering_spec: RowSpecs = None,
+        adapter: RowAdapters = None,
     ) -> Results:
         """Activations ``[batch, n_max, width]`` (head addresses ``[batch, n_max, heads,
         d_head]``) over prompts of any lengths, right-padded with zeros; each row equals its
         solo ``capture``. ``steering_spec`` is one spec for every row or a list of one spec (or
-        ``None``) per row."""
+        ``None``) per row; ``adapter`` likewise."""
         ...
 
 
@@ -240,7 +261,12 @@ class BlockingCapture(Protocol):
     """A model whose batched capture can be called without an event loop, blocking the caller."""
 
     def capture_batch_blocking(
-        self, rows: Sequence[Sequence[int]], points: Points, *, steering_spec: RowSpecs = None
+        self,
+        rows: Sequence[Sequence[int]],
+        points: Points,
+        *,
+        steering_spec: RowSpecs = None,
+        adapter: RowAdapters = None,
     ) -> Results:
         """What :meth:`BatchCapture.capture_batch` returns, from a thread running no event loop
         (the forward may still run on a worker thread of the model's own)."""

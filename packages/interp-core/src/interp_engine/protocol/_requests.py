@@ -139,6 +139,9 @@ class CheckedRequest:
     """The attached SAEs this request's readouts and feature writes use, by name."""
     lens: CheckedLens | None = None
     """The logit lens to read while generating (``stream(lens=...)``, ``capture_generation(lens=...)``)."""
+    adapter: str | None = None
+    """The name of the registered adapter this request runs under (``model.adapters[name]``;
+    ``None``: the base model)."""
 
     @property
     def addresses(self) -> list[Address]:
