@@ -74,17 +74,20 @@ def test_a_topk_clamp_encodes_only_the_rows_that_need_it(monkeypatch: pytest.Mon
     math = SaeMath(sae, "cpu")
     x = torch.randn(ROWS, D_IN, generator=torch.Generator().manual_seed(2))
     encoded: list[int] = []
-    encode = math.encode
+    whole = math._pre
 
-    def counting(rows: torch.Tensor, width: int, dense: bool = False) -> Any:
-        encoded.append(rows.shape[0])
-        return encode(rows, width, dense)
+    def counting(sae_in: torch.Tensor) -> Any:
+        encoded.append(sae_in.shape[0])
+        return whole(sae_in)
 
-    monkeypatch.setattr(math, "encode", counting)
+    monkeypatch.setattr(math, "_pre", counting)
+    monkeypatch.setattr(static_sae, "READ_BLOCK_BYTES", 64 * 4 * D_SAE)  # blocks of 64 rows
     feature = torch.full((ROWS, 1), 5)
     math.clamp_rows(x, feature, torch.full((ROWS, 1), 2.0))
     pre = x @ sae.W_enc[:, 5] + sae.b_enc[5]
-    assert encoded == [int((pre > 0).sum())] and 0 < encoded[0] < ROWS
+    positive = int((pre > 0).sum())
+    assert 64 < positive < ROWS
+    assert sum(encoded) == positive and max(encoded) == 64
 
 
 @pytest.mark.parametrize("case", ["topk", "jumprelu", "standard-layer-norm"])

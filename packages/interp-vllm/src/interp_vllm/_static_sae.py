@@ -195,13 +195,7 @@ class SaeMath(nn.Module):
         sae_in, denorm = self._normalise(x32)
         if self.b_dec_in:
             sae_in = sae_in - self.b_dec
-        if self._onednn is not None:
-            ops, handler = self._onednn
-            pre = ops.onednn_mm(handler, sae_in.contiguous(), self.b_enc)
-        else:
-            pre = torch.addmm(self.b_enc, sae_in, self.W_enc)
-        if self.rescale:
-            pre = pre * self.dec_norm
+        pre = self._pre(sae_in)
         if self.k is not None:
             top, ids = pre.topk(self.k, dim=-1)  # sorted: the k features, largest first
             top = top.relu()
@@ -224,7 +218,7 @@ class SaeMath(nn.Module):
         row's arithmetic does not depend on the rows beside it, so the blocks give what one
         encode of every row gives."""
         rows = x.reshape(-1, self.d_in)
-        block = max(16, READ_BLOCK_BYTES // (4 * self.d_sae)) if rows.device.type == "cpu" else rows.shape[0]
+        block = self._block() or max(rows.shape[0], 1)
         kept = self.kept(width)
         parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = []
         for start in range(0, max(rows.shape[0], 1), block):
@@ -269,8 +263,9 @@ class SaeMath(nn.Module):
     def clamp_rows(self, x: torch.Tensor, feature: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """:meth:`clamp` of rows ``x`` (``[n, d_in]``), computing only what the clamped features
         need: their own pre-activations (one column of the encoder per distinct feature), and,
-        for a TopK SAE, the whole encode of just the rows whose clamped feature's pre-activation
-        is positive (whether it is among the row's top ``k``: elsewhere it is 0 either way).
+        for a TopK SAE, whether the feature is among the row's top ``k`` (every pre-activation,
+        counted, not sorted), only for the rows where its pre-activation is positive (elsewhere
+        it is 0 either way), a block of rows at a time on the CPU.
         Equal to :meth:`clamp` of a whole encode to float32 rounding; the row selection makes its
         shapes depend on the values, so the compiled graph keeps :meth:`clamp`."""
         x32 = x.reshape(-1, self.d_in).float()
@@ -287,13 +282,35 @@ class SaeMath(nn.Module):
         else:
             current = torch.zeros_like(pre)
             rows = torch.nonzero(pre.squeeze(-1) > 0).flatten()
-            if rows.numel():
-                enc = self.encode(x32[rows], 0)
-                mine = feature[rows]
-                member = (enc.ids == mine).any(-1, keepdim=True)
-                fired = enc.pre.gather(-1, mine).relu()
-                current[rows] = torch.where(member, fired, torch.zeros_like(fired))
+            block = self._block()
+            for start in range(0, rows.numel(), block or max(rows.numel(), 1)):
+                some = rows[start : start + block] if block else rows
+                current[some] = self._topk_member(sae_in[some], feature[some])
         return self._clamped(x32, current, feature, value, denorm)
+
+    def _block(self) -> int:
+        """How many rows :meth:`read` and :meth:`clamp_rows` encode at a time (0: all at once)."""
+        if self.W_enc.device.type != "cpu":
+            return 0
+        return max(16, READ_BLOCK_BYTES // (4 * self.d_sae))
+
+    def _pre(self, sae_in: torch.Tensor) -> torch.Tensor:
+        """Every pre-activation of encoder inputs ``sae_in`` (normalised, ``b_dec`` taken off)."""
+        if self._onednn is not None:
+            ops, handler = self._onednn
+            pre: torch.Tensor = ops.onednn_mm(handler, sae_in.contiguous(), self.b_enc)
+        else:
+            pre = torch.addmm(self.b_enc, sae_in, self.W_enc)
+        return pre * self.dec_norm if self.rescale else pre
+
+    def _topk_member(self, sae_in: torch.Tensor, feature: torch.Tensor) -> torch.Tensor:
+        """A TopK SAE's feature ``feature[r]`` (``[n, 1]``) on encoder inputs ``sae_in``: its
+        relu'd pre-activation where fewer than ``k`` features exceed it (it is among the row's
+        top ``k``), else 0, without sorting the row."""
+        pre = self._pre(sae_in)
+        mine = pre.gather(-1, feature)
+        member = (pre > mine).sum(-1, keepdim=True) < (self.k or self.d_sae)
+        return torch.where(member, mine.relu(), torch.zeros_like(mine))
 
     def _activate_at(self, pre: torch.Tensor, feature: torch.Tensor) -> torch.Tensor:
         """:meth:`_activate` of pre-activations ``pre`` (``[n, 1]``) of features ``feature``."""
