@@ -130,6 +130,35 @@ def test_steering_and_captures_ride_in_extra_body(client: openai.OpenAI, direct:
     assert got.shape == expected.shape and torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_points_at_a_few_positions_ride_in_extra_body(client: openai.OpenAI, direct: Any) -> None:
+    """``interp.positions`` keeps those positions of ``interp.points`` (the fields interp-vllm's
+    plugin answers in ``vllm serve``), as ``capture_generation(..., positions=...)`` does."""
+    from interp_engine import capture_generation
+
+    n = len(ids_of(direct))
+    points = ["resid_post.1", "attn_pattern.0"]
+    for positions in ([0, n - 1, n + 2], [-1, 1], "prompt"):
+        asked = {"points": points, "positions": positions}
+        out = client.completions.create(
+            model="m", prompt=PROMPT, max_tokens=4, temperature=0, extra_body={"interp": asked}
+        )
+        answer = (out.model_extra or {})["interp"]
+        _, cache = capture_generation(direct, ids_of(direct), points, max_tokens=4, positions=positions)
+        assert cache.positions is not None and answer["positions"] == cache.positions[0].tolist()
+        for point in points:
+            got, want = tensor(answer["activations"][point]), cache[point][0]
+            assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-5), point
+    bad_ones = [
+        {"points": ["resid_post.1"], "positions": [99]},
+        {"positions": [0]},
+        {"points": ["embed"], "positions": "x"},
+    ]
+    for bad in bad_ones:
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model="m", prompt=PROMPT, max_tokens=4, extra_body={"interp": bad})
+        assert refused.value.response.json()["field"] == "interp.positions", refused.value.response.text
+
+
 def test_errors_reach_the_openai_client_as_its_errors(server: LiveServer, client: openai.OpenAI) -> None:
     wrong = openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0)
     with wrong, pytest.raises(openai.AuthenticationError):

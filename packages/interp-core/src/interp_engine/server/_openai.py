@@ -12,7 +12,9 @@ The body is OpenAI's (``prompt``, ``max_tokens``, ``temperature``, ``top_p``, ``
 
 ``interp.steering`` is a steering spec (as everywhere in the API); ``interp.points`` captures
 activations (and feature readouts) over prompt + generated tokens, returned under ``interp`` in
-the answer (not with ``stream``, ``stop`` or ``logprobs``); ``interp.features`` gives each
+the answer (not with ``stream``, ``stop`` or ``logprobs``), only at ``interp.positions`` if given
+(listed back in ``interp.positions``: the same request to interp-vllm's plugin in ``vllm serve``
+answers the same fields); ``interp.features`` gives each
 generated token's feature readouts (in each chunk when streaming), ``interp.lens`` each generated
 token's logit lens (``LensRequest.to_json``; in each chunk when streaming). The answer is OpenAI's
 ``text_completion`` object (``choices[0].text``, ``finish_reason``, ``logprobs``, ``usage``) plus
@@ -33,16 +35,20 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any, Literal
 
 import anyio
+import torch
 from fastapi import FastAPI, Request
 from pydantic import Field, StrictInt
 
+from .._errors import InvalidOption
+from ..addresses._kinds import KINDS
+from ..chat import select_positions
 from ..protocol._protocol import InterpModel, StreamStep
 from ._asgi import EventStream, unless_gone
 from ._convert import PromptIn, Served, generation_options
-from ._errors import ApiError, limit_exceeded
+from ._errors import ApiError, blame, limit_exceeded
 from ._render import ERRORS, completion_out, json_text, tensor_body
 from ._routes import capture_generation_of, results_of
-from ._schemas import ChatInput, LensBody, MessageBody, Point, SteeringBody, StrictBody
+from ._schemas import ChatInput, LensBody, MessageBody, Point, Positions, SteeringBody, StrictBody
 
 MAX_STOPS = 4
 """Most stop strings (OpenAI's limit)."""
@@ -58,6 +64,11 @@ class InterpExtension(StrictBody):
         default=None,
         description="addresses and feature readouts captured over prompt + generated tokens (not with stream, "
         "stop or logprobs), returned under interp.activations / interp.features",
+    )
+    positions: Positions | None = Field(
+        default=None,
+        description="with points: keep only these positions (indices from the prompt's first token, negative from "
+        "the end of prompt + generation; 'prompt', 'generated' or a chat span name), listed in interp.positions",
     )
     features: list[Point] | None = Field(
         default=None, description="feature readouts of each generated token (interp.steps, or each stream chunk)"
@@ -405,6 +416,10 @@ async def _complete(
         "model": body.model or served.name,
     }
     chat = prompt.chat_head()
+    if extension.positions is not None and extension.points is None:
+        raise ApiError(
+            400, "InvalidOption", "interp.positions selects positions of interp.points", field="interp.positions"
+        )
     if extension.points is not None:
         if body.stream or stops or want_logprobs:
             raise ApiError(
@@ -416,13 +431,23 @@ async def _complete(
             )
         points, readouts = served.points(extension.points, "interp.points")
         served.check_size(points, len(ids) + max_tokens, "interp.points", readouts)
+        if isinstance(extension.positions, str) and extension.positions not in ("all", "prompt", "generated"):
+            with blame({InvalidOption: "interp.positions"}):  # a span name checked before generating
+                select_positions(extension.positions, prompt.tokens, len(ids), len(ids))
         completion, acts = await capture_generation_of(
             served, model, request, prompt, points, readouts, spec, lens, max_tokens, options, "interp.points"
         )
         served.count_tokens(prompt=len(ids), generated=len(completion.token_ids))
         tensors, features = results_of(acts, points, readouts)
+        kept: dict[str, Any] = {}
+        if extension.positions is not None:
+            n_total = len(ids) + len(completion.token_ids)
+            with blame({InvalidOption: "interp.positions"}):
+                selected = select_positions(extension.positions, prompt.tokens, len(ids), n_total)
+            tensors, features = _at_positions(tensors, points, features, selected)
+            kept = {"positions": selected}
         captured = await tensor_body(
-            served.tensor_format(request, "json"), "activations", tensors, {}, len(ids), features, steered=spec
+            served.tensor_format(request, "json"), "activations", tensors, kept, len(ids), features, steered=spec
         )
         if lens is not None:
             captured["lens"] = await served.lens_result(acts.get(lens), spec)
@@ -521,6 +546,20 @@ async def _complete(
         yield "data: [DONE]\n\n"
 
     return EventStream(events(), stream.close)
+
+
+def _at_positions(
+    tensors: dict[str, Any], points: Sequence[Any], features: dict[str, Any], positions: list[int]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The captured values (and readouts) at ``positions`` only: rows, or an attention
+    pattern's query axis."""
+    rows = torch.tensor(positions, dtype=torch.long)
+    kinds = {str(p): p for p in points}
+    kept = {
+        key: value[:, rows] if KINDS[kinds[key].kind].width == "heads x keys" else value[rows]
+        for key, value in tensors.items()
+    }
+    return kept, {key: readout[rows] for key, readout in features.items()}
 
 
 def _usage(prompt: int, completion: int) -> dict[str, int]:
