@@ -535,4 +535,17 @@ def resolve_without_weights(path: str, engine_options: dict[str, Any]) -> VllmFa
     and resolve it: what the front end knows before any engine starts. A single-rank process
     group is set up for the build and torn down after."""
     with built_without_weights(path, engine_options) as (model, hf_config):
+        if engine_options.get("enable_lora"):
+            _check_lora(model)
         return resolve(model, hf_config)
+
+
+def _check_lora(model: nn.Module) -> None:
+    """``UnsupportedArchitecture`` unless vLLM serves LoRA adapters on ``model``'s class."""
+    from vllm.model_executor.models.interfaces import supports_lora
+
+    if not supports_lora(model):
+        raise UnsupportedArchitecture(
+            f"vLLM serves no LoRA adapters on {type(model).__name__} (enable_lora=True): load it without "
+            "enable_lora, or serve its adapters on the eager backend (PEFT)"
+        )
