@@ -14,7 +14,9 @@ from the code's own tables at build time, so the site cannot disagree with the c
 - ``bench:NAME``: the figures benchmark NAME recorded in ``bench/results/NAME*.json``, with their
   age in commits (or, before its first run, the command that records them).
 
-The renderers are plain functions (tests/docs/test_docs_site.py calls them).
+The renderers are plain functions (tests/docs/test_docs_site.py calls them). The demo's plots are
+drawn by running ``interp demo`` while the site builds (:func:`on_files`), and the benchmarks'
+result files are served beside their tables.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import json
 import pathlib
 import re
 import subprocess
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -368,10 +371,29 @@ def on_config(config: Any, **kwargs: Any) -> Any:
     return config
 
 
+DEMO_PLOTS = "getting-started/demo-plots/"
+"""Where the site serves the plots ``interp demo`` draws (``on_files`` draws them)."""
+
+
+def demo_plots(out: pathlib.Path) -> list[pathlib.Path]:
+    """Run ``interp demo`` (eager, ``interp:tiny``) into ``out``; the PNGs it wrote."""
+    command = [sys.executable, "-m", "interp_engine.cli", "demo", "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"interp demo failed while building the site: {done.stderr[-2000:]}")
+    return sorted(out.glob("*.png"))
+
+
 def on_files(files: Any, config: Any, **kwargs: Any) -> Any:
-    """Every ``bench/results/*.json`` served with the site, so a figure links to its data."""
+    """Every ``bench/results/*.json`` served with the site, so a figure links to its data; and the
+    plots of the demo, drawn now, so the tour's pictures are the code's."""
+    import tempfile
+
     from mkdocs.structure.files import File
 
     for path in sorted(RESULTS.glob("*.json")):
         files.append(File.generated(config, f"{RESULTS_URL}{path.name}", abs_src_path=str(path)))
+    out = pathlib.Path(tempfile.mkdtemp(prefix="interp-docs-demo-"))
+    for png in demo_plots(out):
+        files.append(File.generated(config, f"{DEMO_PLOTS}{png.name}", content=png.read_bytes()))
     return files

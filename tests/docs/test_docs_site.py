@@ -68,6 +68,10 @@ def test_the_strict_build_has_every_page(site: pathlib.Path) -> None:
     api = page(site, "reference/api")
     assert "load_model" in api and "run_with_cache" in api and "doc-heading" in api  # from the docstrings
     assert ":class:" not in api and ":func:" not in api  # Sphinx roles rendered as code
+    for plot in ("lens", "induction", "features"):  # drawn by interp demo while the site builds
+        png = site / "getting-started" / "demo-plots" / f"{plot}.png"
+        assert png.is_file() and not _blank(png), plot
+        assert f'src="../demo-plots/{plot}.png"' in page(site, "getting-started/demo"), plot
 
 
 def test_every_marker_is_replaced(site: pathlib.Path) -> None:

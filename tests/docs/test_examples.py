@@ -1,4 +1,4 @@
-"""Every Python example of the READMEs and the documentation site runs, and prints what it shows.
+r"""Every Python example of the READMEs and the documentation site runs, and prints what it shows.
 
 The code blocks are collected with pytest-markdown-docs's parser (the fence options of
 mkdocs-material's superfences: ```` ```{.python continuation} ```` continues the block before
@@ -9,13 +9,15 @@ order (``...`` matches anything, as in doctest). A block runs as a script
 
 A ```` ```console ```` block is a terminal session: each ``$ COMMAND`` line runs in bash (with
 this environment's ``interp`` on the ``PATH``), in a fresh folder per block, and the lines after
-it up to the next ``$`` are what it prints (stdout, compared as above).
+it up to the next ``$`` are what it prints (stdout, compared as above); a command goes on over the
+next lines while it ends in ``\`` or has a quote open. ```` ```{.console fixture:NAME} ```` sets the fixture up first.
 
 Only examples that need what CI cannot have are skipped, by a fixture that says why:
 ``fixture:needs_hub`` (a model from the Hugging Face hub) and ``fixture:needs_gpu`` (CUDA). The
 vLLM examples run on one engine of ``interp:tiny`` shared by every block that names
 ``fixture:vllm_tiny``; the HTTP client examples on one ``interp serve interp:tiny`` at
-``127.0.0.1:8000`` (``fixture:interp_server``).
+``127.0.0.1:8000`` with the SAE the serving guide writes attached as ``res``
+(``fixture:interp_server``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import io
 import os
 import pathlib
 import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -37,7 +40,7 @@ from typing import Any
 
 import pytest
 from markdown_it import MarkdownIt
-from pytest_markdown_docs.plugin import FenceSyntax, extract_fence_tests
+from pytest_markdown_docs.plugin import FenceSyntax, extract_fence_tests, parse_superfences_block_info
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -61,17 +64,35 @@ def blocks() -> list[Any]:
 BLOCKS = blocks()
 
 
-def console_blocks() -> list[tuple[pathlib.Path, int, str]]:
-    """``(path, first line, text)`` of every ```` ```console ```` block."""
+Console = tuple[pathlib.Path, int, str, tuple[str, ...]]
+
+
+def console_blocks() -> list[Console]:
+    """``(path, first line, text, fixture names)`` of every ```` ```console ```` block (and
+    ```` ```{.console fixture:NAME} ````)."""
     found = []
     for path in documents():
         for token in MarkdownIt("commonmark").parse(path.read_text(encoding="utf-8")):
-            if token.type == "fence" and token.info.strip() == "console" and token.map:
-                found.append((path, token.map[0] + 1, token.content))
+            info = parse_superfences_block_info(token.info) if token.type == "fence" else []
+            if info[:1] == ["console"] and token.map:
+                options = [option for option in info[1:] if option.startswith("fixture:")]
+                fixtures = tuple(option.removeprefix("fixture:") for option in options)
+                found.append((path, token.map[0] + 1, token.content, fixtures))
     return found
 
 
 CONSOLES = console_blocks()
+
+
+def incomplete(command: str) -> bool:
+    """Whether a command goes on to the next line (a trailing backslash, or an open quote)."""
+    if command.endswith("\\"):
+        return True
+    try:
+        shlex.split(command)
+    except ValueError:
+        return True
+    return False
 
 
 def session(text: str) -> list[tuple[str, list[str]]]:
@@ -80,6 +101,8 @@ def session(text: str) -> list[tuple[str, list[str]]]:
     for line in text.splitlines():
         if line.startswith("$ "):
             steps.append((line[2:], []))
+        elif steps and not steps[-1][1] and incomplete(steps[-1][0]):
+            steps[-1] = (steps[-1][0] + "\n" + line, [])
         elif steps:
             steps[-1][1].append(line)
         else:
@@ -134,9 +157,11 @@ def test_example(
         )
 
 
-@pytest.mark.parametrize("console", CONSOLES, ids=[f"{p.relative_to(ROOT)}:{line}" for p, line, _ in CONSOLES])
-def test_console(console: tuple[pathlib.Path, int, str], tmp_path: pathlib.Path) -> None:
-    path, line, text = console
+@pytest.mark.parametrize("console", CONSOLES, ids=[f"{c[0].relative_to(ROOT)}:{c[1]}" for c in CONSOLES])
+def test_console(console: Console, tmp_path: pathlib.Path, request: pytest.FixtureRequest) -> None:
+    path, line, text, fixtures = console
+    for name in fixtures:
+        request.getfixturevalue(name)
     env = {**os.environ, "PATH": f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     for command, shown in session(text):
         done = subprocess.run(
@@ -201,13 +226,28 @@ def vllm_tiny() -> Iterator[Any]:
     model.shutdown()
 
 
+def write_serving_sae(folder: pathlib.Path) -> None:
+    """The SAE docs/guides/serving.md writes: a random 512-feature TopK SAE over ``resid_post.1``."""
+    import torch
+
+    from interp_engine import Sae
+
+    g = torch.Generator().manual_seed(0)
+    W_enc, W_dec = torch.randn(128, 512, generator=g) * 0.1, torch.randn(512, 128, generator=g) * 0.1
+    Sae("topk", W_enc, torch.zeros(512), W_dec, torch.zeros(128), "blocks.1.hook_resid_post", k=8).save(folder)
+
+
 @pytest.fixture(scope="module")
-def interp_server() -> Iterator[str]:
-    """``interp serve interp:tiny`` on 127.0.0.1:8000 (eager), as the serving pages show it."""
+def interp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """``interp serve interp:tiny --sae res=res-sae`` on 127.0.0.1:8000 (eager), as the serving
+    guide starts it."""
     with socket.socket() as probe:
         if probe.connect_ex(("127.0.0.1", 8000)) == 0:
             raise RuntimeError("127.0.0.1:8000 is taken: the serving examples need it")
-    command = [sys.executable, "-m", "interp_engine.cli", "serve", "interp:tiny", "--port", "8000"]
+    sae = tmp_path_factory.mktemp("serving") / "res-sae"
+    write_serving_sae(sae)
+    command = [sys.executable, "-m", "interp_engine.cli", "serve", "interp:tiny", "--sae", f"res={sae}"]
+    command += ["--port", "8000"]
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=os.environ.copy())
     try:
         import httpx
