@@ -109,7 +109,8 @@ body { font-family: system-ui, sans-serif; margin: 0; display: flex; height: 100
   });
   data.metadata.prompt_tokens.forEach((tok, i) => {
     const t = document.createElementNS(NS, "text");
-    t.setAttribute("x", left + i * cellW + 6); t.setAttribute("y", height - 10);
+    t.setAttribute("x", left + i * cellW + cellW / 2); t.setAttribute("y", height - 10);
+    t.setAttribute("text-anchor", "middle");
     t.setAttribute("class", "token");
     t.textContent = JSON.stringify(tok);
     svg.appendChild(t);
