@@ -52,6 +52,9 @@ def test_a_worker_without_taps_answers_its_ping_with_the_reason() -> None:
 
     ping = wire.from_wire(Ping, _vllm_entry.interp_ping(Worker()))
     assert ping.patched and ping.unsupported == "its layers cannot be found"
+    # as a front end pings (telling its secret): the reason, not "this vLLM worker has no taps"
+    told = wire.from_wire(Ping, _vllm_entry.interp_ping(Worker(), None, "front-end-secret"))
+    assert told.unsupported == "its layers cannot be found"
     assert ping.lacks is None and ping.layers == () and (ping.pp_rank, ping.pp_size) == (0, 1)
 
 

@@ -72,6 +72,7 @@ class UntappedRunner:
     def __init__(self, unsupported: str) -> None:
         self.unsupported = unsupported
         self.rank, self.tp_size = tp_position()
+        self.issuers: set[str] = set()  # a front end's ping registers its secret here too: nothing uses it
 
     def run(self, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return forward(*args, **kwargs)
