@@ -79,6 +79,16 @@ def test_every_marker_is_replaced(site: pathlib.Path) -> None:
         assert "<!-- generated:" not in html.read_text(encoding="utf-8"), html
 
 
+def test_a_page_that_lands_later_joins_the_navigation(tmp_path: pathlib.Path) -> None:
+    config = {"docs_dir": str(tmp_path), "nav": [{"Guides": [{"Plots": "guides/plots.md"}]}]}
+    assert hooks.on_config(config)["nav"] == [{"Guides": [{"Plots": "guides/plots.md"}]}]
+    (tmp_path / "guides").mkdir()
+    (tmp_path / "guides" / "circuits.md").write_text("# Circuits\n")
+    guides = hooks.on_config(config)["nav"][0]["Guides"]
+    assert guides == [{"Plots": "guides/plots.md"}, {"Circuits": "guides/circuits.md"}]
+    assert hooks.on_config(config)["nav"][0]["Guides"] == guides  # once
+
+
 def test_an_unknown_marker_fails_the_build() -> None:
     with pytest.raises(KeyError, match="nope"):
         hooks.generate("<!-- generated: nope -->")
