@@ -2,7 +2,8 @@
 
 A benchmark prints its figures as ``RESULT <name> <value> (target <t>)`` lines and, through
 :class:`Results`, records the same figures with what produced them: the command, the git commit
-and whether the paths it measures had uncommitted changes, the date, and the machine (cores, CPU
+and whether the paths it measures had uncommitted changes (both read when the run starts), the
+date, and the machine (cores, CPU
 model, Python, torch, vLLM and transformers versions). The docs' benchmark tables are generated
 from these files, so a figure in the docs is always the one a named run printed, with its age.
 
@@ -93,6 +94,9 @@ class Results:
         self.measures = sorted({*measures, f"bench/{bench}.py"})
         self.record = record
         self.results: list[dict[str, Any]] = []
+        # the code as the run loaded it: read now, not when the run ends
+        self.commit = _git("rev-parse", "HEAD")
+        self.dirty = bool(_git("status", "--porcelain", "--", *self.measures))
 
     def add(
         self,
@@ -130,8 +134,8 @@ class Results:
         argv = [pathlib.Path(sys.argv[0]).resolve().relative_to(ROOT).as_posix(), *sys.argv[1:]]
         return {
             "command": shlex.join([".venv/bin/python", *argv]),
-            "commit": _git("rev-parse", "HEAD"),
-            "dirty": bool(_git("status", "--porcelain", "--", *self.measures)),
+            "commit": self.commit,
+            "dirty": self.dirty,
             "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "machine": machine(),
             "results": self.results,

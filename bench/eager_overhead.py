@@ -744,6 +744,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.mem_child:
         mem_child(args)
         return
+    name = "eager_overhead_narrow" if args.narrow else "eager_overhead"
+    # a run of another shape than the defaults' (or a smoke run) prints its figures, records none
+    default_shape = (args.batch, args.seq) == ((1, NARROW_SEQ) if args.narrow else (BATCH, SEQ))
+    results = Results(name, MEASURES, record=not args.quick and default_shape and args.device == "cpu")
     device = torch.device(args.device)
     variants = [v for v in args.variants.split(",") if v]
     unknown = set(variants) - set(VARIANTS + EXTRA_VARIANTS)
@@ -767,11 +771,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 memory[name] = {"peak": peak, "held": held, "method": "cuda"}
         else:
             memory = cpu_peaks(args, list(calls))
-    name = "eager_overhead_narrow" if args.narrow else "eager_overhead"
-    # a run of another shape than the defaults' (or a smoke run) prints its figures, records none
-    default_shape = (args.batch, args.seq) == ((1, NARROW_SEQ) if args.narrow else (BATCH, SEQ))
-    record = not args.quick and default_shape and args.device == "cpu"
-    report(setup, times, memory, _versions(), Results(name, MEASURES, record=record))
+    report(setup, times, memory, _versions(), results)
 
 
 if __name__ == "__main__":

@@ -95,6 +95,7 @@ async def measure(variants: dict[str, Callable[[], Awaitable[int]]], rounds: int
 
 
 async def main(args: argparse.Namespace) -> int:
+    results = Results("static_overhead", MEASURES, record=not args.quick)
     path = build_model()
     print(f"workers allocate with: {steady_malloc(not args.default_malloc)}")
     common = {"max_model_len": 512}
@@ -172,7 +173,6 @@ async def main(args: argparse.Namespace) -> int:
     def vs(a: str, b: str) -> float:
         return relative[a] / relative[b]
 
-    results = Results("static_overhead", MEASURES, record=not args.quick)
     for name in STATIC:
         results.add(f"{name}_vs_plain", relative[name], 0.95, rounds=per_round[name])
     results.add("static_vs_dynamic_capture_1", vs("static_capture_1", "dynamic_capture_1"), 1.5)

@@ -216,6 +216,7 @@ async def measure(
 
 
 def main(args: argparse.Namespace) -> int:
+    results = Results("vllm_serve_overhead", MEASURES, record=not args.quick)
     path = build_model("gpt2")
     from transformers import AutoConfig
 
@@ -245,7 +246,6 @@ def main(args: argparse.Namespace) -> int:
         b.wait(900)
         check_servers(a, b)
         print(f"A (with the plugin) at {a.url}, B (without) at {b.url}", flush=True)
-        results = Results("vllm_serve_overhead", MEASURES, record=not args.quick)
         asyncio.run(measure(results, a, b, prompts, spec, args.rounds))
     finally:
         for server in servers:
