@@ -312,6 +312,15 @@ def test_steering_on_the_responses_api_equals_the_same_chat(client: openai.OpenA
     )
     assert steered.output_text == chat.choices[0].message.content
     assert steered.output_text != plain.output_text
+    # points at the prompt's positions come with a response too, as with the same chat
+    points = {"interp": {**asked["interp"], "points": ["resid_post.2"], "positions": "prompt"}}
+    read = client.responses.create(model=SERVED, input=text, max_output_tokens=4, temperature=0, extra_body=points)
+    same = client.chat.completions.create(
+        model=SERVED, messages=[{"role": "user", "content": text}], max_tokens=4, temperature=0, extra_body=points
+    )
+    assert read.model_extra is not None and same.model_extra is not None
+    _close(read.model_extra["interp"], same.model_extra["interp"])
+    assert len(read.model_extra["interp"]["positions"]) > 5
 
 
 def test_vllms_metrics_count_steered_requests(server: VllmServe, client: openai.OpenAI) -> None:
