@@ -244,11 +244,13 @@ def interp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with socket.socket() as probe:
         if probe.connect_ex(("127.0.0.1", 8000)) == 0:
             raise RuntimeError("127.0.0.1:8000 is taken: the serving examples need it")
-    sae = tmp_path_factory.mktemp("serving") / "res-sae"
-    write_serving_sae(sae)
-    command = [sys.executable, "-m", "interp_engine.cli", "serve", "interp:tiny", "--sae", f"res={sae}"]
+    folder = tmp_path_factory.mktemp("serving")
+    write_serving_sae(folder / "res-sae")
+    command = [sys.executable, "-m", "interp_engine.cli", "serve", "interp:tiny", "--sae", f"res={folder / 'res-sae'}"]
     command += ["--port", "8000"]
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=os.environ.copy())
+    log = folder / "server.log"
+    with log.open("w") as out:
+        server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy())
     try:
         import httpx
 
@@ -260,7 +262,7 @@ def interp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             except httpx.HTTPError:
                 pass
             if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"interp serve did not start: {server.stderr.read() if server.stderr else ''}")
+                raise RuntimeError(f"interp serve did not start:\n{log.read_text()[-4000:]}")
             time.sleep(0.5)
         yield "http://127.0.0.1:8000"
     finally:
