@@ -236,3 +236,21 @@ def test_bad_transcoders_are_typed_errors(tmp_path: pathlib.Path) -> None:
     save_file({"W_enc": torch.zeros(2, 4)}, str(tmp_path / "bad" / "layer_0.safetensors"))
     with pytest.raises(UnsupportedSae, match="resid_post"):
         load_transcoders(tmp_path / "bad")
+
+
+def test_the_shipped_transcoders_replace_interp_tiny_mlps(tiny: Any) -> None:
+    """``interp:tiny-transcoders``: one per layer, explaining most of each MLP output's variance on
+    text the tiny model knows (``transcoders.json`` records the held-out figures)."""
+    tcs = load_transcoders("interp:tiny-transcoders")
+    assert isinstance(tcs, TranscoderSet) and tcs.layers == (0, 1, 2, 3) and tcs.d_sae(0) == 512
+    text = "The capital of Spain is Madrid. Paris is the capital of France, and its people speak French."
+    tokens = tiny.to_tokens(text)[0].tolist()
+    points = [Address(k, layer) for layer in tcs.layers for k in ("mlp_in", "mlp_out")]
+    acts = tiny.capture(tokens, points)
+    for layer in tcs.layers:
+        y = acts[Address("mlp_out", layer)][1:]
+        pred = tcs[layer].reconstruct(acts[Address("mlp_in", layer)][1:])
+        fve = 1 - float((y - pred).pow(2).sum() / (y - y.mean(0)).pow(2).sum())
+        assert fve > 0.75, (layer, fve)
+    with pytest.raises(UnsupportedSae, match="ships"):
+        load_transcoders("interp:nope")

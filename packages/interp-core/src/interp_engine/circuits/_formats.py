@@ -90,6 +90,27 @@ def _numbered(path: pathlib.Path, pattern: re.Pattern[str]) -> dict[int, pathlib
     return found
 
 
+SHIPPED: dict[str, pathlib.Path] = {
+    "interp:tiny-transcoders": pathlib.Path(__file__).resolve().parent.parent / "models" / "tiny-transcoders"
+}
+"""The transcoder sets that ship with interp-core, by name: ``interp:tiny-transcoders``, one ReLU
+transcoder per layer of ``interp:tiny`` (``mlp_in.L -> mlp_out.L``, 512 features each), trained by
+``packages/interp-core/scripts/train_tiny_transcoders.py`` (``transcoders.json`` beside the weights
+records their held-out figures)."""
+
+
+def resolve_transcoders(source: str | os.PathLike[str]) -> str:
+    """``source`` as a folder: a shipped set's name becomes its folder (``UnsupportedSae`` for an
+    ``interp:`` name that is not shipped)."""
+    name = os.fspath(source)
+    if not name.startswith("interp:"):
+        return name
+    path = SHIPPED.get(name)
+    if path is None or not (path / CONFIG).is_file():
+        raise UnsupportedSae(f"no transcoder set named {name!r} ships with interp-core; shipped: {', '.join(SHIPPED)}")
+    return os.fspath(path)
+
+
 def load_transcoders(
     source: str | os.PathLike[str], *, device: str | torch.device | None = None
 ) -> TranscoderSet | CrossLayerTranscoder:
@@ -98,9 +119,7 @@ def load_transcoders(
     without its ``config.yaml``), or a folder of SAELens transcoder folders (one per layer), or the
     name of a shipped set (``"interp:tiny-transcoders"``). Tensors load onto ``device``
     (default CPU) in the dtype they were saved in."""
-    from .._shipped import resolve_sae
-
-    path = pathlib.Path(resolve_sae(source))
+    path = pathlib.Path(resolve_transcoders(source))
     if not path.is_dir():
         raise UnsupportedSae(f"no transcoder folder at {str(path)!r}")
     config = _read_config(path)
