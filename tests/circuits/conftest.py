@@ -66,6 +66,18 @@ def clt() -> CrossLayerTranscoder:
 
 
 @pytest.fixture(scope="package")
+def partial() -> TranscoderSet:
+    """JumpReLU transcoders reading ``resid_mid`` on layers 1 and 3 only (0 and 2 keep their MLPs)."""
+    full = random_plt(seed=7, jumprelu=True, kind="resid_mid")
+    return TranscoderSet([full[1], full[3]])
+
+
+@pytest.fixture(scope="package")
+def partial_graph(tiny: Any, partial: TranscoderSet) -> Any:
+    return attribution_graph(tiny, PROMPT, partial, batch_size=16)
+
+
+@pytest.fixture(scope="package")
 def plt_graph(tiny: Any, plt: TranscoderSet) -> Any:
     return attribution_graph(tiny, PROMPT, plt, batch_size=24)
 

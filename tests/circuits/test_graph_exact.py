@@ -101,14 +101,13 @@ def _removed(graph: AttributionGraph, oracle: FrozenGpt2, source: int) -> tuple[
     return embed, mlp_out
 
 
-@pytest.mark.parametrize("which", ["plt", "clt"])
-def test_the_oracle_is_the_model(tiny: Any, oracle: FrozenGpt2, which: str) -> None:
+def test_the_oracle_is_the_model(tiny: Any, oracle: FrozenGpt2) -> None:
     out = oracle(oracle.embed, oracle.mlp_out)
     logits = tiny.capture(tiny.to_tokens(PROMPT)[0].tolist(), [Address("logits")])[Address("logits")][-1]
     assert float((out["logits"] - logits).abs().max()) <= 1e-4
 
 
-@pytest.mark.parametrize("which", ["plt", "clt"])
+@pytest.mark.parametrize("which", ["plt", "clt", "partial"])
 def test_every_row_is_complete(request: pytest.FixtureRequest, oracle: FrozenGpt2, which: str) -> None:
     graph: AttributionGraph = request.getfixturevalue(f"{which}_graph")
     rep: Replacement = request.getfixturevalue(which)
@@ -134,7 +133,7 @@ def test_every_row_is_complete(request: pytest.FixtureRequest, oracle: FrozenGpt
     assert worst <= TOL
 
 
-@pytest.mark.parametrize("which", ["plt", "clt"])
+@pytest.mark.parametrize("which", ["plt", "clt", "partial"])
 def test_sampled_edges_equal_removing_the_source(
     request: pytest.FixtureRequest, oracle: FrozenGpt2, which: str
 ) -> None:
