@@ -252,3 +252,12 @@ def test_bad_input_is_a_typed_error(tiny: Any) -> None:
         from interp_engine import sync_model
 
         sync_model(toy).shutdown()
+
+
+def test_progress_bar_counts_the_rows(
+    tiny: Any, plt_graph: AttributionGraph, capsys: pytest.CaptureFixture[str]
+) -> None:
+    g = attribution_graph(tiny, PROMPT, plt_graph.replacement, max_feature_nodes=20, batch_size=8, progress=True)
+    err = capsys.readouterr().err
+    rows = len(g.nodes_of("logit")) + 20
+    assert "attribution" in err and f"{rows}/{rows}" in err
