@@ -79,6 +79,7 @@ if TYPE_CHECKING:
     )
     from .adapters._adapter import Adapter
     from .analysis._attribution import attribution_patch
+    from .analysis._compare import ModelDiff, compare
     from .analysis._dla import (
         accumulated_resid,
         decompose_resid,
@@ -148,6 +149,8 @@ _LAZY: dict[str, str] = {
     "sync_model": "._sync",
     "Adapter": ".adapters._adapter",
     "attribution_patch": ".analysis._attribution",
+    "ModelDiff": ".analysis._compare",
+    "compare": ".analysis._compare",
     "accumulated_resid": ".analysis._dla",
     "decompose_resid": ".analysis._dla",
     "logit_attribution": ".analysis._dla",
@@ -247,6 +250,7 @@ __all__ = [
     "LensTopK",
     "ModelBase",
     "ModelClosed",
+    "ModelDiff",
     "ModelInfo",
     "ModelLoadError",
     "NoChatTemplate",
@@ -284,6 +288,7 @@ __all__ = [
     "capture_attention",
     "capture_generation",
     "chat_tokens",
+    "compare",
     "decode_residuals",
     "decompose_resid",
     "generate_stream",

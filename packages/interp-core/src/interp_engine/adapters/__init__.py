@@ -1,2 +1,2 @@
-"""LoRA adapters per request, and model diffing: a base model and its fine-tunes compared on the
-same prompts (:func:`~interp_engine.compare`)."""
+"""LoRA adapters per request: a PEFT adapter folder read and checked against a model before any
+compute. Model diffing over adapters is :func:`interp_engine.compare` (``analysis/_compare.py``)."""

@@ -101,7 +101,15 @@ def _at(cache: Cache, address: Address | str, positions: list[int]) -> torch.Ten
     return torch.stack([value[row, p] for row, p in enumerate(positions)]).double()
 
 
-def _split(weights: Weights, tokens: Tokens, *, heads: bool, position: int, extra: Sequence[str] = ()) -> _Split:
+def _split(
+    weights: Weights,
+    tokens: Tokens,
+    *,
+    heads: bool,
+    position: int,
+    extra: Sequence[str] = (),
+    adapter: str | None = None,
+) -> _Split:
     facade = weights.facade
     inner = facade.model
     n = inner.info.n_layers
@@ -123,7 +131,7 @@ def _split(weights: Weights, tokens: Tokens, *, heads: bool, position: int, extr
         points.append(f"{mlp_kind}.{layer}")
     rows = token_rows(inner, tokens)
     positions = _positions(position, [len(r) for r in rows])  # checked before any compute
-    cache = run_with_cache(facade, rows, [*points, *extra])
+    cache = run_with_cache(facade, rows, [*points, *extra], adapter=adapter)
     names = ["embed"]
     parts = [_at(cache, "resid_pre.0", positions)]
     tolerance = _tolerance(weights.layout.dtype)
@@ -201,6 +209,7 @@ def logit_attribution(
     *,
     heads: bool = False,
     position: int = -1,
+    adapter: str | None = None,
 ) -> Labelled:
     """Direct logit attribution: each component's contribution (see :func:`decompose_resid`) to
     ``logit[answer] - logit[wrong]`` at ``position`` (without ``wrong``: to ``logit[answer]``),
@@ -208,7 +217,9 @@ def logit_attribution(
     components ``final_norm.bias`` and ``b_U`` where the model has them. Dims ``("component",)``
     for one prompt, ``("row", "component")`` for several; the values of a row sum to the model's
     logit difference there (``meta["logit_diff"]``; before the soft-cap on Gemma 2,
-    ``meta["softcap"]``). ``answer``/``wrong``: token ids or one-token texts, or one per row."""
+    ``meta["softcap"]``). ``answer``/``wrong``: token ids or one-token texts, or one per row.
+    ``adapter``: the components of the model under that LoRA adapter (one that leaves the
+    unembedding as it is: the weights read are the base model's)."""
     facade = sync_model(model)
     inner = facade.model
     n_rows = len(token_rows(inner, tokens))
@@ -227,7 +238,8 @@ def logit_attribution(
             "pre-cap logit difference is not defined here"
         )
     extra = ["logits_raw"] if layout.logit_softcap is not None else ["logits"]
-    split = _split(weights, tokens, heads=heads, position=position, extra=extra)
+    split = _split(weights, tokens, heads=heads, position=position, extra=extra, adapter=adapter)
+    _check_unembedding_kept(inner, adapter)
     ids = sorted(set(answers) | set(wrongs or []))
     column = {token: i for i, token in enumerate(ids)}
     w_u = weights.get("W_U", vocab=ids).double()  # [d_model, len(ids)]
@@ -267,6 +279,20 @@ def logit_attribution(
         "heads": heads,
     }
     return _labelled(values.float(), ("component",), {"component": names}, meta)
+
+
+_UNEMBEDDINGS = ("lm_head", "embed_out")
+"""The names of the output projection a LoRA adapter could change (the attribution reads its base weights)."""
+
+
+def _check_unembedding_kept(model: InterpModel, adapter: str | None) -> None:
+    registered = getattr(model, "adapters", {})
+    held = registered.get(adapter) if adapter is not None else None
+    if held is not None and any(target in _UNEMBEDDINGS for target in held.targets):
+        raise UnsupportedOperation(
+            f"adapter {adapter!r} adapts the unembedding ({', '.join(held.targets)}), and the attribution reads the "
+            "base model's W_U: direct logit attribution under it is not served"
+        )
 
 
 def _difference(columns: torch.Tensor, column: dict[int, int], answer: int, wrong: int | None) -> torch.Tensor:

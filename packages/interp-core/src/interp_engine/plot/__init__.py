@@ -1,5 +1,6 @@
 """Plots of interpretability results: the logit lens, attention patterns, induction, patching
-sweeps, direct logit attribution and SAE features, drawn with matplotlib.
+sweeps, direct logit attribution, SAE features and model diffs (:func:`~interp_engine.compare`),
+drawn with matplotlib.
 
 matplotlib is the optional extra ``interp-core[plots]``. ``import interp_engine.plot`` works
 without it; a function called without it raises ``ImportError`` naming the install command.
@@ -13,6 +14,7 @@ is drawn ``␣Paris``), and every heatmap has a colorbar.
 """
 
 from ._attention import attention, induction
+from ._diff import diff_features, diff_lens, diff_norms
 from ._draw import INSTALL as INSTALL
 from ._draw import token_label
 from ._features import MAX_FEATURES as MAX_FEATURES
@@ -20,4 +22,16 @@ from ._features import features
 from ._lens import lens, logit_lens
 from ._tables import dla, patching
 
-__all__ = ["attention", "dla", "features", "induction", "lens", "logit_lens", "patching", "token_label"]
+__all__ = [
+    "attention",
+    "diff_features",
+    "diff_lens",
+    "diff_norms",
+    "dla",
+    "features",
+    "induction",
+    "lens",
+    "logit_lens",
+    "patching",
+    "token_label",
+]
