@@ -7,7 +7,7 @@ independent of the eager backend's hooks. In it:
 
 - completeness: each node's value (a feature's pre-activation, a logit minus the mean logit)
   equals the sum of its incoming edges plus its constant term -- the value with every source
-  (features, errors, embeddings) removed;
+  (features, errors, token embeddings) removed;
 - each sampled edge's weight equals the change of its target when its source's contribution is
   removed (a feature's activation times its decoder rows, an error vector, an embedding).
 """
@@ -111,9 +111,13 @@ def test_the_oracle_is_the_model(tiny: Any, oracle: FrozenGpt2) -> None:
 def test_every_row_is_complete(request: pytest.FixtureRequest, oracle: FrozenGpt2, which: str) -> None:
     graph: AttributionGraph = request.getfixturevalue(f"{which}_graph")
     rep: Replacement = request.getfixturevalue(which)
-    # every source removed: the embeddings zero, each MLP output its replacement's decoder bias
+    # every source removed: the token embeddings (the position embeddings stay: a constant),
+    # each MLP output its replacement's decoder bias (a layer without a transcoder: zero)
+    tokens = torch.tensor(graph.tokens)
+    positions = oracle.hf.transformer.wpe(torch.arange(len(graph.tokens))).detach()
+    assert torch.allclose(oracle.embed, oracle.hf.transformer.wte(tokens).detach() + positions, atol=1e-6)
     zero = oracle(
-        torch.zeros_like(oracle.embed),
+        positions,
         {
             layer: rep.decoder_bias(layer).expand_as(oracle.mlp_out[layer])
             if layer in rep.layers

@@ -103,6 +103,10 @@ class CleanRun:
     tokens: list[int]
     embed: torch.Tensor
     """``[n, d_model]``: the embeddings entering layer 0."""
+    token_embed: torch.Tensor
+    """``[n, d_model]``: the token embeddings alone (the input embedding's output; what else
+    enters layer 0, such as GPT-2's position embeddings, is a constant of the linear model). The
+    whole ``embed`` where the input embedding's output is not ``d_model`` wide."""
     inputs: dict[int, torch.Tensor]
     """Per layer, ``[n, d]`` at the replacement's input kind."""
     mlp_out: dict[int, torch.Tensor]
@@ -246,12 +250,21 @@ class FrozenForward:
         points = [Address("embed"), *self._inputs(), *outs]
         plan = Plan(self.model.arch, points, [], [n])
         ids = torch.tensor([self.tokens])
-        with self._no_parameter_grads(), self._frozen(record=True):
-            output = self.model._forward(plan, Chunk(1, n, 0), ids, grad=True, last_logits_only=True)
+        tokens: list[torch.Tensor] = []
+        embedding: nn.Module = self.model.hf_model.get_input_embeddings()  # type: ignore[operator]
+        handle = embedding.register_forward_hook(lambda m, a, out: tokens.append(out.detach()))
+        try:
+            with self._no_parameter_grads(), self._frozen(record=True):
+                output = self.model._forward(plan, Chunk(1, n, 0), ids, grad=True, last_logits_only=True)
+        finally:
+            handle.remove()
         values = plan.result()
+        embed = values[Address("embed")][0].float()
+        token_embed = tokens[0][0].float() if tokens and tokens[0].shape[-1] == embed.shape[-1] else embed
         return CleanRun(
             tokens=self.tokens,
-            embed=values[Address("embed")][0].float(),
+            embed=embed,
+            token_embed=token_embed.to(embed.device),
             inputs={a.layer: values[a][0].float() for a in self._inputs() if a.layer is not None},
             mlp_out={a.layer: values[a][0].float() for a in outs if a.layer is not None},
             logits=output.logits[0, -1].detach().float(),

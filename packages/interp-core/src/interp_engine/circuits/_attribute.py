@@ -11,7 +11,8 @@ is exact:
 - a feature (layer ``L``, position ``p``, activation ``a``): ``a * sum_{L'} dec_{L->L'} . g_{L'}[p]``
   over the MLP outputs it writes (its own layer for a PLT; that and every later one for a CLT);
 - an error node: ``(mlp_out_L[p] - reconstruction_L[p]) . g_L[p]``;
-- an embedding: ``embed[p] . g_embed[p]``.
+- an embedding: ``token_embedding[p] . g_embed[p]`` (the token's embedding; anything else the
+  model adds before layer 0, such as GPT-2's position embeddings, is a constant term).
 
 Targets are batched: the prompt runs once as ``batch_size`` identical rows with its graph kept,
 and each backward seeds a different target in each row. ``max_memory`` bounds what that forward
@@ -265,7 +266,7 @@ def attribution_graph(
         layer: clean.mlp_out[layer] - (recon[layer].to(device) if layer in recon else 0.0) for layer in range(n_layers)
     }
     logit_ids, logit_probs = _logit_targets(clean.logits, target_ids, max_n_logits, desired_logit_prob)
-    make_rows = _Rows(replacement, feats, errors, clean.embed, n_layers)
+    make_rows = _Rows(replacement, feats, errors, clean.token_embed, n_layers)
     n_feat = len(feats)
     limit = n_feat if max_feature_nodes is None else max(0, min(int(max_feature_nodes), n_feat))
 
@@ -466,7 +467,7 @@ def _assemble(
     for p in range(n_pos):
         index = len(nodes)
         nodes.append(Node(index, "embedding", None, p, token=tokens[p], label=strings[p]))
-        embeds[index] = clean.embed[p].detach().cpu()
+        embeds[index] = clean.token_embed[p].detach().cpu()
     for k, t in enumerate(logit_ids):
         nodes.append(
             Node(len(nodes), "logit", n_layers, n_pos - 1, token=t, probability=logit_probs[k], label=_piece(base, t))

@@ -364,7 +364,7 @@ class AttributionGraph:
         ``mode="constant"`` (default; every backend): plain :class:`~interp_engine.Write` adds at
         each MLP output the node writes (``mlp_out.L``, a CLT feature's every output layer), at its
         position: ``(v - a) * decoder row`` for a feature of activation ``a`` on this prompt, ``-e``
-        (``(value - 1) e`` for ``scale``) for an error ``e``, and ``-embedding`` at ``embed`` for an
+        (``(value - 1) e`` for ``scale``) for an error ``e``, and ``-token embedding`` at ``embed`` for an
         embedding -- exactly the intervention in the graph's model (activations as on the prompt).
         ``mode="features"``: :class:`~interp_engine.FeatureWrite` clamps on the per-layer transcoders
         attached under their names (``TranscoderSet.attach``), which re-read the feature in the
