@@ -11,6 +11,8 @@ from the code's own tables at build time, so the site cannot disagree with the c
 - ``errors``: the error tree, walked from :class:`interp_engine.InterpError`'s subclasses;
 - ``cli``: every ``interp`` command's arguments, read from its argparse parser;
 - ``http``: every route of ``interp serve``, read from the app's OpenAPI schema;
+- ``bench-others``: a section for every benchmark the page gives no ``bench:NAME`` marker of its
+  own (what its docstring says it measures, and its figures), so a new benchmark is never missing;
 - ``bench:NAME``: the figures benchmark NAME recorded in ``bench/results/NAME*.json``, with their
   age in commits (or, before its first run, the command that records them).
 
@@ -299,6 +301,26 @@ def render_bench_section(
     return "\n".join(out).rstrip()
 
 
+def bench_summary(name: str, bench: pathlib.Path = ROOT / "bench") -> str:
+    """The first paragraph of ``bench/NAME.py``'s docstring: what the benchmark measures."""
+    import ast
+
+    doc = ast.get_docstring(ast.parse((bench / f"{name}.py").read_text())) or ""
+    return " ".join(doc.split("\n\n")[0].split())
+
+
+def render_other_benches(named: set[str], results: pathlib.Path = RESULTS, root: pathlib.Path = ROOT) -> str:
+    """A section per benchmark not in ``named``: its summary and its figures."""
+    out: list[str] = []
+    for name in bench_names(root / "bench"):
+        if name in named:
+            continue
+        summary = bench_summary(name, root / "bench")
+        out += [f"### `{name}`", "", summary or f"`bench/{name}.py`.", ""]
+        out += [render_bench_section(name, results, root, link_base=RESULTS_URL), ""]
+    return "\n".join(out).rstrip() or "Every benchmark has its section above."
+
+
 def stale_results(results: pathlib.Path = RESULTS, root: pathlib.Path = ROOT) -> dict[str, int | None]:
     """``{bench: commits since its newest run}`` for every result file whose code changed since
     (``None`` where the run's commit is unknown)."""
@@ -333,8 +355,12 @@ GENERATORS: dict[str, Callable[[], str]] = {
 def generate(markdown: str) -> str:
     """``markdown`` with every ``<!-- generated: NAME -->`` (or ``NAME:ARGUMENT``) marker replaced by its block."""
 
+    named = set(re.findall(r"^<!-- generated: bench:([A-Za-z0-9_]+) -->$", markdown, re.M))
+
     def replace(match: re.Match[str]) -> str:
         name, argument = match.group(1), match.group(2)
+        if name == "bench-others" and not argument:
+            return render_other_benches(named)
         if name == "bench" and argument:
             if argument not in bench_names():
                 raise KeyError(f"no benchmark bench/{argument}.py; known: {', '.join(bench_names())}")

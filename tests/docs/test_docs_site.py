@@ -258,13 +258,26 @@ def test_a_figure_shows_its_age_in_commits(tmp_path: pathlib.Path) -> None:
 
 def test_every_benchmark_has_its_table_on_the_page(site: pathlib.Path) -> None:
     markdown = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert "<!-- generated: bench-others -->" in markdown  # a benchmark without a section of its own
     html = page(site, "benchmarks")
     for name in hooks.bench_names():
-        assert f"<!-- generated: bench:{name} -->" in markdown, name
+        if f"<!-- generated: bench:{name} -->" not in markdown:
+            assert f'<h3 id="{name}"><code>{name}</code>' in html, name  # under "Other benchmarks"
         for path in hooks.result_files(name):
             assert f"bench-results/{path.name}" in html and (site / "bench-results" / path.name).is_file()
         if not hooks.result_files(name):
             assert f"bench/{name}.py</code> writes" in html, name
+
+
+def test_a_new_benchmark_gets_a_section_of_its_own(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "known.py").write_text('"""Known."""\n')
+    (tmp_path / "bench" / "frob.py").write_text('"""Frobs the model:\nhow fast.\n\nMore."""\n')
+    (tmp_path / "bench" / "_helper.py").write_text("")
+    text = hooks.render_other_benches({"known"}, tmp_path / "bench" / "results", tmp_path)
+    assert text.splitlines()[:3] == ["### `frob`", "", "Frobs the model: how fast."]
+    assert "No results recorded yet: `.venv/bin/python bench/frob.py`" in text
+    assert "known" not in text and "_helper" not in text
 
 
 def test_the_result_files_are_valid_and_their_age_is_known() -> None:
