@@ -18,6 +18,7 @@ import threading
 import warnings
 from collections.abc import Iterator
 from dataclasses import replace
+from html import unescape
 from types import ModuleType
 from typing import Any
 
@@ -102,7 +103,7 @@ def test_an_unknown_marker_fails_the_build() -> None:
 def test_the_vocabulary_is_the_kind_rows(site: pathlib.Path) -> None:
     from interp_engine import ALIASES, KINDS
 
-    html = page(site, "reference/addresses")
+    html = unescape(page(site, "reference/addresses"))
     for kind, info in KINDS.items():
         assert f"<code>{kind}</code>" in html and info.meaning.split("(")[0].strip()[:30] in html, kind
     for alias in ALIASES:
