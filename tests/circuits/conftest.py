@@ -15,7 +15,9 @@ PROMPT = "The capital of France is"
 D_MODEL, N_LAYERS = 128, 4
 
 
-def random_plt(d_sae: int = 96, *, seed: int = 0, jumprelu: bool = False, kind: str = "mlp_in") -> TranscoderSet:
+def random_plt(
+    d_sae: int = 96, *, seed: int = 0, jumprelu: bool = False, kind: str = "mlp_in", skip: bool = False
+) -> TranscoderSet:
     g = torch.Generator().manual_seed(seed)
     saes = []
     for layer in range(N_LAYERS):
@@ -24,7 +26,8 @@ def random_plt(d_sae: int = 96, *, seed: int = 0, jumprelu: bool = False, kind: 
         W_dec = torch.randn(d_sae, D_MODEL, generator=g) * 0.1
         b_dec = torch.randn(D_MODEL, generator=g) * 0.02
         threshold = torch.rand(d_sae, generator=g) * 0.1 if jumprelu else None
-        arch = "jumprelu_transcoder" if jumprelu else "transcoder"
+        W_skip = torch.randn(D_MODEL, D_MODEL, generator=g) * 0.05 if skip else None
+        arch = ("jumprelu_" if jumprelu else "") + ("skip_transcoder" if skip else "transcoder")
         saes.append(
             Sae(
                 arch,
@@ -34,6 +37,7 @@ def random_plt(d_sae: int = 96, *, seed: int = 0, jumprelu: bool = False, kind: 
                 b_dec,
                 f"{kind}.{layer}",
                 threshold=threshold,
+                W_skip=W_skip,
                 hook_name_out=f"mlp_out.{layer}",
             )
         )
@@ -75,6 +79,17 @@ def partial() -> TranscoderSet:
 @pytest.fixture(scope="package")
 def partial_graph(tiny: Any, partial: TranscoderSet) -> Any:
     return attribution_graph(tiny, PROMPT, partial, batch_size=16)
+
+
+@pytest.fixture(scope="package")
+def skip() -> TranscoderSet:
+    """Skip transcoders (``x @ W_skip.T`` added to the reconstruction) on every layer."""
+    return random_plt(seed=9, skip=True)
+
+
+@pytest.fixture(scope="package")
+def skip_graph(tiny: Any, skip: TranscoderSet) -> Any:
+    return attribution_graph(tiny, PROMPT, skip, batch_size=16)
 
 
 @pytest.fixture(scope="package")

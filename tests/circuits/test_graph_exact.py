@@ -48,9 +48,18 @@ class FrozenGpt2:
         self.s1 = [_scale(caps[Address("resid_pre", layer)]) for layer in range(N_LAYERS)]
         self.s2 = [_scale(caps[Address("resid_mid", layer)]) for layer in range(N_LAYERS)]
         self.sf = _scale(caps[Address("resid_post", N_LAYERS - 1)])
+        clean = tiny.capture(tokens, [Address(k, layer) for layer in range(N_LAYERS) for k in ("mlp_in", "resid_mid")])
+        self.inputs = {
+            k: {layer: clean[Address(k, layer)] for layer in range(N_LAYERS)} for k in ("mlp_in", "resid_mid")
+        }
 
     @torch.no_grad()
-    def __call__(self, embed: torch.Tensor, mlp_out: dict[int, torch.Tensor]) -> dict[str, Any]:
+    def __call__(
+        self, embed: torch.Tensor, mlp_out: dict[int, torch.Tensor], rep: Replacement | None = None
+    ) -> dict[str, Any]:
+        """The frozen model's MLP inputs and last logits with each MLP output ``mlp_out[L]`` plus,
+        for a skip transcoder of ``rep``, its skip path ``(x - x_0) @ W_skip.T`` on this run's input
+        ``x`` (``x_0``: the prompt's)."""
         tr = self.hf.transformer
         x = embed.clone()
         n, d = x.shape
@@ -64,7 +73,12 @@ class FrozenGpt2:
             x = x + z @ block.attn.c_proj.weight + block.attn.c_proj.bias
             resid_mid[layer] = x.clone()
             mlp_in[layer] = (x - x.mean(-1, keepdim=True)) / self.s2[layer] * block.ln_2.weight + block.ln_2.bias
-            x = x + mlp_out[layer]
+            out = mlp_out[layer]
+            w_skip = rep.skip(layer) if rep is not None and layer in rep.layers else None
+            if w_skip is not None:
+                x_in = (mlp_in if rep.input_kind == "mlp_in" else resid_mid)[layer]  # type: ignore[union-attr]
+                out = out + (x_in - self.inputs[rep.input_kind][layer]) @ w_skip.T  # type: ignore[union-attr]
+            x = x + out
         f = (x - x.mean(-1, keepdim=True)) / self.sf * tr.ln_f.weight + tr.ln_f.bias
         logits = f[-1] @ tr.wte.weight.T
         return {"mlp_in": mlp_in, "resid_mid": resid_mid, "logits": logits}
@@ -107,7 +121,7 @@ def test_the_oracle_is_the_model(tiny: Any, oracle: FrozenGpt2) -> None:
     assert float((out["logits"] - logits).abs().max()) <= 1e-4
 
 
-@pytest.mark.parametrize("which", ["plt", "clt", "partial"])
+@pytest.mark.parametrize("which", ["plt", "clt", "partial", "skip"])
 def test_every_row_is_complete(request: pytest.FixtureRequest, oracle: FrozenGpt2, which: str) -> None:
     graph: AttributionGraph = request.getfixturevalue(f"{which}_graph")
     rep: Replacement = request.getfixturevalue(which)
@@ -116,16 +130,15 @@ def test_every_row_is_complete(request: pytest.FixtureRequest, oracle: FrozenGpt
     tokens = torch.tensor(graph.tokens)
     positions = oracle.hf.transformer.wpe(torch.arange(len(graph.tokens))).detach()
     assert torch.allclose(oracle.embed, oracle.hf.transformer.wte(tokens).detach() + positions, atol=1e-6)
-    zero = oracle(
-        positions,
-        {
-            layer: rep.decoder_bias(layer).expand_as(oracle.mlp_out[layer])
-            if layer in rep.layers
-            else torch.zeros_like(v)
-            for layer, v in oracle.mlp_out.items()
-        },
-    )
-    clean = oracle(oracle.embed, oracle.mlp_out)
+    # (a skip transcoder's skip path stays: its output is b_dec + x @ W_skip.T, whatever x is)
+    constants = {}
+    for layer, v in oracle.mlp_out.items():
+        constants[layer] = rep.decoder_bias(layer).expand_as(v) if layer in rep.layers else torch.zeros_like(v)
+        w_skip = rep.skip(layer) if layer in rep.layers else None
+        if w_skip is not None:
+            constants[layer] = constants[layer] + oracle.inputs[rep.input_kind][layer] @ w_skip.T
+    zero = oracle(positions, constants, rep)
+    clean = oracle(oracle.embed, oracle.mlp_out, rep)
     rows = [n.index for n in graph.nodes if n.kind in ("feature", "logit")]
     assert len(rows) > 50
     worst = 0.0
@@ -137,13 +150,13 @@ def test_every_row_is_complete(request: pytest.FixtureRequest, oracle: FrozenGpt
     assert worst <= TOL
 
 
-@pytest.mark.parametrize("which", ["plt", "clt", "partial"])
+@pytest.mark.parametrize("which", ["plt", "clt", "partial", "skip"])
 def test_sampled_edges_equal_removing_the_source(
     request: pytest.FixtureRequest, oracle: FrozenGpt2, which: str
 ) -> None:
     graph: AttributionGraph = request.getfixturevalue(f"{which}_graph")
     rep: Replacement = request.getfixturevalue(which)
-    clean = oracle(oracle.embed, oracle.mlp_out)
+    clean = oracle(oracle.embed, oracle.mlp_out, rep)
     rng = random.Random(0)
     targets = [n.index for n in graph.nodes_of("logit")] + rng.sample(
         [n.index for n in graph.nodes_of("feature") if n.layer and n.layer >= 2], 6
@@ -153,7 +166,7 @@ def test_sampled_edges_equal_removing_the_source(
         sources = torch.nonzero(graph.adjacency[t]).flatten().tolist()
         strongest = sorted(sources, key=lambda s: -abs(float(graph.adjacency[t, s])))[:4]
         for s in strongest + rng.sample(sources, min(4, len(sources))):
-            removed = oracle(*_removed(graph, oracle, s))
+            removed = oracle(*_removed(graph, oracle, s), rep)
             change = _target(graph, rep, t, clean) - _target(graph, rep, t, removed)
             assert abs(change - float(graph.adjacency[t, s])) <= TOL, (graph.nodes[s], graph.nodes[t])
             checked[graph.nodes[s].kind] += 1

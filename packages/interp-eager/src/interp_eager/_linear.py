@@ -277,10 +277,14 @@ class FrozenForward:
         mlp_out: Mapping[int, torch.Tensor] | None = None,
         embed: torch.Tensor | None = None,
         grad: bool = True,
+        skips: Mapping[int, torch.Tensor] | None = None,
     ) -> LinearRun:
         """``rows`` copies of the prompt through the frozen-linear model, each MLP's output the
         constant ``mlp_out[L]`` (``[n, d_model]``; default the recorded one) and the embeddings
-        ``embed`` (default the model's own)."""
+        ``embed`` (default the model's own). ``skips[L]`` (``[d_model, d_in]``, a skip
+        transcoder's ``W_skip``): layer ``L``'s MLP output also carries ``(x - x_0) @ W_skip.T``,
+        with ``x`` its input in this run and ``x_0`` the recorded one (the skip path is linear, so
+        gradient flows through it)."""
         n = len(self.tokens)
         positions = list(range(n))
         writes = []
@@ -291,7 +295,9 @@ class FrozenForward:
             writes.append(Write(Address("embed"), embed.detach().float().cpu(), "set", positions=positions))
         outs = [Address("mlp_out", layer) for layer in range(self.n_layers)]
         probes = [Address("embed"), *outs] if grad else []
-        plan = Plan(self.model.arch, self._inputs(), writes, [n] * rows, probes=probes, live=True)
+        plan = _LinearPlan(self.model.arch, self._inputs(), writes, [n] * rows, probes=probes, live=True)
+        for layer, w_skip in (skips or {}).items():
+            plan.add_skip(layer, Address(self.input_kind, layer), self.clean.inputs[layer], w_skip)
         ids = torch.tensor([self.tokens] * rows)
         with self._no_parameter_grads(), self._frozen(record=False):
             output = self.model._forward(plan, Chunk(rows, n, 0), ids, grad=grad, last_logits_only=True)
@@ -318,3 +324,42 @@ class FrozenForward:
         params = {p.untyped_storage().data_ptr() for p in self.model.hf_model.parameters()}
         del run
         return sum(size for ptr, size in seen.items() if ptr not in params)
+
+
+class _LinearPlan(Plan):
+    """A :class:`Plan` that also adds skip transcoders' linear paths to the MLP outputs, after its
+    own hooks there (the constant written, the probe added)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._skips: list[tuple[int, Address, torch.Tensor, torch.Tensor]] = []
+
+    def add_skip(self, layer: int, source: Address, clean: torch.Tensor, w_skip: torch.Tensor) -> None:
+        site = self.arch.site(Address("mlp_out", layer))
+        if site.scale != 1.0 or site.heads is not None or site.cols is not None:
+            raise UnsupportedOperation(f"a skip transcoder at layer {layer} of this family is not served")
+        self._skips.append((layer, source, clean, w_skip))
+
+    def hooks(self) -> list[Any]:
+        handles = super().hooks()
+        for layer, source, clean, w_skip in self._skips:
+            module = self.arch.site(Address("mlp_out", layer)).module
+
+            def add(
+                module: nn.Module,
+                args: tuple[Any, ...],
+                output: Any,
+                source: Address = source,
+                clean: torch.Tensor = clean,
+                w_skip: torch.Tensor = w_skip,
+            ) -> Any:
+                if not isinstance(output, torch.Tensor) or output.dim() != 3:
+                    raise UnsupportedOperation(
+                        "a skip transcoder's MLP output is not one [batch, tokens, width] tensor"
+                    )
+                live = self.values[source][-1]
+                term = (live.float() - clean.to(live.device)) @ w_skip.to(live.device).T
+                return output + term.to(output.dtype)
+
+            handles.append(module.register_forward_hook(add))
+        return handles

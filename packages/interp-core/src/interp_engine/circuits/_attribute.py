@@ -14,6 +14,9 @@ is exact:
 - an embedding: ``token_embedding[p] . g_embed[p]`` (the token's embedding; anything else the
   model adds before layer 0, such as GPT-2's position embeddings, is a constant term).
 
+A skip transcoder's skip path (``x @ W_skip.T``, linear in its input) stays in the linear model:
+gradient flows through it, so it is part of the edges, not a node.
+
 Targets are batched: the prompt runs once as ``batch_size`` identical rows with its graph kept,
 and each backward seeds a different target in each row. ``max_memory`` bounds what that forward
 keeps (measured on one row, with the gradients the batch returns). Rows are computed for every
@@ -86,12 +89,6 @@ def _check_fits(replacement: Replacement, n_layers: int, d_model: int) -> None:
             f"the transcoders read width {replacement.d_in} and write width {replacement.d_out}, but this model's "
             f"d_model is {d_model}: they were trained on another model"
         )
-    for layer in replacement.layers:
-        if replacement.skip(layer) is not None:
-            raise UnsupportedOperation(
-                "skip transcoders are not served by attribution_graph: their skip path (linear in the MLP input) "
-                "would carry gradient through the MLP, which the frozen-linear model replaces by constants"
-            )
 
 
 def _active(
@@ -261,7 +258,8 @@ def attribution_graph(
     n_layers, n_pos = info.n_layers, len(tokens)
     device = clean.embed.device
     feats, dense = _active(replacement, clean.inputs, exclude_first_position)
-    recon = reconstruct_from(replacement, dense)
+    recon = reconstruct_from(replacement, dense, clean.inputs)
+    skips = {layer: w for layer in replacement.layers if (w := replacement.skip(layer)) is not None}
     errors = {
         layer: clean.mlp_out[layer] - (recon[layer].to(device) if layer in recon else 0.0) for layer in range(n_layers)
     }
@@ -283,7 +281,7 @@ def attribution_graph(
                 limit=int(max_memory),
                 option="max_memory",
             )
-    run = frozen.run(rows)
+    run = frozen.run(rows, skips=skips)
     probes = [run.embed_probe] + [run.mlp_out_probes[layer] for layer in range(n_layers)]
     backward_passes = 0
 
