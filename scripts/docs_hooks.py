@@ -384,16 +384,31 @@ def on_page_content(html: str, **kwargs: Any) -> str:
     return _ROLE.sub(r"\1", html)
 
 
+def _nav_pages(nav: Any) -> set[str]:
+    """Every page a navigation (mkdocs's ``nav``: lists of ``{title: page or list}``) names."""
+    if isinstance(nav, str):
+        return {nav}
+    if isinstance(nav, dict):
+        return set().union(*(_nav_pages(value) for value in nav.values()))
+    if isinstance(nav, list):
+        return set().union(set(), *(_nav_pages(entry) for entry in nav))
+    return set()
+
+
 def on_config(config: Any, **kwargs: Any) -> Any:
-    """Pages that exist only once their feature lands join the navigation when they do."""
+    """A guide the navigation does not name yet joins the Guides section, under its own title, so
+    a page that lands with its feature is in the site at once (mkdocs.yml can place it later)."""
     docs = pathlib.Path(config["docs_dir"])
-    optional = {"guides/circuits.md": ("Guides", "Circuits")}
-    for page, (section, title) in optional.items():
-        if not (docs / page).is_file():
+    named = _nav_pages(config["nav"])
+    guides = next((entry["Guides"] for entry in config["nav"] if isinstance(entry, dict) and "Guides" in entry), None)
+    if guides is None:
+        return config
+    for path in sorted((docs / "guides").glob("*.md")):
+        page = f"guides/{path.name}"
+        if page in named:
             continue
-        for entry in config["nav"]:
-            if isinstance(entry, dict) and section in entry and {title: page} not in entry[section]:
-                entry[section].append({title: page})
+        first = next((line for line in path.read_text(encoding="utf-8").splitlines() if line.startswith("# ")), "")
+        guides.append({first[2:].strip() or path.stem: page})
     return config
 
 

@@ -81,12 +81,13 @@ def test_every_marker_is_replaced(site: pathlib.Path) -> None:
 
 
 def test_a_page_that_lands_later_joins_the_navigation(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "guides").mkdir()
+    (tmp_path / "guides" / "plots.md").write_text("# Plots\n")
     config = {"docs_dir": str(tmp_path), "nav": [{"Guides": [{"Plots": "guides/plots.md"}]}]}
     assert hooks.on_config(config)["nav"] == [{"Guides": [{"Plots": "guides/plots.md"}]}]
-    (tmp_path / "guides").mkdir()
-    (tmp_path / "guides" / "circuits.md").write_text("# Circuits\n")
+    (tmp_path / "guides" / "circuits.md").write_text("text first\n\n# Circuits and transcoders\n")
     guides = hooks.on_config(config)["nav"][0]["Guides"]
-    assert guides == [{"Plots": "guides/plots.md"}, {"Circuits": "guides/circuits.md"}]
+    assert guides == [{"Plots": "guides/plots.md"}, {"Circuits and transcoders": "guides/circuits.md"}]
     assert hooks.on_config(config)["nav"][0]["Guides"] == guides  # once
 
 
