@@ -25,6 +25,7 @@ from interp_engine import (
     load_model,
     run_with_cache,
     sync_model,
+    weights,
 )
 from interp_testkit.suite import PROMPT, rel_diff, tiny_model_path
 
@@ -205,7 +206,10 @@ def test_base_values_are_unchanged_by_loading_adapters(loras: dict[str, tuple[Lo
         tokens = model.to_tokens(PROMPT)
         points = ["resid_post.0", "attn_v.1", "mlp_out.1", "logits"]
         before = run_with_cache(model, tokens, points)
+        w_o, w_u = weights(model).get("W_O", 1).clone(), weights(model).get("W_U").clone()
         model.load_adapter("ft", str(loras["gpt2"][0].adapter))
+        assert torch.equal(weights(model).get("W_O", 1), w_o)  # the base model's, read through the LoRA layers
+        assert torch.equal(weights(model).get("W_U"), w_u)
         after = run_with_cache(model, tokens, points)
         adapted = run_with_cache(model, tokens, points, adapter="ft")
         for point in points:

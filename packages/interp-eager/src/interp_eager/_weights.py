@@ -19,8 +19,15 @@ from interp_engine.backend import WEIGHT_NAMES, WeightInfo, probe_norm
 from ._sites import Architecture, _maybe
 
 
+def _unwrapped(module: nn.Module) -> nn.Module:
+    """The layer a PEFT LoRA layer wraps (``base_layer``; weights are the base model's), else ``module``."""
+    base = getattr(module, "base_layer", None)
+    return base if isinstance(base, nn.Module) and hasattr(module, "lora_A") else module
+
+
 def _matrix(module: nn.Module) -> torch.Tensor:
     """The ``[in, out]`` matrix of a linear layer (``out = in @ M + bias``)."""
+    module = _unwrapped(module)
     weight = getattr(module, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         raise UnsupportedArchitecture(f"{type(module).__name__} has no 2-D weight to read as a linear map")
@@ -30,7 +37,7 @@ def _matrix(module: nn.Module) -> torch.Tensor:
 
 
 def _bias(module: nn.Module) -> torch.Tensor | None:
-    bias = getattr(module, "bias", None)
+    bias = getattr(_unwrapped(module), "bias", None)
     return bias if isinstance(bias, torch.Tensor) else None
 
 
