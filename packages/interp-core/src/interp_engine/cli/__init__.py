@@ -26,7 +26,7 @@ from typing import Any, NoReturn
 from .. import __version__
 from .._errors import InterpError
 from ._capture import add_capture
-from ._common import UserError, add_model_options, add_sae_option, load_options, parse_option
+from ._common import UserError, add_adapter_option, add_model_options, add_sae_option, load_options, parse_option
 from ._demo import add_demo
 from ._features import add_features
 from ._views import add_attention, add_lens
@@ -132,6 +132,7 @@ def add_serve(sub: Any) -> None:
         "whose time and memory the server cannot bound",
     )
     add_sae_option(parser)
+    add_adapter_option(parser)
     add_model_options(parser)
     parser.set_defaults(func=cmd_serve)
 

@@ -85,6 +85,8 @@ def _manifest(args: argparse.Namespace, prompts: Sequence[str], points: Sequence
     }
     if args.saes:  # readouts resume only with the same SAEs
         manifest["saes"] = {name: os.path.abspath(p) if os.path.exists(p) else p for name, p in args.saes}
+    if args.adapter is not None:  # and only under the same adapter
+        manifest["adapter"] = os.path.abspath(args.adapter) if os.path.exists(args.adapter) else args.adapter
     return manifest
 
 
@@ -129,11 +131,15 @@ def join_parts(parts: pathlib.Path, n: int, out: pathlib.Path, metadata: dict[st
     return cache
 
 
-def capture_chunk(sync: SyncModel, rows: list[list[int]], points: list[Address | Features]) -> list[Results]:
-    """Several prompts at once: concurrent requests, which a serving backend batches."""
+def capture_chunk(
+    sync: SyncModel, rows: list[list[int]], points: list[Address | Features], adapter: str | None = None
+) -> list[Results]:
+    """Several prompts at once: concurrent requests, which a serving backend batches (under
+    ``adapter``, a LoRA adapter's folder or shipped name, if given)."""
+    extra: dict[str, Any] = {} if adapter is None else {"adapter": adapter}
 
     async def gather() -> list[Results]:
-        return list(await asyncio.gather(*(sync.model.capture(r, points) for r in rows)))
+        return list(await asyncio.gather(*(sync.model.capture(r, points, **extra) for r in rows)))
 
     return sync.run(gather)
 
@@ -163,7 +169,8 @@ def cmd_capture(args: argparse.Namespace) -> int:
         try:
             for start in range(0, len(todo), args.batch_size):
                 chunk = todo[start : start + args.batch_size]
-                for index, acts in zip(chunk, capture_chunk(sync, [ids[i] for i in chunk], resolved), strict=True):
+                captured = capture_chunk(sync, [ids[i] for i in chunk], resolved, args.adapter)
+                for index, acts in zip(chunk, captured, strict=True):
                     write_shard(parts, index, acts, len(ids[index]), n_layers)
                     progress.update()
         finally:
@@ -173,6 +180,8 @@ def cmd_capture(args: argparse.Namespace) -> int:
         "interp.token_ids": json.dumps(ids),
         "interp.model": str(args.model),
     }
+    if args.adapter is not None:
+        metadata["interp.adapter"] = str(args.adapter)
     if chats:
         metadata["interp.chat"] = json.dumps([chat.to_json() for chat in chats])
     cache = join_parts(parts, len(prompts), out, metadata)
@@ -227,6 +236,12 @@ def add_capture(sub: Any) -> None:
     )
     parser.add_argument("--out", default="acts.safetensors", help="output file (default: acts.safetensors)")
     parser.add_argument("--batch-size", type=int, default=8, help="prompts sent to the model at once (8)")
+    parser.add_argument(
+        "--adapter",
+        metavar="PATH",
+        help="capture under a LoRA adapter: a PEFT adapter folder or a shipped one (interp:tiny-lora); on vllm, "
+        "load with -o enable_lora=true",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace OUT and discard unfinished progress")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     add_sae_option(parser)

@@ -77,6 +77,20 @@ def add_sae_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_adapter_option(parser: argparse.ArgumentParser) -> None:
+    """``--adapter NAME=PATH`` (repeatable): LoRA adapters registered on the model as it loads."""
+    parser.add_argument(
+        "--adapter",
+        dest="adapters",
+        action="append",
+        type=parse_sae,
+        default=[],
+        metavar="NAME=PATH",
+        help="register a LoRA adapter as NAME (repeatable): PATH is a PEFT adapter folder or a shipped one "
+        "(interp:tiny-lora); requests then name it in their 'adapter' field (on vllm: -o enable_lora=true)",
+    )
+
+
 def read_saes(pairs: Sequence[tuple[str, str]]) -> dict[str, Sae]:
     """The SAEs of ``--sae NAME=PATH`` options, read now: a bad name or folder is a one-line
     error before the model loads."""
@@ -140,6 +154,12 @@ def load_options(args: argparse.Namespace) -> dict[str, Any]:
     pairs = getattr(args, "saes", None)  # commands with --sae NAME=PATH
     if pairs:
         options["saes"] = read_saes(pairs)
+    adapters = getattr(args, "adapters", None)  # commands with --adapter NAME=PATH
+    if adapters:
+        names = [name for name, _ in adapters]
+        if len(set(names)) != len(names):
+            raise UserError("an --adapter name is given twice; each adapter needs its own name")
+        options["adapters"] = dict(adapters)
     return options
 
 

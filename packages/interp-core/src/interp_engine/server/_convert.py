@@ -23,7 +23,15 @@ import anyio
 import torch
 from fastapi import Request
 
-from .._errors import InterpError, InvalidAddress, InvalidSteering, InvalidTokens, NoChatTemplate, UnknownSae
+from .._errors import (
+    InterpError,
+    InvalidAddress,
+    InvalidSteering,
+    InvalidTokens,
+    NoChatTemplate,
+    UnknownAdapter,
+    UnknownSae,
+)
 from ..addresses._address import Address
 from ..addresses._kinds import KINDS
 from ..chat import ChatTokens, span_positions
@@ -436,6 +444,25 @@ class Served:
             raise limit_exceeded("max_tokens", f"max_tokens is {max_tokens}", self.limits.max_new_tokens)
         if n_logprobs > self.limits.max_n_logprobs:
             raise limit_exceeded("n_logprobs", f"n_logprobs is {n_logprobs}", self.limits.max_n_logprobs)
+
+    def adapter(self, name: str | None) -> dict[str, Any]:
+        """The keyword a request's ``adapter`` field gives the model's call: nothing for the base
+        model, else a name the server registered (never a folder: a client names no path on the
+        server's disk). ``UnknownAdapter`` (400, field ``adapter``) lists the registered ones."""
+        if name is None:
+            return {}
+        registered = sorted(getattr(self.ready(), "adapters", {}))
+        if name not in registered:
+            raise from_interp(
+                UnknownAdapter(
+                    f"no adapter is registered as {name!r}; registered: {', '.join(registered) or 'none'} "
+                    "(interp serve --adapter NAME=PATH registers one; null is the base model)",
+                    name=name,
+                    valid=registered,
+                ),
+                "adapter",
+            )
+        return {"adapter": name}
 
     def steering(self, body: SteeringBody | None) -> SteeringSpec | None:
         """The spec of a request, each write checked against the model (field named per write)."""

@@ -35,6 +35,7 @@ from .._errors import (
     CaptureMemoryExceeded,
     InterpError,
     InvalidActivations,
+    InvalidAdapter,
     InvalidAddress,
     InvalidChat,
     InvalidFeatures,
@@ -42,6 +43,7 @@ from .._errors import (
     InvalidSteering,
     InvalidTokens,
     ModelClosed,
+    UnknownAdapter,
     UnknownSae,
     UnsupportedAddress,
     UnsupportedArchitecture,
@@ -55,6 +57,8 @@ from ..steering._spec import SteeringSpec, Write
 logger = logging.getLogger("interp_engine.server")
 
 _CLIENT_ERRORS = (
+    InvalidAdapter,
+    UnknownAdapter,
     InvalidAddress,
     InvalidTokens,
     InvalidSteering,

@@ -311,16 +311,28 @@ def add_models(app: FastAPI, served: Served) -> None:
             "backend": model.backend,
         }
 
+    def adapter_cards() -> list[dict[str, Any]]:
+        """A card per registered LoRA adapter (``parent``: the served model), as vLLM lists its
+        ``--lora-modules``: completions naming one as ``model`` run under it."""
+        base = card()
+        return [
+            {**base, "id": name, "root": name, "parent": served.name}
+            for name in getattr(served.ready(), "adapters", {})
+        ]
+
     @app.get("/v1/models", responses=ERRORS)
     async def list_models() -> dict[str, Any]:
         """OpenAI's model list (``client.models.list()``): the served model, with the time it was
         loaded (``created``), its context length (``max_model_len``, as vLLM's server says it)
-        and its backend."""
-        return {"object": "list", "data": [card()]}
+        and its backend; then each registered LoRA adapter (``parent``: the served model)."""
+        return {"object": "list", "data": [card(), *adapter_cards()]}
 
     @app.get("/v1/models/{model:path}", responses=ERRORS)
     async def retrieve_model(model: str) -> dict[str, Any]:
         """One model of the list (``client.models.retrieve(id)``); an id not served is ``404 UnknownModel``."""
+        adapters = {card["id"]: card for card in adapter_cards()}
+        if model in adapters:
+            return adapters[model]
         if model != served.name:
             raise ApiError(
                 404,
@@ -409,6 +421,8 @@ async def _complete(
     for name in ("top_p", "top_k", "seed", "ignore_eos"):
         if getattr(body, name) is not None:
             options[name] = getattr(body, name)
+    if body.model in getattr(model, "adapters", {}):  # vLLM's convention: model=<adapter name>
+        options.update(served.adapter(body.model))
     head = {
         "id": f"{shape.id_prefix}-{uuid.uuid4().hex}",
         "object": shape.object,

@@ -122,7 +122,9 @@ def add_routes(app: FastAPI, served: Served) -> None:
     async def model_info() -> dict[str, Any]:
         """The model's shapes, the kinds it serves (its family's, on its backend) over its layers,
         the server's limits, the SAEs attached (``saes``: ``name``, ``architecture``,
-        ``address``, ``address_out``, ``d_in``, ``d_sae``; on vllm-static ``compiled``), and
+        ``address``, ``address_out``, ``d_in``, ``d_sae``; on vllm-static ``compiled``), the LoRA
+        adapters registered (``adapters``: ``name``, ``rank``, ``targets``, ``layers``; requests
+        name one in their ``adapter`` field), and
         ``chat``: whether the model has a chat template (``template``) and whether requests may
         send one (``request_templates``)."""
         model = served.ready()
@@ -163,6 +165,10 @@ def add_routes(app: FastAPI, served: Served) -> None:
             out["static_points"] = [str(a) for a in model.static_points]
             out["static_writes"] = [str(a) for a in model.static_writes]
         out["saes"] = _saes_out(model)
+        out["adapters"] = [
+            {"name": name, "rank": a.rank, "targets": list(a.targets), "layers": list(a.layers)}
+            for name, a in getattr(model, "adapters", {}).items()
+        ]
         out["chat"] = {"template": _has_chat_template(model), "request_templates": served.trust_request_chat_template}
         return out
 
@@ -184,9 +190,10 @@ def add_routes(app: FastAPI, served: Served) -> None:
         points, readouts = served.points(body.points)
         served.check_size(points, len(ids), "points", readouts)
         spec = served.steering(body.steering)
+        adapter = served.adapter(body.adapter)
         async with served.slots:
             with served.fields(prompt.field, spec, readouts=readouts):
-                work = model.capture(prompt.tokens, [*points, *readouts], steering_spec=spec)
+                work = model.capture(prompt.tokens, [*points, *readouts], steering_spec=spec, **adapter)
                 acts = await unless_gone(request, work)
         tensors, features = results_of(acts, points, readouts)
         served.count_tokens(prompt=len(ids))
@@ -208,14 +215,12 @@ def add_routes(app: FastAPI, served: Served) -> None:
         ids = prompt.ids
         points, _ = served.points([Address("attn_pattern", layer) for layer in body.layers], "layers")
         served.check_size(points, len(ids), "layers")
+        adapter = served.adapter(body.adapter)
         async with served.slots:
             spec = served.steering(body.steering)
             with served.fields(prompt.field, spec, "layers"):
-                call = (
-                    model.capture_attention(prompt.tokens, list(body.layers), steering_spec=spec)
-                    if spec is not None
-                    else model.capture_attention(prompt.tokens, list(body.layers))
-                )
+                extra = {**adapter, **({} if spec is None else {"steering_spec": spec})}
+                call = model.capture_attention(prompt.tokens, list(body.layers), **extra)
                 acts = await unless_gone(request, call)
         tensors = {str(p): tensor_of(acts[p]) for p in points}
         served.count_tokens(prompt=len(ids))
@@ -235,7 +240,7 @@ def add_routes(app: FastAPI, served: Served) -> None:
         served.check_size(points, len(ids) + body.max_tokens, "points", readouts)
         spec = served.steering(body.steering)
         lens = served.lens(body.lens, prompt, body.max_tokens)
-        options = body.sampling()
+        options = {**body.sampling(), **served.adapter(body.adapter)}
         completion, acts = await capture_generation_of(
             served, model, request, prompt, points, readouts, spec, lens, body.max_tokens, options
         )
@@ -277,7 +282,7 @@ def add_routes(app: FastAPI, served: Served) -> None:
         served.check_size([], body.max_tokens, "features", readouts)
         spec = served.steering(body.steering)
         lens = served.lens(body.lens, prompt, body.max_tokens)
-        options = generation_options(body.sampling(), spec, readouts, lens)
+        options = generation_options({**body.sampling(), **served.adapter(body.adapter)}, spec, readouts, lens)
         fields = served.fields(prompt.field, spec, "features", readouts, lens=lens)
         if body.stream:
             return await _stream(served, model, prompt, body, options, fields)

@@ -189,6 +189,13 @@ class ChatInput(StrictBody):
 class _Prompt(ChatInput):
     token_ids: list[StrictInt] | None = Field(default=None, description="the prompt's token ids")
     text: str | None = Field(default=None, description="or its text (tokenized with model.to_tokens)")
+    adapter: str | None = Field(
+        default=None,
+        max_length=200,
+        description="the LoRA adapter to run under: a name the server registered (interp serve --adapter "
+        "NAME=PATH; GET /v1/model lists them); null: the base model",
+        examples=["ft"],
+    )
 
 
 class _Sampling(StrictBody):
