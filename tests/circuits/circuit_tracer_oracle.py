@@ -21,7 +21,7 @@ the BOS features left out, their output is in them); those columns are reported 
 
 Measured (interp:tiny, interp:tiny-transcoders, "<|endoftext|>The capital of France is"): 714
 nodes, 678 features; activations within 1.9e-6, logit probabilities within 1e-6, every other edge
-within 4.5e-6 (largest edge 7.6). A random cross-layer transcoder of tests/circuits/conftest.py
+within 4.5e-6 (largest edge 7.6). A random cross-layer transcoder of tests/support/circuits.py
 (``random_clt().save(folder)``, read by circuit-tracer's own ``load_clt``): 681 nodes, 645
 features, activations within 1.7e-5, edges within 1.9e-5 (largest edge 36.6).
 """

@@ -22,7 +22,7 @@ from interp_engine import (
 )
 from interp_engine.circuits import NEURONPEDIA_SCHEMA, AttributionGraph, attribution_graph
 
-from .conftest import N_LAYERS, PROMPT, random_plt
+from ..support.circuits import N_LAYERS, PROMPT, random_plt
 
 LOGITS = Address("logits")
 

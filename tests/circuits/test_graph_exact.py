@@ -23,7 +23,7 @@ import torch
 from interp_engine import Address
 from interp_engine.circuits import AttributionGraph, Replacement
 
-from .conftest import N_LAYERS, PROMPT
+from ..support.circuits import N_LAYERS, PROMPT
 
 TOL = 1e-4
 

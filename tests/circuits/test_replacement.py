@@ -16,7 +16,7 @@ from interp_engine import Address, FeatureWrite, InvalidFeatures, Sae, SteeringS
 from interp_engine.circuits import CrossLayerTranscoder, TranscoderSet, load_transcoders, reconstruct
 from interp_testkit.suite import ALL_FAMILIES, PROMPT, tiny_model_path
 
-from .conftest import N_LAYERS, random_clt, random_plt
+from ..support.circuits import N_LAYERS, random_clt, random_plt
 
 LOGITS = Address("logits")
 
