@@ -19,6 +19,10 @@ request first and raises the core's typed errors, so a backend receives checked 
   ``capture_generation`` checked;
 - ``_decode_residuals(residuals)``: the final norm and unembedding of one checked tensor;
 - ``_close_resources()``: release what the model holds, once, on the first ``shutdown()``;
+- optionally ``_load_adapter(adapter)`` (an :class:`Adapter` the core read and checked: load it,
+  or raise ``InvalidAdapter``) and ``_max_adapter_rank()``, to serve LoRA adapters per request:
+  each checked request then names its adapter (``request.adapter``, ``None``: the base model),
+  and the methods above take ``adapter=``;
 - optionally ``_served_kinds()`` (the kinds the loaded family has), ``weights`` access
   (:class:`WeightInfo`, :func:`check_weight_request`) and ``chat_tokens`` through
   :class:`TokenizerMixin`.
