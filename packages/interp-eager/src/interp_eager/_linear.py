@@ -1,28 +1,28 @@
 """The frozen-linear replacement model of one prompt, for attribution graphs.
 
-:class:`FrozenForward` first runs the prompt once and records what is to be frozen: each
-attention's queries and keys as its attention function receives them (so every attention pattern
-is fixed) and each norm's scale (the standard deviation or RMS it divides by, per token) outside
-the attention modules; and what the attribution needs: the token embeddings, each layer's MLP
-input (``mlp_in`` or ``resid_mid``) and output, and the last position's logits.
+:class:`FrozenForward` first runs the prompt once and records what is to be frozen: each attention's
+queries and keys as its attention function receives them (so every attention pattern is fixed) and
+each norm's scale (the standard deviation or RMS it divides by, per token) outside the attention
+modules; and what the attribution needs: the token embeddings, each layer's MLP input (``mlp_in`` or
+``resid_mid``) and output, and the last position's logits.
 
 :meth:`FrozenForward.run` then runs ``n_rows`` copies of the prompt with
 
 - the recorded queries and keys handed to every attention function (patterns frozen),
 - every norm computing ``gain * centred(x) / s + bias`` with the recorded ``s`` (scales frozen),
-- each MLP's output replaced by a constant (the recorded one unless given) -- gradient never
-  flows through an MLP, whose replacement's features are the graph's nodes --,
-- a zero tensor that requires grad added to the embeddings and to each MLP output (the probes:
-  the gradient with respect to one is the gradient with respect to anything written there),
+- each MLP's output replaced by a constant (the recorded one unless given) -- gradient never flows
+  through an MLP, whose replacement's features are the graph's nodes --,
+- a zero tensor that requires grad added to the embeddings and to each MLP output (the probes: the
+  gradient with respect to one is the gradient with respect to anything written there),
 
-so the MLP inputs and the logits it returns are affine functions of what is written at the
-probes, with their autograd graphs kept. The recorded run and a run with nothing changed agree
-to float rounding (``tests/circuits``).
+so the MLP inputs and the logits it returns (before any final soft-cap: the unembedding's output)
+are affine functions of what is written at the probes, with their autograd graphs kept. The recorded
+run and a run with nothing changed agree to float rounding (``tests/circuits``).
 
 A norm's form is read off the recorded call (layer norm or RMS norm, gain ``weight`` or ``1 +
-weight``, with or without bias) and checked against what the module returned; a norm none of
-these reproduce is refused with ``UnsupportedOperation`` naming its class, as is a family whose
-attention taps cannot hand the function other queries and keys.
+weight``, with or without bias) and checked against what the module returned; a norm none of these
+reproduce is refused with ``UnsupportedOperation`` naming its class, as is a family whose attention
+taps cannot hand the function other queries and keys.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from ._tree import is_norm
 if TYPE_CHECKING:
     from ._model import EagerModel
 
+_RAW = Address("logits_raw")
 _EPS_NAMES = ("eps", "variance_epsilon", "epsilon", "layer_norm_eps", "norm_eps")
 
 
@@ -112,7 +113,10 @@ class CleanRun:
     mlp_out: dict[int, torch.Tensor]
     """Per layer, ``[n, d_model]``: each MLP's output as added to the residual."""
     logits: torch.Tensor
-    """``[vocab]``: the last position's logits."""
+    """``[vocab]``: the last position's logits, as the model returns them."""
+    logits_raw: torch.Tensor
+    """``[vocab]``: the same before any final soft-cap (the unembedding's output, linear in the
+    residual stream): what a logit node's value and edges are taken of."""
 
 
 @dataclass
@@ -122,7 +126,7 @@ class LinearRun:
     inputs: dict[int, torch.Tensor]
     """Per layer, ``[rows, n, d]`` at the input kind, differentiable."""
     logits: torch.Tensor
-    """``[rows, vocab]``, the last position's, differentiable."""
+    """``[rows, vocab]``, the last position's, before any final soft-cap, differentiable."""
     embed_probe: torch.Tensor
     """``[rows, n, d_model]``: zero, requires grad, added to the embeddings."""
     mlp_out_probes: dict[int, torch.Tensor]
@@ -247,7 +251,7 @@ class FrozenForward:
     def _record(self) -> CleanRun:
         n = len(self.tokens)
         outs = [Address("mlp_out", layer) for layer in range(self.n_layers)]
-        points = [Address("embed"), *self._inputs(), *outs]
+        points = [Address("embed"), *self._inputs(), *outs, _RAW]
         plan = Plan(self.model.arch, points, [], [n])
         ids = torch.tensor([self.tokens])
         tokens: list[torch.Tensor] = []
@@ -268,6 +272,7 @@ class FrozenForward:
             inputs={a.layer: values[a][0].float() for a in self._inputs() if a.layer is not None},
             mlp_out={a.layer: values[a][0].float() for a in outs if a.layer is not None},
             logits=output.logits[0, -1].detach().float(),
+            logits_raw=values[_RAW][0, -1].float(),
         )
 
     def run(
@@ -295,17 +300,17 @@ class FrozenForward:
             writes.append(Write(Address("embed"), embed.detach().float().cpu(), "set", positions=positions))
         outs = [Address("mlp_out", layer) for layer in range(self.n_layers)]
         probes = [Address("embed"), *outs] if grad else []
-        plan = _LinearPlan(self.model.arch, self._inputs(), writes, [n] * rows, probes=probes, live=True)
+        plan = _LinearPlan(self.model.arch, [*self._inputs(), _RAW], writes, [n] * rows, probes=probes, live=True)
         for layer, w_skip in (skips or {}).items():
             plan.add_skip(layer, Address(self.input_kind, layer), self.clean.inputs[layer], w_skip)
         ids = torch.tensor([self.tokens] * rows)
         with self._no_parameter_grads(), self._frozen(record=False):
-            output = self.model._forward(plan, Chunk(rows, n, 0), ids, grad=grad, last_logits_only=True)
+            self.model._forward(plan, Chunk(rows, n, 0), ids, grad=grad, last_logits_only=True)
         values = plan.result()
         zeros = torch.zeros(rows, n, self.model.info.d_model)
         return LinearRun(
             inputs={a.layer: values[a] for a in self._inputs() if a.layer is not None},
-            logits=output.logits[:, -1].float(),
+            logits=values[_RAW][:, -1].float(),
             embed_probe=plan.probed[Address("embed")][0] if grad else zeros,
             mlp_out_probes={a.layer: plan.probed[a][0] for a in outs if a.layer is not None} if grad else {},
         )

@@ -4,7 +4,8 @@ replacement model of one prompt (the eager backend).
 The backend's :meth:`linearize` (``interp_eager``) runs the prompt once and freezes its attention
 patterns and norm scales; the MLPs' outputs become constants and the replacement's features the
 nodes. In that model every target -- a feature's pre-activation ``x_L[p] . enc_i + b_i``, or a
-logit minus the mean logit -- is an affine function of what is written at the embeddings and the
+logit minus the mean logit (before any final soft-cap, Gemma 2's: the unembedding's output) --
+is an affine function of what is written at the embeddings and the
 MLP outputs, so one backward pass gives the gradient ``g`` there and each source's direct effect
 is exact:
 
@@ -433,9 +434,9 @@ def _assemble(
         values[row] = float(feats.pre[f])
     logit_start = n_nodes - len(logit_ids)
     adjacency[logit_start:, : columns.numel()] = logit_matrix[:, columns]
-    mean_logit = float(clean.logits.mean())
+    raw = clean.logits_raw
     for k, t in enumerate(logit_ids):
-        values[logit_start + k] = float(clean.logits[t]) - mean_logit
+        values[logit_start + k] = float(raw[t]) - float(raw.mean())
     strings = [_piece(base, t) for t in tokens]
     nodes: list[Node] = []
     decoders: dict[int, list[tuple[int, torch.Tensor]]] = {}
