@@ -79,6 +79,12 @@ def _git(*args: str) -> str:
     return done.stdout.strip()
 
 
+def _script() -> str | None:
+    """The running benchmark's own script, relative to the repository root."""
+    path = pathlib.Path(sys.argv[0]).resolve()
+    return path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) and path.suffix == ".py" else None
+
+
 def _met(value: float | None, target: float | str | None, better: str) -> bool | None:
     if value is None or target is None or isinstance(target, str) or math.isnan(value):
         return None
@@ -87,11 +93,11 @@ def _met(value: float | None, target: float | str | None, better: str) -> bool |
 
 class Results:
     """The figures of one run of benchmark ``bench``, which measures the code under ``measures``
-    (paths relative to the repository root; its own script is added)."""
+    (paths relative to the repository root; the running script is added)."""
 
     def __init__(self, bench: str, measures: Sequence[str], *, record: bool = True) -> None:
         self.bench = bench
-        self.measures = sorted({*measures, f"bench/{bench}.py"})
+        self.measures = sorted({*measures, _script() or f"bench/{bench}.py"})
         self.record = record
         self.results: list[dict[str, Any]] = []
         # the code as the run loaded it: read now, not when the run ends
