@@ -16,6 +16,7 @@ import torch
 
 from interp_engine import (
     Address,
+    Features,
     InvalidAdapter,
     InvalidOption,
     LensRequest,
@@ -32,6 +33,7 @@ from interp_testkit.suite import PROMPT, rel_diff, tiny_model_path, vllm_model_p
 
 from ..support.adapters import Lora, make_lora
 from ..support.engines import assert_no_leaks
+from ..support.saes import tiny_sae
 
 TOL = 1e-4
 LORA_ENGINE = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 4}
@@ -122,6 +124,25 @@ def test_generation_lens_and_steering_under_an_adapter(lora_engine: Any, twin: A
     steps = list(lora_engine.stream(tokens[0].tolist(), max_tokens=6, n_logprobs=2, adapter="attn"))
     assert [s.token_id for s in steps] == twin.generate(tokens[0].tolist(), max_tokens=6, adapter="attn").token_ids
     assert_no_leaks(lora_engine)
+
+
+def test_sae_readouts_under_an_adapter_equal_the_eager_backend(lora_engine: Any, twin: Any) -> None:
+    """The readout is encoded inside vLLM's worker from the adapted activations."""
+    sae = tiny_sae(seed=3, hook="blocks.1.hook_resid_post")
+    lora_engine.attach_sae("lora_res", sae)
+    twin.attach_sae("lora_res", sae)
+    try:
+        ids = lora_engine.to_tokens(PROMPT)[0].tolist()
+        spec = Features("lora_res", top_k=4)
+        got = lora_engine.capture(ids, [spec], adapter="ft")[spec]
+        want = twin.capture(ids, [spec], adapter="ft")[spec]
+        base = lora_engine.capture(ids, [spec])[spec]
+        assert torch.equal(got.ids, want.ids)
+        assert rel_diff(got.values, want.values) <= TOL
+        assert not torch.equal(got.values, base.values)
+    finally:
+        lora_engine.detach_sae("lora_res")
+        twin.detach_sae("lora_res")
 
 
 def test_sixteen_concurrent_requests_mixing_adapters_equal_their_solo_runs(lora_engine: Any) -> None:
