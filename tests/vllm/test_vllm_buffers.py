@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import threading
 from collections import defaultdict
 from typing import Any
 
@@ -161,6 +162,36 @@ def test_a_region_whose_tensor_went_before_its_release_is_freed_once(slab: Slab)
     assert (first.segment, first.offset) != (second.segment, second.offset)
     slab.release([first, second])
     assert all(segment.used == 0 for segment in slab.segments.values())
+
+
+def test_a_tensor_collected_inside_the_slabs_own_allocation_does_not_deadlock(slab: Slab) -> None:
+    """The garbage collector may free a read tensor while this thread is inside ``allocate``
+    (which holds the slab's lock): its region is returned by the next call, not by waiting for
+    the lock this thread holds."""
+    [region] = slab.allocate([(8, [64])])
+    view = slab.read(region, 8)
+    slab.release([region])
+    collected = threading.Event()
+    one = slab._one
+
+    def collecting(rows: int, shape: list[int]) -> Any:
+        nonlocal view
+        if view is not None:
+            del view  # its finalizer runs here, inside allocate, under the lock
+            view = None
+            gc.collect()
+            collected.set()
+        return one(rows, shape)
+
+    slab._one = collecting  # type: ignore[method-assign]
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (slab.allocate([(8, [64])]), done.set()), daemon=True)
+    worker.start()
+    assert done.wait(10), "allocate deadlocked on a tensor freed inside it"
+    assert collected.is_set()
+    slab._one = one  # type: ignore[method-assign]
+    [again] = slab.allocate([(8, [64])])  # the collected tensor's region, returned by this call
+    assert (again.segment, again.offset) == (region.segment, region.offset)
 
 
 def test_regions_are_aligned_to_their_rows_and_segments_grow(slab: Slab, monkeypatch: Any) -> None:

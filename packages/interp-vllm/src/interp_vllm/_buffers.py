@@ -25,6 +25,7 @@ synchronised (:class:`HostCopier`).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import fcntl
 import glob
@@ -313,7 +314,9 @@ class Slab:
     (:meth:`read`), belongs to the tensor it became: it returns to the slab when that tensor (and
     every view of it) is freed, and is then reused, its pages already mapped in the workers. A
     region whose request never reached :meth:`read` returns at :meth:`release`. Thread-safe (a
-    tensor may be freed on any thread). ``held``: the descriptor of the prefix's lock
+    tensor may be freed on any thread, and by the garbage collector in the middle of any
+    allocation, this slab's own included: a freed tensor's region is queued, and returned under
+    the lock by whichever call holds it next). ``held``: the descriptor of the prefix's lock
     (:func:`hold`), closed with the slab."""
 
     def __init__(self, prefix: str, held: int | None = None) -> None:
@@ -323,6 +326,7 @@ class Slab:
         self._lock = threading.Lock()
         self._read: set[tuple[str, int]] = set()
         self._live: set[tuple[str, int]] = set()  # allocated and not yet freed: a region is freed once
+        self._dropped: collections.deque[Region] = collections.deque()  # freed tensors' regions, to return
 
     @property
     def size(self) -> int:
@@ -332,6 +336,7 @@ class Slab:
         """A region per ``(rows, shape)`` (new segments as needed; ``OSError``: the directory has
         no room for one)."""
         with self._lock:
+            self._return_dropped()
             regions: list[Region] = []
             try:
                 for rows, shape in shapes:
@@ -374,6 +379,7 @@ class Slab:
         """Return the regions that were not read (their request failed or was cancelled); a read
         one whose tensor is already freed is already back."""
         with self._lock:
+            self._return_dropped()
             self._free([r for r in regions if (r.segment, r.offset) not in self._read])
 
     def _free(self, regions: Iterable[Region]) -> None:
@@ -387,9 +393,20 @@ class Slab:
             if segment is not None:
                 segment.release(region.offset, region.rows * region.row_bytes)
 
-    def _free_one(self, region: Region) -> None:
-        with self._lock:
-            self._free([region])
+    def _dropped_tensor(self, region: Region) -> None:
+        """A read region's tensor was freed: queue its region, and return it now unless a call
+        holds the lock (another thread's, or this thread's own when the garbage collector runs
+        inside it), which returns it before it next allocates or releases."""
+        self._dropped.append(region)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._return_dropped()
+            finally:
+                self._lock.release()
+
+    def _return_dropped(self) -> None:
+        while self._dropped:
+            self._free([self._dropped.popleft()])
 
     def read(self, region: Region, n: int) -> torch.Tensor:
         """``region``'s first ``n`` rows, as a tensor viewing the slab (nothing is copied); the
@@ -401,12 +418,13 @@ class Slab:
             self._read.add((region.segment, region.offset))
         count = n * region.row_bytes // ITEM
         array = np.frombuffer(segment.map, dtype=np.float32, count=count, offset=region.offset)
-        weakref.finalize(array, self._free_one, region)
+        weakref.finalize(array, self._dropped_tensor, region)
         return torch.from_numpy(array).view(n, *region.shape)
 
     def trim(self) -> None:
         """Remove the segments nothing is allocated in."""
         with self._lock:
+            self._return_dropped()
             for path in [p for p, s in self.segments.items() if s.used == 0]:
                 del self.segments[path]
                 with contextlib.suppress(FileNotFoundError):
