@@ -140,7 +140,7 @@ def test_capture_writes_readouts_into_the_cache_file(
 
     parsed = _common.parse_points(points)
     assert [str(p) for p in parsed] == ["resid_post.1", "features:res:ids=3,17", "features:res:top8"]
-    args = type("Args", (), {"model": MODEL, "backend": None, "saes": [("res", str(sae_dir))]})()
+    args = type("Args", (), {"model": MODEL, "backend": None, "saes": [("res", str(sae_dir))], "adapter": None})()
     assert json.loads(json.dumps(_manifest(args, PROMPTS, parsed)))["saes"] == {"res": str(sae_dir)}
     assert not parts_dir(out).exists()
 
