@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import shutil
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,37 +13,17 @@ import pytest
 
 from interp_engine.circuits import AttributionGraph
 
-CHROMIUM = "/usr/bin/chromium"
+from ..support.browser import chromium
 
 
 @pytest.fixture(scope="module")
 def page(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    assert shutil.which(CHROMIUM), f"{CHROMIUM} is missing: bash scripts/setup.sh installs Debian's chromium"
-    from playwright.sync_api import sync_playwright
-
-    profile = tmp_path_factory.mktemp("chromium-profile")
-    flags = [
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-    ]
-    with sync_playwright() as playwright:
-        context = playwright.chromium.launch_persistent_context(
-            str(profile), executable_path=CHROMIUM, args=flags, headless=True, viewport={"width": 1400, "height": 900}
-        )
-        try:
-            tab = context.new_page()
-            requests: list[str] = []
-            tab.on("request", lambda r: requests.append(r.url))
-            tab.requests = requests
-            yield tab
-        finally:
-            context.close()
+    with chromium(tmp_path_factory.mktemp("chromium-profile"), width=1400) as context:
+        tab = context.new_page()
+        requests: list[str] = []
+        tab.on("request", lambda r: requests.append(r.url))
+        tab.requests = requests
+        yield tab
 
 
 def test_the_html_view_draws_the_graph_and_lists_a_nodes_edges(

@@ -11,7 +11,6 @@ import importlib.util
 import json
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
 import threading
@@ -24,8 +23,9 @@ from typing import Any
 
 import pytest
 
+from ..support.browser import chromium
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-CHROMIUM = "/usr/bin/chromium"
 
 
 def _hooks() -> ModuleType:
@@ -319,28 +319,8 @@ def served(site: pathlib.Path) -> Iterator[str]:
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """Debian's Chromium, headless, with a fresh profile and no background network traffic."""
-    assert shutil.which(CHROMIUM), f"{CHROMIUM} is missing: bash scripts/setup.sh installs Debian's chromium"
-    from playwright.sync_api import sync_playwright
-
-    profile = tmp_path_factory.mktemp("chromium-profile")  # --user-data-dir, as Playwright passes it
-    flags = [
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-    ]
-    with sync_playwright() as playwright:
-        context = playwright.chromium.launch_persistent_context(
-            str(profile), executable_path=CHROMIUM, args=flags, headless=True, viewport={"width": 1280, "height": 900}
-        )
-        try:
-            yield context
-        finally:
-            context.close()
+    with chromium(tmp_path_factory.mktemp("chromium-profile")) as context:
+        yield context
 
 
 def _blank(png: pathlib.Path) -> bool:
