@@ -173,11 +173,14 @@ class AttributionGraph:
 
     def __repr__(self) -> str:
         counts = {k: sum(1 for n in self.nodes if n.kind == k) for k in ("feature", "error", "embedding", "logit")}
-        assert self.edge_mask is not None
         return (
             f"AttributionGraph({len(self.tokens)} tokens, {counts['feature']} features, {counts['error']} errors, "
-            f"{counts['embedding']} embeddings, {counts['logit']} logits, {int(self.edge_mask.sum())} edges)"
+            f"{counts['embedding']} embeddings, {counts['logit']} logits, {int(self._kept().sum())} edges)"
         )
+
+    def _kept(self) -> torch.Tensor:
+        """The kept edges: ``edge_mask`` (set at construction), else every nonzero one."""
+        return self.adjacency != 0 if self.edge_mask is None else self.edge_mask
 
     # -- nodes -------------------------------------------------------------------------------------
     def node(self, key: str | int | tuple[Any, ...]) -> Node:
@@ -223,8 +226,7 @@ class AttributionGraph:
         return w
 
     def _masked(self) -> torch.Tensor:
-        assert self.edge_mask is not None
-        return self.adjacency * self.edge_mask
+        return self.adjacency * self._kept()
 
     def influence(self) -> torch.Tensor:
         """Each node's influence on the logits ``[N]`` (module docstring)."""
@@ -393,8 +395,8 @@ class AttributionGraph:
                     )
                 target = 0.0 if op == "ablate" else (value if op == "clamp" else value * float(n.activation or 0.0))
                 name = self.replacement.names[int(n.layer)]  # type: ignore[arg-type]
-                assert n.feature is not None
-                writes.append(FeatureWrite(name, n.feature, "clamp", target, positions=[n.position]))
+                feature = int(n.feature)  # type: ignore[arg-type]  # a feature node has its feature
+                writes.append(FeatureWrite(name, feature, "clamp", target, positions=[n.position]))
                 continue
             if n.kind == "feature":
                 act = float(n.activation or 0.0)
