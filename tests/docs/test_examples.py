@@ -216,7 +216,6 @@ def needs_gpu() -> None:
 @pytest.fixture(scope="module")
 def vllm_tiny() -> Iterator[Any]:
     """``interp:tiny`` on the vllm backend behind its sync facade, one engine for every block."""
-    pytest.importorskip("vllm")
     from interp_engine import load_model, sync_model
     from interp_testkit.suite import KV_CACHE_BYTES
 
