@@ -72,6 +72,7 @@ def test_a_clamp_of_the_needed_features_equals_a_whole_encodes(case: str, value:
 def test_a_topk_clamp_encodes_only_the_rows_that_need_it(monkeypatch: pytest.MonkeyPatch) -> None:
     sae = make("topk", {"k": 12})
     math = SaeMath(sae, "cpu")
+    assert math.sample == 24  # D_SAE / 8, at least 2 k
     x = torch.randn(ROWS, D_IN, generator=torch.Generator().manual_seed(2))
     encoded: list[int] = []
     whole = math._pre
@@ -81,13 +82,35 @@ def test_a_topk_clamp_encodes_only_the_rows_that_need_it(monkeypatch: pytest.Mon
         return whole(sae_in)
 
     monkeypatch.setattr(math, "_pre", counting)
-    monkeypatch.setattr(static_sae, "READ_BLOCK_BYTES", 64 * 4 * D_SAE)  # blocks of 64 rows
+    monkeypatch.setattr(static_sae, "READ_BLOCK_BYTES", 8 * 4 * D_SAE)  # blocks of 16 rows (the least)
     feature = torch.full((ROWS, 1), 5)
     math.clamp_rows(x, feature, torch.full((ROWS, 1), 2.0))
     pre = x @ sae.W_enc[:, 5] + sae.b_enc[5]
-    positive = int((pre > 0).sum())
-    assert 64 < positive < ROWS
-    assert sum(encoded) == positive and max(encoded) == 64
+    positive = pre > 0
+    # the rows whose pre-activation fewer than k + 1 of the first 24 features exceed, computed here
+    sampled = x @ sae.W_enc[:, :24] + sae.b_enc[:24]
+    survivors = int((positive & ((sampled > pre.unsqueeze(-1)).sum(-1) <= 12)).sum())
+    assert 16 < survivors < int(positive.sum()) < ROWS
+    assert sum(encoded) == survivors and max(encoded) == 16
+
+
+@pytest.mark.parametrize("case", ["topk", "topk-rescaled"])
+def test_a_topk_clamp_finds_the_rows_where_its_feature_is_among_the_top_k(case: str) -> None:
+    arch, extra = CASES[case]
+    sae = make(arch, extra)
+    math = SaeMath(sae, "cpu")
+    gen = torch.Generator().manual_seed(4)
+    # rows leaning towards feature 5's encoder column by varying amounts: among the top k on some
+    direction = sae.W_enc[:, 5] / sae.W_enc[:, 5].norm()
+    x = torch.randn(ROWS, D_IN, generator=gen) + torch.linspace(-1, 6, ROWS).unsqueeze(-1) * direction
+    whole = math.encode(x, 0)
+    member = (whole.ids == 5).any(-1)
+    assert 10 < int(member.sum()) < ROWS - 10
+    feature = torch.full((ROWS, 1), 5)
+    target = torch.full((ROWS, 1), 3.0)
+    torch.testing.assert_close(
+        math.clamp_rows(x, feature, target), math.clamp(whole, feature, target), rtol=1e-5, atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("case", ["topk", "jumprelu", "standard-layer-norm"])

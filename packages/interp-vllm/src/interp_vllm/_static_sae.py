@@ -73,6 +73,10 @@ _PROBE_ACTIVATIONS: dict[str | None, Callable[[torch.Tensor], torch.Tensor]] = {
 READ_BLOCK_BYTES = 8 << 20
 """How many bytes of pre-activations :meth:`SaeMath.read` encodes at a time."""
 
+SAMPLE_FRACTION = 8
+"""A TopK clamp's membership pre-check encodes ``1 / SAMPLE_FRACTION`` of the features (at least
+``2 k``): :meth:`SaeMath.clamp_rows`."""
+
 
 @dataclass
 class Encoded:
@@ -114,6 +118,8 @@ class SaeMath(nn.Module):
     as ``torch.addmm`` on the benchmark machine; elsewhere, and if vLLM lacks it, ``addmm``."""
 
     W_enc: torch.Tensor
+    W_sample: torch.Tensor
+    b_sample: torch.Tensor
     b_enc: torch.Tensor
     W_dec: torch.Tensor
     b_dec: torch.Tensor
@@ -150,6 +156,13 @@ class SaeMath(nn.Module):
         self._onednn: tuple[Any, Any] | None = None  # (vLLM's ops module, the prepacked W_enc)
         if onednn and torch.device(device).type == "cpu":
             self._onednn = _onednn_matmul(self.W_enc)
+        self.sample = 0
+        """How many features (the first ones) a TopK clamp's membership pre-check encodes; 0: none."""
+        if self.k is not None and max(2 * self.k, self.d_sae // SAMPLE_FRACTION) < self.d_sae:
+            self.sample = max(2 * self.k, self.d_sae // SAMPLE_FRACTION)
+            keep("W_sample", self.W_enc[:, : self.sample])
+            keep("b_sample", self.b_enc[: self.sample])
+        self._onednn_sample = _onednn_matmul(self.W_sample) if self._onednn is not None and self.sample else None
 
     def kept(self, width: int) -> int:
         """How many features :meth:`encode` keeps per row when asked for ``width``."""
@@ -263,9 +276,12 @@ class SaeMath(nn.Module):
     def clamp_rows(self, x: torch.Tensor, feature: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """:meth:`clamp` of rows ``x`` (``[n, d_in]``), computing only what the clamped features
         need: their own pre-activations (one column of the encoder per distinct feature), and,
-        for a TopK SAE, whether the feature is among the row's top ``k`` (every pre-activation,
-        counted, not sorted), only for the rows where its pre-activation is positive (elsewhere
-        it is 0 either way), a block of rows at a time on the CPU.
+        for a TopK SAE, whether the feature is among the row's top ``k``. That is decided only
+        for the rows where its pre-activation is positive (elsewhere it is 0 either way), first
+        against a sample of the features (:attr:`sample`, the first ones): where more than ``k``
+        of them exceed it, it is not among the top ``k`` of all of them. The rows left are
+        encoded whole and counted (features above it < ``k``), not sorted. Both passes go a block
+        of rows at a time on the CPU.
         Equal to :meth:`clamp` of a whole encode to float32 rounding; the row selection makes its
         shapes depend on the values, so the compiled graph keeps :meth:`clamp`."""
         x32 = x.reshape(-1, self.d_in).float()
@@ -282,17 +298,39 @@ class SaeMath(nn.Module):
         else:
             current = torch.zeros_like(pre)
             rows = torch.nonzero(pre.squeeze(-1) > 0).flatten()
-            block = self._block()
-            for start in range(0, rows.numel(), block or max(rows.numel(), 1)):
-                some = rows[start : start + block] if block else rows
+            if self.sample and rows.numel():
+                rows = torch.cat(
+                    [some[self._may_be_member(sae_in[some], pre[some])] for some in self._blocks(rows, self.sample)]
+                )
+            for some in self._blocks(rows, self.d_sae):
                 current[some] = self._topk_member(sae_in[some], feature[some])
         return self._clamped(x32, current, feature, value, denorm)
 
-    def _block(self) -> int:
-        """How many rows :meth:`read` and :meth:`clamp_rows` encode at a time (0: all at once)."""
+    def _block(self, width: int | None = None) -> int:
+        """How many rows of ``width`` (default: every feature) pre-activations :meth:`read` and
+        :meth:`clamp_rows` encode at a time (0: all at once)."""
         if self.W_enc.device.type != "cpu":
             return 0
-        return max(16, READ_BLOCK_BYTES // (4 * self.d_sae))
+        return max(16, READ_BLOCK_BYTES // (4 * (width or self.d_sae)))
+
+    def _blocks(self, rows: torch.Tensor, width: int) -> list[torch.Tensor]:
+        """Row indices ``rows`` in blocks of :meth:`_block` ``(width)`` (one block off the CPU)."""
+        block = self._block(width) or max(rows.numel(), 1)
+        return [rows[start : start + block] for start in range(0, rows.numel(), block)]
+
+    def _may_be_member(self, sae_in: torch.Tensor, mine: torch.Tensor) -> torch.Tensor:
+        """Whether pre-activations ``mine`` (``[n, 1]``) may be among the top ``k`` of their rows:
+        ``False`` where more than ``k`` of the :attr:`sample` features' pre-activations exceed
+        them (then more than ``k`` of all do). One more than ``k``, because the clamped feature may
+        itself be in the sample, rounded apart from ``mine``."""
+        if self._onednn_sample is not None:
+            ops, handler = self._onednn_sample
+            sampled: torch.Tensor = ops.onednn_mm(handler, sae_in.contiguous(), self.b_sample)
+        else:
+            sampled = torch.addmm(self.b_sample, sae_in, self.W_sample)
+        if self.rescale:
+            sampled = sampled * self.dec_norm[: self.sample]
+        return (sampled > mine).sum(-1) <= (self.k or self.d_sae)
 
     def _pre(self, sae_in: torch.Tensor) -> torch.Tensor:
         """Every pre-activation of encoder inputs ``sae_in`` (normalised, ``b_dec`` taken off)."""
