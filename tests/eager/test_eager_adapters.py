@@ -18,11 +18,14 @@ from interp_engine import (
     LensRequest,
     SteeringSpec,
     UnknownAdapter,
+    UnsupportedOperation,
     Write,
     capture_attention,
     capture_generation,
+    compare,
     generate_stream,
     load_model,
+    logit_attribution,
     run_with_cache,
     sync_model,
     weights,
@@ -252,3 +255,41 @@ def test_bad_adapters_are_typed_errors_and_the_model_keeps_serving(
         model.capture(ids, ["resid_post.0"], adapter=3)  # type: ignore[arg-type]
     assert "prefix" not in model.adapters
     assert model.capture(ids, ["resid_post.0"], adapter="ft")[Address("resid_post", 0)].shape[0] == len(ids)
+
+
+def test_views_of_the_base_weights_refuse_the_lora_they_would_leave_out(
+    models: dict[str, Any], tmp_path: pathlib.Path
+) -> None:
+    """Per-head DLA reads the base model's W_O, the logit lens and DLA its W_U: under a LoRA on
+    ``o_proj`` per-head DLA names the LoRA, and under a LoRA on ``lm_head`` the lens, DLA and
+    compare's lens refuse naming the adapter."""
+    model = models["llama"]  # "ft" adapts every projection, o_proj included, and not lm_head
+    prompt = model.to_tokens(PROMPT)[0].tolist()
+    with pytest.raises(UnsupportedOperation, match=r"under adapter 'ft' \(a LoRA on .*o_proj.*\)"):
+        logit_attribution(model, [prompt], 5, 7, heads=True, adapter="ft")
+    whole = logit_attribution(model, [prompt], 5, 7, adapter="ft")  # one component per layer: exact
+    assert abs(float(whole.values.sum()) - whole.meta["logit_diff"]) <= 1e-3 * max(1.0, abs(whole.meta["logit_diff"]))
+    head = make_lora(tiny_model_path("llama"), tmp_path / "head", "llama", seed=7, targets=("lm_head", "v_proj"))
+    tuned = sync_model(load_model(tiny_model_path("llama"), backend="eager", adapters={"head": str(head.adapter)}))
+    try:
+        ids = tuned.to_tokens(PROMPT)[0].tolist()
+        lens = LensRequest(layers=[0, 1], top_k=2)
+        with pytest.raises(UnsupportedOperation, match=r"'head' adapts the unembedding \(lm_head\).*logit lens"):
+            capture_generation(tuned, ids, ["resid_post.0"], max_tokens=2, lens=lens, adapter="head")
+        with pytest.raises(UnsupportedOperation, match=r"adapter 'head' adapts the unembedding.*logit lens"):
+            list(generate_stream(tuned, ids, max_tokens=2, lens=lens, adapter="head"))
+        with pytest.raises(UnsupportedOperation, match=r"adapter 'head' adapts the unembedding.*direct logit"):
+            logit_attribution(tuned, [ids], 5, 7, adapter="head")
+        diff = compare(tuned, PROMPT, ["resid_post.0"], adapters=[None, "head"])
+        with pytest.raises(UnsupportedOperation, match=r"adapter 'head' adapts the unembedding.*logit lens"):
+            diff.lens()
+        # what reads no W_U runs under it, and the LoRA on lm_head moves the logits as HF + PEFT's
+        plain = capture_generation(tuned, ids, ["resid_post.0"], max_tokens=2, lens=lens)[1]
+        assert plain.lens.ids.shape[0] == 2
+        got = run_with_cache(tuned, [ids], ["logits"], adapter="head")["logits"]
+        with torch.no_grad():
+            want = _hf_peft("llama", head.adapter)(torch.tensor([ids])).logits
+        assert rel_diff(got, want) <= TOL
+        assert diff.norms().values.shape[-1] == 3
+    finally:
+        tuned.shutdown()

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .._errors import InvalidAdapter
+from .._errors import InvalidAdapter, UnsupportedOperation
 from .._shipped import resolve_adapter
 
 if TYPE_CHECKING:
@@ -167,6 +167,22 @@ def check_adapter(name: str, path: str | os.PathLike[str], info: ModelInfo, *, m
         tuple(sorted(layers)),
         base if isinstance(base, str) else None,
     )
+
+
+UNEMBEDDINGS = ("lm_head", "embed_out")
+"""The names of the unembedding a LoRA can adapt (GPT-NeoX's: ``embed_out``)."""
+
+
+def refuse_adapted_unembedding(adapter: Adapter | None, view: str) -> None:
+    """``UnsupportedOperation`` naming the adapter when it adapts the unembedding and ``view``
+    (what the caller computes) decodes with the base model's ``W_U``, which leaves the LoRA out."""
+    adapted = [target for target in (adapter.targets if adapter is not None else ()) if target in UNEMBEDDINGS]
+    if adapter is not None and adapted:
+        raise UnsupportedOperation(
+            f"adapter {adapter.name!r} adapts the unembedding ({', '.join(adapted)}), and {view} reads the base "
+            "model's W_U, without the LoRA; merge the adapter into the weights (PEFT's merge_and_unload) and "
+            "load that model, or use an adapter that leaves the unembedding as it is"
+        )
 
 
 def is_adapter_folder(path: str) -> bool:

@@ -44,6 +44,7 @@ import torch
 from .._api import Tokens, model_points, run_with_cache, token_rows
 from .._errors import InvalidAdapter, InvalidOption
 from .._sync import SyncModel, sync_model
+from ..adapters._adapter import refuse_adapted_unembedding
 from ..addresses._address import Address
 from ..protocol._protocol import InterpModel, Points
 from ..results._cache import Cache
@@ -163,8 +164,13 @@ class ModelDiff:
         """The logit lens of each layer's ``resid_post`` on both sides at ``position`` of prompt
         ``row``: the adapted side's log-probabilities minus the reference's, for ``tokens`` (ids or
         one-token texts), or else the ``top_k`` tokens promoted most and the ``top_k`` demoted most
-        at the last layer. Dims ``("layer", "token")``; ``meta["ids"]`` holds the token ids."""
+        at the last layer. Dims ``("layer", "token")``; ``meta["ids"]`` holds the token ids. A side
+        whose adapter adapts the unembedding is refused (``UnsupportedOperation``): the lens
+        decodes with the base model's ``W_U``."""
         chosen = self._chosen(adapter)
+        registered = getattr(self.facade.model, "adapters", {})
+        for side in (chosen, self.reference):
+            refuse_adapted_unembedding(registered.get(side) if side is not None else None, "the logit lens")
         if not 0 <= row < len(self.rows):
             raise InvalidOption(f"row must be in 0..{len(self.rows) - 1}, got {row}")
         points = [Address("resid_post", layer) for layer in range(self._n_layers)]

@@ -46,6 +46,7 @@ import torch
 from .._api import Tokens, run_with_cache, token_rows
 from .._errors import InvalidOption, InvalidTokens, UnsupportedArchitecture, UnsupportedOperation
 from .._sync import SyncModel, sync_model
+from ..adapters._adapter import Adapter, refuse_adapted_unembedding
 from ..addresses._address import Address
 from ..protocol._base import ModelBase
 from ..protocol._protocol import InterpModel
@@ -131,6 +132,7 @@ def _split(
         points.append(f"{mlp_kind}.{layer}")
     rows = token_rows(inner, tokens)
     positions = _positions(position, [len(r) for r in rows])  # checked before any compute
+    held = _adapter(inner, adapter)
     cache = run_with_cache(facade, rows, [*points, *extra], adapter=adapter)
     names = ["embed"]
     parts = [_at(cache, "resid_pre.0", positions)]
@@ -151,6 +153,14 @@ def _split(
                 total = total + b_o.double() * multiplier
             whole = _at(cache, f"attn_out.{layer}", positions)
             error = _relative(total, whole)
+            if error > tolerance and held is not None:
+                raise UnsupportedOperation(
+                    f"under adapter {adapter!r} (a LoRA on {', '.join(held.targets)}) the heads' attn_z.{layer} times "
+                    f"the base model's W_O plus b_O is not attn_out.{layer} (off by {error:.2g} of its scale): a LoRA "
+                    "on the attention's output projection adds a part of attn_out that no head's rows of W_O hold; "
+                    "decompose without heads=True, or merge the adapter into the weights (PEFT's merge_and_unload) "
+                    "and load that model"
+                )
             if error > tolerance:
                 raise UnsupportedOperation(
                     f"on {inner.info.architecture} the heads' attn_z.{layer} times W_O plus b_O is not "
@@ -238,8 +248,8 @@ def logit_attribution(
             "pre-cap logit difference is not defined here"
         )
     extra = ["logits_raw"] if layout.logit_softcap is not None else ["logits"]
+    refuse_adapted_unembedding(_adapter(inner, adapter), "direct logit attribution")  # before any compute
     split = _split(weights, tokens, heads=heads, position=position, extra=extra, adapter=adapter)
-    _check_unembedding_kept(inner, adapter)
     ids = sorted(set(answers) | set(wrongs or []))
     column = {token: i for i, token in enumerate(ids)}
     w_u = weights.get("W_U", vocab=ids).double()  # [d_model, len(ids)]
@@ -281,18 +291,14 @@ def logit_attribution(
     return _labelled(values.float(), ("component",), {"component": names}, meta)
 
 
-_UNEMBEDDINGS = ("lm_head", "embed_out")
-"""The names of the output projection a LoRA adapter could change (the attribution reads its base weights)."""
-
-
-def _check_unembedding_kept(model: InterpModel, adapter: str | None) -> None:
-    registered = getattr(model, "adapters", {})
-    held = registered.get(adapter) if adapter is not None else None
-    if held is not None and any(target in _UNEMBEDDINGS for target in held.targets):
-        raise UnsupportedOperation(
-            f"adapter {adapter!r} adapts the unembedding ({', '.join(held.targets)}), and the attribution reads the "
-            "base model's W_U: direct logit attribution under it is not served"
-        )
+def _adapter(model: InterpModel, adapter: str | None) -> Adapter | None:
+    """The adapter a call names, checked and registered as the call itself would (a folder on
+    first use), so that what it adapts is known before any compute."""
+    if adapter is None:
+        return None
+    check = getattr(model, "_check_adapter", None)
+    name = check(adapter) if check is not None else adapter
+    return getattr(model, "adapters", {}).get(name)
 
 
 def _difference(columns: torch.Tensor, column: dict[int, int], answer: int, wrong: int | None) -> torch.Tensor:

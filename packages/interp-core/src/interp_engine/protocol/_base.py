@@ -69,7 +69,7 @@ from .._errors import (
     UnsupportedAddress,
     UnsupportedOperation,
 )
-from ..adapters._adapter import Adapter, check_adapter, is_adapter_folder
+from ..adapters._adapter import Adapter, check_adapter, is_adapter_folder, refuse_adapted_unembedding
 from ..addresses._address import Address, AddressLike, PointInfo
 from ..addresses._kinds import KINDS, missing_reason
 from ..chat._render import build_chat_tokens
@@ -502,6 +502,8 @@ class ModelBase(ModelLifecycle, abc.ABC):
             lens=self._check_lens(lens, token_ids, len(ids)),
             adapter=self._check_adapter(adapter),
         )
+        if request.lens is not None and request.adapter is not None:
+            refuse_adapted_unembedding(self._adapters[request.adapter], "the logit lens")
         self._check_request(request)
         return request
 
