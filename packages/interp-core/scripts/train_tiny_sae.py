@@ -36,7 +36,6 @@ package: the package ships only the trained files.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import pathlib
 import re
@@ -50,28 +49,19 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from interp_engine import Sae, load_model, load_sae, run_with_cache, tiny_model_path
+from interp_engine import Sae, load_model, load_sae, tiny_model_path
+
+# the data set-up the two dictionaries' scripts share (_tiny_data.py, beside this one), also
+# when this file is loaded by its path
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _tiny_data import HELD_OUT_DOCS, HELD_OUT_SEED, capture_rows, corpus_documents, corpus_generator
 
 HERE = pathlib.Path(__file__).resolve().parent
-CORPUS = HERE / "tiny_corpus.txt"
 SHIPPED = HERE.parent / "src" / "interp_engine" / "models" / "tiny-sae"
-HELD_OUT_SEED = 1005
-"""Seed of the held-out documents (the corpus itself is seed 5; the tests use yet others)."""
-HELD_OUT_DOCS = 300
 MIDDLE_LAYERS = (1, 2)
 NAMED_MIN_F1 = 0.5
 """A category's best feature is listed as a named feature from this F1 on held-out text."""
 _WORD = re.compile(r"[A-Za-z]+|[0-9]+")
-
-
-def corpus_generator() -> ModuleType:
-    """``make_tiny_corpus.py`` beside this script, as a module (its tables and ``documents``)."""
-    spec = importlib.util.spec_from_file_location("make_tiny_corpus", HERE / "make_tiny_corpus.py")
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load {HERE / 'make_tiny_corpus.py'}")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def categories(gen: ModuleType) -> dict[str, frozenset[str]]:
@@ -136,18 +126,10 @@ def collect(
         ids, lab = label_tokens(tokenizer, doc, cats)
         rows.append(ids)
         labels.append(lab)
-    points = [f"resid_post.{layer}" for layer in layers]
-    acts: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}
-    for at in range(0, len(rows), 64):
-        batch = rows[at : at + 64]
-        cache = run_with_cache(model, batch, points)
-        lengths = cache.lengths if cache.lengths is not None else torch.tensor([len(r) for r in batch])
-        for layer, point in zip(layers, points, strict=True):
-            value = cache[point].float()
-            acts[layer].extend(value[i, : int(n)] for i, n in enumerate(lengths))
+    acts = capture_rows(model, rows, [f"resid_post.{layer}" for layer in layers])
     ids = torch.tensor([i for row in rows for i in row])
     flat = torch.cat(labels)
-    return {layer: Tokens(torch.cat(acts[layer]), ids, flat) for layer in layers}
+    return {layer: Tokens(torch.cat(acts[f"resid_post.{layer}"]), ids, flat) for layer in layers}
 
 
 class TopKSae(torch.nn.Module):
@@ -365,8 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path())
     model = load_model("interp:tiny", backend="eager")
     layers = list(MIDDLE_LAYERS) if args.layer == "auto" else [int(args.layer)]
-    corpus = CORPUS.read_text(encoding="utf-8").splitlines()
-    train = collect(model, tokenizer, corpus, layers, cats)
+    train = collect(model, tokenizer, corpus_documents(), layers, cats)
     held = collect(model, tokenizer, gen.documents(HELD_OUT_DOCS, seed=HELD_OUT_SEED), layers, cats)
     print(f"{len(train[layers[0]].ids)} training tokens, {len(held[layers[0]].ids)} held-out tokens", flush=True)
 

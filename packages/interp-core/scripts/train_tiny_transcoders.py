@@ -26,48 +26,33 @@ package: the package ships only the trained files.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import pathlib
+import sys
 import time
-from types import ModuleType
 from typing import Any
 
 import torch
 
-from interp_engine import Sae, load_model, run_with_cache
+from interp_engine import Sae, load_model
 from interp_engine.circuits import TranscoderSet, load_transcoders
 
+# the data set-up the two dictionaries' scripts share (_tiny_data.py, beside this one), also
+# when this file is loaded by its path
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _tiny_data import capture_rows, corpus_documents, held_out_documents
+
 HERE = pathlib.Path(__file__).resolve().parent
-CORPUS = HERE / "tiny_corpus.txt"
+
 SHIPPED = HERE.parent / "src" / "interp_engine" / "models" / "tiny-transcoders"
-HELD_OUT_SEED = 1005
-HELD_OUT_DOCS = 300
 N_LAYERS = 4
 
 
-def corpus_generator() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("make_tiny_corpus", HERE / "make_tiny_corpus.py")
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load {HERE / 'make_tiny_corpus.py'}")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def collect(model: Any, docs: list[str]) -> dict[str, torch.Tensor]:
-    """``mlp_in.L`` and ``mlp_out.L`` of every token of ``docs``: ``{"in.L": [n, 128], "out.L": ...}``."""
+    """``mlp_in.L`` and ``mlp_out.L`` of every token of ``docs``: ``{"mlp_in.L": [n, 128], "mlp_out.L": ...}``."""
     rows = [model.to_tokens(doc)[0].tolist() for doc in docs]
     points = [f"{kind}.{layer}" for layer in range(N_LAYERS) for kind in ("mlp_in", "mlp_out")]
-    acts: dict[str, list[torch.Tensor]] = {p: [] for p in points}
-    for at in range(0, len(rows), 64):
-        batch = rows[at : at + 64]
-        cache = run_with_cache(model, batch, points)
-        lengths = [len(r) for r in batch]
-        for point in points:
-            value = cache[point].float()
-            acts[point].extend(value[i, :n] for i, n in enumerate(lengths))
-    return {p: torch.cat(v) for p, v in acts.items()}
+    return {p: torch.cat(v) for p, v in capture_rows(model, rows, points).items()}
 
 
 def train_layer(x: torch.Tensor, y: torch.Tensor, layer: int, args: argparse.Namespace) -> Sae:
@@ -143,8 +128,8 @@ def main() -> None:
     torch.set_num_threads(1)
     started = time.perf_counter()
     model = load_model("interp:tiny", backend="eager")
-    docs = [d for d in CORPUS.read_text(encoding="utf-8").splitlines() if d.strip()]
-    held_out = list(corpus_generator().documents(HELD_OUT_DOCS, seed=HELD_OUT_SEED))
+    docs = [d for d in corpus_documents() if d.strip()]
+    held_out = held_out_documents()
     train, test = collect(model, docs), collect(model, held_out)
     print(f"collected {len(train['mlp_in.0'])} training and {len(test['mlp_in.0'])} held-out tokens", flush=True)
     saes, figures = [], {}
