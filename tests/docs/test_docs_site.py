@@ -195,6 +195,85 @@ def _body(name: str) -> dict[str, Any]:
     return {"content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}}}
 
 
+# -- the model types ---------------------------------------------------------------------------------
+
+
+def _script(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_model_type_table_is_the_backends_verdict(site: pathlib.Path) -> None:
+    """One row per model type the eager backend names, each cell what that backend's own code
+    makes of a tiny model of the type (the build's run is read back, not redone)."""
+    from interp_eager import verified_model_types
+    from interp_engine import load_model
+    from interp_testkit.suite import tiny_model_path
+
+    support = hooks.model_type_support()
+    assert sorted(support) == verified_model_types()
+    html = unescape(page(site, "reference/model-types"))
+    for model_type, row in support.items():
+        assert f"<code>{model_type}</code>" in html, model_type
+        for entry in row.values():
+            assert entry["status"] in ("serves", "refused") and (entry["status"] == "serves") == ("kinds" in entry)
+            if "reason" in entry:
+                assert entry["reason"] in html, (model_type, entry["reason"])
+    assert "Model architectures ['XGLMForCausalLM'] are not supported" in html  # vLLM's own refusal
+    model = load_model(str(tiny_model_path("gpt2")), backend="eager")  # the eager cell, loaded here
+    assert support["gpt2"]["eager"] == {"status": "serves", "kinds": list(model.points())}
+
+
+def test_a_model_type_row_says_what_each_backend_serves() -> None:
+    support = {
+        "frob": {
+            "eager": {"status": "serves", "kinds": ["embed", "logits"]},
+            "vllm": {"status": "refused", "reason": "no"},
+        },
+        "grob": {
+            "eager": {"status": "serves", "kinds": ["embed", "attn_scores"]},
+            "vllm": {"status": "serves", "kinds": ["embed", "logits_raw"]},
+        },
+    }
+    text = hooks.render_model_types(support)
+    assert "| `frob` | ✓ 2 kinds | refused | vllm: no |" in text
+    assert "| `grob` | ✓ 2 kinds | ✓ 2 kinds | only eager serves `attn_scores`; only vllm serves `logits_raw` |" in text
+    assert text.endswith("Served: eager 2 of 2 model types, vllm 1.")
+
+
+def test_the_verified_table_is_the_committed_results(site: pathlib.Path) -> None:
+    data = json.loads(hooks.VERIFIED.read_text())
+    assert set(data["results"]) == {"eager", "vllm", "vllm-static"} and data["about"]
+    for backend, table in data["results"].items():
+        for model_type, entry in table.items():
+            assert entry["status"] in ("verified", "fails", "refused"), (backend, model_type)
+            assert isinstance(entry["kinds_checked"], int) and len(entry["recorded"]) == 10, (backend, model_type)
+            assert entry["commit"] is None or len(entry["commit"]) == 40, (backend, model_type)
+    html = page(site, "reference/model-types")
+    assert 'href="../model-types-verified.json"' in html
+    assert (site / "reference" / "model-types-verified.json").is_file()  # the data, served beside its table
+    entry = {"status": "verified", "kinds_checked": 3, "recorded": "2026-01-02"}
+    fake = {"results": {"eager": {"frob": entry}, "vllm": {}}}
+    assert "| `frob` | ✓ 3 kinds (2026-01-02) | not run |  |" in hooks.render_verified(fake)
+
+
+def test_recording_results_replaces_their_entries(tmp_path: pathlib.Path) -> None:
+    family_table = _script("family_table")
+    (tmp_path / "vllm").mkdir()
+    reason = f"vLLM cannot build a config for '{ROOT}/.cache/test-models/frob-vllm': no"
+    record = {"model_type": "frob", "backend": "vllm", "status": "refused", "kinds": [], "reason": reason}
+    (tmp_path / "vllm" / "frob.json").write_text(json.dumps(record))
+    before = {"results": {"vllm": {"frob": {"status": "verified"}, "grob": {"status": "fails"}}}}
+    data = family_table.merge(before, family_table.load_results(tmp_path))
+    assert data["results"]["vllm"]["grob"] == {"status": "fails"}  # no result: kept
+    frob = data["results"]["vllm"]["frob"]
+    assert (frob["status"], frob["kinds_checked"]) == ("refused", 0)
+    assert frob["reason"] == "vLLM cannot build a config for MODEL: no" and len(frob["commit"]) == 40
+
+
 # -- benchmark figures and their age -----------------------------------------------------------------
 
 
