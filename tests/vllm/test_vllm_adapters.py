@@ -1,8 +1,10 @@
-"""LoRA adapters per request on the vllm backend (vLLM's LoRA, ``enable_lora``), on the one
-LoRA engine of the session (the tiny Llama): every kind under an adapter equals the eager
-backend's PEFT run (itself equal to HF + PEFT and the merged model: tests/eager/test_eager_adapters.py)
-and HF + PEFT's hidden states; 16 concurrent requests mixing two adapters and the base model
-each equal their solo runs; bad adapters are typed errors before any compute."""
+"""LoRA adapters per request on the vllm backend (vLLM's LoRA, ``enable_lora``), on the module's
+LoRA engines (the tiny Llama at TP=1 and TP=2, the tiny Qwen 2; shut down when the module ends):
+every kind under an adapter equals the eager backend's PEFT run (itself equal to HF + PEFT and the
+merged model: tests/eager/test_eager_adapters.py) and HF + PEFT's hidden states, on Llama and on
+Qwen 2 with adapters on the attention and MLP projections; TP=2 equals TP=1 under adapters, alone,
+chunked and mixed in one batch; 16 concurrent requests mixing two adapters and the base model each
+equal their solo runs; bad adapters are typed errors before any compute."""
 
 from __future__ import annotations
 
@@ -29,16 +31,25 @@ from interp_engine import (
     run_with_cache,
     sync_model,
 )
-from interp_testkit.suite import PROMPT, rel_diff, tiny_model_path, vllm_model_path
+from interp_testkit.suite import LONG, PROMPT, rel_diff, tiny_model_path, vllm_model_path
 
-from ..support.adapters import Lora, make_lora
-from ..support.engines import assert_no_leaks
+from ..support.adapters import TARGETS, Lora, make_lora
+from ..support.engines import EnginePool, assert_no_leaks
 from ..support.saes import tiny_sae
 
 TOL = 1e-4
 LORA_ENGINE = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 4}
-"""The session's one LoRA engine (the tiny Llama): every test of this module shares it."""
+"""The engine arguments of the module's LoRA engines (the tiny Llama's, at TP=1 and TP=2, and the
+tiny Qwen 2's): no other module starts an engine with them."""
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_lora_engines(engine_pool: EnginePool) -> Iterator[None]:
+    """The LoRA engines serve this module only: shut down when it ends, so that they hold no
+    memory while later modules start their own."""
+    yield
+    engine_pool.release(keep=lambda args: not args.get("enable_lora"))
 
 
 @pytest.fixture(scope="module")
@@ -83,29 +94,69 @@ def _points(model: Any) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("adapter", ["ft", "attn"])
-def test_every_kind_under_an_adapter_equals_peft(
-    adapter: str, lora_engine: Any, twin: Any, loras: dict[str, Lora]
-) -> None:
-    tokens = lora_engine.to_tokens(PROMPT)
-    points = _points(lora_engine)
-    got = run_with_cache(lora_engine, tokens, points, adapter=adapter)
+def _assert_every_kind_equals_peft(engine: Any, twin: Any, adapter: str, base: pathlib.Path, lora: Lora) -> None:
+    """Every point of ``engine`` under ``adapter`` equals the eager ``twin``'s (PEFT) and HF +
+    PEFT's hidden states and logits, and the adapter moves more than a third of the points."""
+    tokens = engine.to_tokens(PROMPT)
+    points = _points(engine)
+    got = run_with_cache(engine, tokens, points, adapter=adapter)
     want = run_with_cache(twin, tokens, points, adapter=adapter)
-    base = run_with_cache(lora_engine, tokens, points)
+    plain = run_with_cache(engine, tokens, points)
     moved = 0
     for point in points:
         assert rel_diff(got[point], want[point]) <= TOL, point
-        moved += not torch.allclose(got[point], base[point], atol=1e-5)
+        moved += not torch.allclose(got[point], plain[point], atol=1e-5)
     assert moved > len(points) // 3, "the adapter changed too few points to tell"
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(vllm_model_path("llama"), attn_implementation="eager")
+    hf = AutoModelForCausalLM.from_pretrained(base, attn_implementation="eager")
     with torch.no_grad():
-        out = PeftModel.from_pretrained(hf, loras[adapter].adapter).eval()(tokens, output_hidden_states=True)
-    for layer in range(lora_engine.info.n_layers - 1):
+        out = PeftModel.from_pretrained(hf, lora.adapter).eval()(tokens, output_hidden_states=True)
+    for layer in range(engine.info.n_layers - 1):
         assert rel_diff(got[f"resid_post.{layer}"], out.hidden_states[layer + 1]) <= TOL, layer
     assert rel_diff(got["logits"], out.logits) <= TOL
+
+
+@pytest.mark.parametrize("adapter", ["ft", "attn"])
+def test_every_kind_under_an_adapter_equals_peft(
+    adapter: str, lora_engine: Any, twin: Any, loras: dict[str, Lora]
+) -> None:
+    _assert_every_kind_equals_peft(lora_engine, twin, adapter, vllm_model_path("llama"), loras[adapter])
+
+
+@pytest.fixture(scope="module")
+def qwen(vllm_engines: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any, Lora]]:
+    """The tiny Qwen 2 (4 heads of 32, 2 KV heads, biased q/k/v) on a LoRA engine and on the eager
+    backend, both with a rank-8 adapter on every attention and MLP projection."""
+    base = vllm_model_path("qwen2")
+    lora = make_lora(base, tmp_path_factory.mktemp("qwen-lora"), "qwen2", seed=5, rank=8)
+    engine = vllm_engines("qwen2", **LORA_ENGINE)
+    if "qwen-ft" not in engine.adapters:
+        engine.load_adapter("qwen-ft", lora.adapter)
+    eager = sync_model(load_model(base, backend="eager", adapters={"qwen-ft": str(lora.adapter)}))
+    yield engine, eager, lora
+    eager.shutdown()
+
+
+def test_qwen2_every_kind_under_an_adapter_equals_peft(qwen: tuple[Any, Any, Lora]) -> None:
+    engine, eager, lora = qwen
+    assert set(engine.adapters["qwen-ft"].targets) == set(TARGETS["qwen2"])  # attention and MLP
+    _assert_every_kind_equals_peft(engine, eager, "qwen-ft", vllm_model_path("qwen2"), lora)
+    # and a generation with the lens under it, mixed in one batch with base-model rows
+    ids = engine.to_tokens(PROMPT)[0].tolist()
+    lens = LensRequest(layers=[0, 2], top_k=3)
+    got, got_cache = capture_generation(engine, ids, ["resid_post.1"], max_tokens=6, lens=lens, adapter="qwen-ft")
+    want, want_cache = capture_generation(eager, ids, ["resid_post.1"], max_tokens=6, lens=lens, adapter="qwen-ft")
+    assert got.token_ids == want.token_ids
+    assert rel_diff(got_cache["resid_post.1"], want_cache["resid_post.1"]) <= TOL
+    assert torch.equal(got_cache.lens.ids, want_cache.lens.ids)
+    rows = [ids, ids[:7], ids]
+    mixed = run_with_cache(engine, rows, ["resid_post.2"], adapter=["qwen-ft", None, None])
+    alone = run_with_cache(eager, rows, ["resid_post.2"], adapter=["qwen-ft", None, None])
+    assert rel_diff(mixed["resid_post.2"], alone["resid_post.2"]) <= TOL
+    assert not torch.allclose(mixed["resid_post.2"][0], mixed["resid_post.2"][2], atol=1e-4)
+    assert_no_leaks(engine)
 
 
 def test_generation_lens_and_steering_under_an_adapter(lora_engine: Any, twin: Any) -> None:
@@ -172,6 +223,41 @@ def test_sixteen_concurrent_requests_mixing_adapters_equal_their_solo_runs(lora_
             assert results[i] == alone, i
     assert not torch.allclose(results[2], results[5]) and not torch.allclose(results[2], results[8])  # attn, base, ft
     assert_no_leaks(lora_engine)
+
+
+def test_tp2_under_adapters_equals_tp1(vllm_engines: Any, lora_engine: Any, loras: dict[str, Lora]) -> None:
+    """The TP=2 LoRA engine (each worker holds a shard of every LoRA's A or B) against the TP=1
+    one: every kind under each adapter, a prompt prefilled in 64-token chunks under an adapter,
+    and one batch mixing both adapters and the base model."""
+    two = vllm_engines("llama", tensor_parallel_size=2, **LORA_ENGINE)
+    assert two.model.tp_size == 2, "the engine did not start two tensor-parallel workers"
+    _register(two, loras)
+    ids = lora_engine.to_tokens(PROMPT)[0].tolist()
+    points = [Address.parse(point) for point in _points(lora_engine)]
+    for adapter in ("ft", "attn"):
+        got = two.capture(ids, points, adapter=adapter)
+        want = lora_engine.capture(ids, points, adapter=adapter)
+        for point in points:
+            assert got[point].shape == want[point].shape, point
+            assert rel_diff(got[point], want[point]) <= TOL, (adapter, point)
+    deep = ["resid_post.2", "mlp_post.1", "attn_pattern.0", "logits"]
+    got = two.capture(LONG, deep, adapter="ft")
+    want = lora_engine.capture(LONG, deep, adapter="ft")
+    for point in got:
+        assert rel_diff(got[point], want[point]) <= TOL, point
+    rows = [ids, ids, ids[:8], ids]
+    adapters = ["ft", None, "attn", "attn"]
+    mixed = run_with_cache(two, rows, ["resid_post.1", "mlp_post.2"], adapter=adapters)
+    alone = run_with_cache(lora_engine, rows, ["resid_post.1", "mlp_post.2"], adapter=adapters)
+    for point in ("resid_post.1", "mlp_post.2"):
+        assert rel_diff(mixed[point], alone[point]) <= TOL, point
+    assert not torch.allclose(mixed["resid_post.1"][0], mixed["resid_post.1"][1], atol=1e-4)
+    assert not torch.allclose(mixed["resid_post.1"][0], mixed["resid_post.1"][3], atol=1e-4)
+    assert (
+        two.generate(ids, max_tokens=6, adapter="attn").token_ids
+        == lora_engine.generate(ids, max_tokens=6, adapter="attn").token_ids
+    )
+    assert_no_leaks(two)
 
 
 def test_bad_adapters_are_typed_errors_before_any_compute(
