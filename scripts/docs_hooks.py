@@ -245,19 +245,24 @@ def model_type_support(cache: pathlib.Path = ROOT / ".cache" / "docs") -> dict[s
     """``{model_type: {"eager": entry, "vllm": entry}}``: ``scripts/model_types.py`` run for each
     backend in a process of its own (about a minute in all), or read back from runs on exactly
     this code and these library versions."""
+    import fcntl
+
     key = _support_key()
     found: dict[str, dict[str, Any]] = {}
-    for backend in ("eager", "vllm"):
-        out = cache / f"model-types-{backend}-{key}.json"
-        if not out.is_file():
-            cache.mkdir(parents=True, exist_ok=True)
-            partial = out.with_suffix(".partial")
-            command = [sys.executable, str(MODEL_TYPES_SCRIPT), "--backend", backend, "--out", str(partial)]
-            done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
-            if done.returncode != 0:
-                raise RuntimeError(f"scripts/model_types.py failed while building the site: {done.stderr[-3000:]}")
-            partial.replace(out)
-        found[backend] = json.loads(out.read_text(encoding="utf-8"))
+    cache.mkdir(parents=True, exist_ok=True)
+    # two builds at once (the test suite's processes) compute it once: the second waits, then reads
+    with (cache / "model-types.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for backend in ("eager", "vllm"):
+            out = cache / f"model-types-{backend}-{key}.json"
+            if not out.is_file():
+                partial = out.with_suffix(".partial")
+                command = [sys.executable, str(MODEL_TYPES_SCRIPT), "--backend", backend, "--out", str(partial)]
+                done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+                if done.returncode != 0:
+                    raise RuntimeError(f"scripts/model_types.py failed while building the site: {done.stderr[-3000:]}")
+                partial.replace(out)
+            found[backend] = json.loads(out.read_text(encoding="utf-8"))
     return {model_type: {backend: found[backend][model_type] for backend in found} for model_type in found["eager"]}
 
 
