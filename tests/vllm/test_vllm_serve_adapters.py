@@ -7,7 +7,12 @@ a short ChatML template),
 
 - A request naming the adapter carries a steering spec: its tokens and logprobs equal the eager
   backend's on the adapter merged into the weights (``peft``'s ``merge_and_unload``) with the same
-  spec (the Python API takes no adapter yet), so the plugin keeps vLLM's ``lora_request``.
+  spec, so the plugin keeps vLLM's ``lora_request``.
+- The ``/interp`` routes serve the server's ``--lora-modules`` LoRA: their ``adapter`` field names
+  it as ``model=`` does on vLLM's routes, and captures, generations and captured generations under
+  it equal the eager backend's with the same adapter (PEFT); any other name is ``400
+  UnknownAdapter`` listing it. A LoRA vLLM loads at run time (``/v1/load_lora_adapter``, allowed
+  here by ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``) is served there too, until vLLM unloads it.
 - vLLM's parsers run on steered chats: a steering spec that writes each token of a reasoning
   section and a tool call (the unembedding direction of each, at the last layer) gives a message
   that vLLM's parsers split into ``reasoning`` and ``tool_calls``, whole and streamed; a spec of
@@ -27,10 +32,12 @@ import openai
 import pytest
 import torch
 
-from interp_engine import SteeringSpec, Write, generate_stream, load_model, sync_model
+from interp_engine import Address, SteeringSpec, Write, generate_stream, load_model, sync_model
 from interp_testkit.chat_templates import chat_tokenizer
-from interp_testkit.suite import vllm_model_path
+from interp_testkit.suite import rel_diff, vllm_model_path
 from interp_testkit.vllm_serve import VllmServe
+
+from ..support.servers import tensor
 
 SERVED = "tinychat"
 ADAPTER = "tinylora"
@@ -97,7 +104,8 @@ def server(models: dict[str, pathlib.Path], tmp_path_factory: pytest.TempPathFac
         *("--enable-lora", "--lora-modules", f"{ADAPTER}={models['adapter']}", "--max-lora-rank", "8"),
         *("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "deepseek_r1"),
     ]
-    with VllmServe(models["base"], args, log, env={"VLLM_PLUGINS": "interp_vllm"}) as running:
+    env = {"VLLM_PLUGINS": "interp_vllm", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}  # /v1/load_lora_adapter
+    with VllmServe(models["base"], args, log, env=env) as running:
         yield running.wait()
 
 
@@ -146,7 +154,7 @@ def test_a_lora_request_carries_a_steering_spec(
     ours = steered.choices[0].logprobs.token_logprobs
     theirs = [dict(step.logprobs)[step.token_id] for step in reference]
     assert max(abs(a - b) for a, b in zip(ours, theirs, strict=True)) <= 1e-4
-    # the base model's steering is still the Python API's on the same engine (/interp: no adapter)
+    # the base model's steering is still the Python API's on the same engine (/interp, no adapter)
     answer = httpx.post(
         f"{server.url}/interp/v1/generate",
         json={"text": PROMPT, "max_tokens": 8, "steering": spec.to_dict()},
@@ -154,6 +162,74 @@ def test_a_lora_request_carries_a_steering_spec(
     )
     assert answer.status_code == 200, answer.text
     assert answer.json()["token_ids"] == _ids(_completion(client, SERVED, spec))
+
+
+def test_the_interp_routes_serve_the_servers_lora(
+    client: openai.OpenAI, server: VllmServe, models: dict[str, pathlib.Path]
+) -> None:
+    interp = f"{server.url}/interp/v1"
+    listed = httpx.get(f"{interp}/model", timeout=60).json()["adapters"]
+    assert [(a["name"], a["rank"]) for a in listed] == [(ADAPTER, 8)]
+    spec = _spec()
+    eager = sync_model(load_model(str(models["base"]), backend="eager", adapters={ADAPTER: str(models["adapter"])}))
+    try:
+        ids = eager.to_tokens(PROMPT)[0].tolist()
+        points = ["resid_post.0", "attn_z.1", "attn_out.1", "mlp_post.2", "mlp_out.2", "logits"]
+        want = eager.capture(ids, points, adapter=ADAPTER)
+        plain = eager.capture(ids, points)
+        tokens = eager.generate(ids, max_tokens=8, adapter=ADAPTER).token_ids
+        completion, acts = eager.capture_generation(
+            ids, ["resid_post.1"], max_tokens=4, steering_spec=spec, adapter=ADAPTER
+        )
+    finally:
+        eager.shutdown()
+    answer = httpx.post(f"{interp}/capture", json={"token_ids": ids, "points": points, "adapter": ADAPTER}, timeout=120)
+    assert answer.status_code == 200, answer.text
+    for point in points:
+        got = tensor(answer.json()["activations"][point])
+        assert rel_diff(got, want[Address.parse(point)]) <= 1e-4, point
+    assert not torch.allclose(want[Address("attn_out", 1)], plain[Address("attn_out", 1)], atol=1e-3)
+    generated = httpx.post(
+        f"{interp}/generate", json={"text": PROMPT, "max_tokens": 8, "adapter": ADAPTER}, timeout=120
+    ).json()
+    assert generated["token_ids"] == tokens == _ids(_completion(client, ADAPTER, None))
+    both = httpx.post(
+        f"{interp}/capture_generation",
+        json={
+            "token_ids": ids,
+            "points": ["resid_post.1"],
+            "max_tokens": 4,
+            "steering": spec.to_dict(),
+            "adapter": ADAPTER,
+        },
+        timeout=120,
+    ).json()
+    assert both["completion"]["token_ids"] == completion.token_ids
+    assert rel_diff(tensor(both["activations"]["resid_post.1"]), acts[Address("resid_post", 1)]) <= 1e-4
+    refused = httpx.post(
+        f"{interp}/capture", json={"token_ids": ids, "points": ["resid_post.0"], "adapter": "nope"}, timeout=60
+    )
+    assert refused.status_code == 400, refused.text
+    error = refused.json()
+    assert (error["error"], error["field"], error["valid"]) == ("UnknownAdapter", "adapter", [ADAPTER])
+    # a LoRA vLLM loads at run time (the same folder under another name and id) is served on
+    # /interp under its name, and refused again once vLLM unloads it
+    again = {"lora_name": "again", "lora_path": str(models["adapter"])}
+    loaded = httpx.post(f"{server.url}/v1/load_lora_adapter", json=again, timeout=120)
+    assert loaded.status_code == 200, loaded.text
+    try:
+        listed = httpx.get(f"{interp}/model", timeout=60).json()["adapters"]
+        assert sorted(a["name"] for a in listed) == ["again", ADAPTER]
+        body = {"token_ids": ids, "points": points, "adapter": "again"}
+        answer = httpx.post(f"{interp}/capture", json=body, timeout=120)
+        assert answer.status_code == 200, answer.text
+        for point in points:
+            assert rel_diff(tensor(answer.json()["activations"][point]), want[Address.parse(point)]) <= 1e-4, point
+    finally:
+        unloaded = httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "again"}, timeout=60)
+    assert unloaded.status_code == 200, unloaded.text
+    gone = httpx.post(f"{interp}/capture", json=body, timeout=60)
+    assert gone.status_code == 400 and gone.json()["valid"] == [ADAPTER], gone.text
 
 
 def _forcing(server: VllmServe, messages: list[dict[str, str]]) -> tuple[SteeringSpec, int]:

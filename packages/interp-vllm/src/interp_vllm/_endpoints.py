@@ -37,6 +37,11 @@ What the server then has:
 - **``/interp/...``**: the whole of ``interp serve``'s API over the same engine
   (``/interp/v1/capture``, ``/interp/v1/capture_generation``, ``/interp/v1/generate``, ...), with
   its schemas and tensor formats, behind the server's ``--api-key``.
+- **LoRA adapters** on a server started with ``--enable-lora``: a request naming a LoRA in
+  ``model`` (vLLM's convention) carries ``interp`` fields like any; on the ``/interp`` routes the
+  ``adapter`` field names the same LoRAs (``--lora-modules``, and those loaded or unloaded at run
+  time through vLLM's ``/v1/load_lora_adapter``), run under vLLM's own ``lora_int_id`` for each;
+  ``GET /interp/v1/model`` lists them.
 
 The taps run in vLLM's eager mode: on a server that compiles the model (no ``--enforce-eager``),
 requests with ``interp`` fields are refused with a message saying so, and everything else is
@@ -187,6 +192,10 @@ class InterpEndpoints:
         self.points_max_values = POINTS_MAX_VALUES
         self._interp_app: Any = None
         self._presets_lock = threading.Lock()
+        self._serving_models: Any = None
+        """vLLM's ``OpenAIServingModels``: the LoRA adapters its server serves (``lora_requests``)."""
+        self._refused_adapters: dict[str, tuple[str, int]] = {}
+        """vLLM's LoRAs the model could not register (logged once each), by name: (path, id)."""
 
     # -- phase A: routes ----------------------------------------------------------------------
     def attach_router(self, app: Any) -> None:
@@ -229,6 +238,7 @@ class InterpEndpoints:
             elif inner is None:
                 answer = JSONResponse(_error_body(self.refusal or "not started", "NotFound", 404), 404)
             else:
+                self._sync_adapters()
                 await inner(scope, receive, send)
                 return
             await answer(scope, receive, send)
@@ -242,12 +252,12 @@ class InterpEndpoints:
             return
         try:
             _compat.check_server()
-            await self._start(engine_client, args)
+            await self._start(engine_client, args, state)
         except Exception as exc:  # whatever stops the plugin, vLLM serves on without it
             self.refusal = f"interp-engine is off on this server: {exc}"
             logger.warning("interp-engine: %s; the server serves as it would without the plugin", exc)
 
-    async def _start(self, engine: Any, args: Any) -> None:
+    async def _start(self, engine: Any, args: Any, state: Any = None) -> None:
         from ._model import VllmModel
 
         vllm_config = engine.vllm_config
@@ -276,6 +286,11 @@ class InterpEndpoints:
             options["tokenizer"] = model_config.tokenizer
         if config.get("capture_memory_bytes") is not None:
             options["capture_memory_bytes"] = config["capture_memory_bytes"]
+        lora_config = getattr(vllm_config, "lora_config", None)
+        if lora_config is not None:  # --enable-lora: the /interp routes serve the server's LoRAs
+            options["enable_lora"] = True
+            options["max_lora_rank"] = int(lora_config.max_lora_rank)
+            options["max_loras"] = int(lora_config.max_loras)
         model = VllmModel(model_config.model, options)
         await model.serve_engine(engine)
         try:
@@ -283,6 +298,8 @@ class InterpEndpoints:
                 model.attach_sae(str(name), load_sae(str(path)))
             self.base_names = tuple(getattr(args, "served_model_name", None) or [model_config.model])
             self.model = model  # presets are checked against it
+            self._serving_models = getattr(state, "openai_serving_models", None)
+            self._sync_adapters()
             for name, spec in dict(config.get("presets") or {}).items():
                 self.set_preset(str(name), spec)
         except BaseException:
@@ -300,6 +317,25 @@ class InterpEndpoints:
             len(self.presets),
             len(model.saes),
         )
+
+    def _sync_adapters(self) -> None:
+        """Make the model's adapters the LoRAs vLLM's server serves (``--lora-modules``, and any
+        loaded or unloaded at run time through ``/v1/load_lora_adapter``), under vLLM's names and
+        ``lora_int_id``s: an ``adapter`` field on the ``/interp`` routes names what ``model=``
+        names on vLLM's, and both run the LoRA vLLM holds under that id. Called before each
+        ``/interp`` request; a LoRA the model's checks refuse is logged once and left out (a
+        request naming it is ``400 UnknownAdapter``)."""
+        model = self.model
+        requests = getattr(self._serving_models, "lora_requests", None)
+        if model is None or not isinstance(requests, Mapping):
+            return
+        served = {str(name): (str(r.lora_path), int(r.lora_int_id)) for name, r in requests.items()}
+        wanted = {name: lora for name, lora in served.items() if self._refused_adapters.get(name) != lora}
+        if wanted == model.served_loras():
+            return
+        for name, problem in model.adopt_loras(wanted).items():
+            logger.warning("interp-engine: vLLM's LoRA %r is not served on /interp: %s", name, problem)
+            self._refused_adapters[name] = wanted[name]
 
     def _authorized(self, scope: Any) -> bool:
         """Whether an ``/interp`` request may pass: the server has no API key, or it sends one of

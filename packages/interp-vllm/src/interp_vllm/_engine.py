@@ -18,7 +18,7 @@ import dataclasses
 import gc
 import os
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, TypeVar
 
 import torch
@@ -27,6 +27,7 @@ from interp_engine import (
     Address,
     BackendError,
     ForeignEventLoop,
+    InterpError,
     InvalidAdapter,
     InvalidOption,
     InvalidTokens,
@@ -227,6 +228,10 @@ class EngineClient(TokenizerMixin, ModelBase):
         self._weight_info: WeightInfo | None = None
         self._lora_ids: dict[str, int] = {}
         """vLLM's ``lora_int_id`` of each registered adapter (its name: ``lora_name``)."""
+        self._vllm_loras: dict[str, tuple[str, int]] = {}
+        """The adapters taken from a vLLM server's own LoRAs (:meth:`adopt_loras`): (folder, id)."""
+        self._adopting: int | None = None
+        """While :meth:`adopt_loras` registers one: the ``lora_int_id`` vLLM's server gave it."""
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "running" if self._engine is not None else "not started"
@@ -410,7 +415,42 @@ class EngineClient(TokenizerMixin, ModelBase):
                 f"{adapter.rank}, max_loras for how many may share a batch) to serve {adapter.name!r}",
                 name=adapter.name,
             )
-        self._lora_ids[adapter.name] = len(self._lora_ids) + 1
+        if self._adopting is not None:
+            self._lora_ids[adapter.name] = self._adopting
+        else:
+            self._lora_ids[adapter.name] = max(self._lora_ids.values(), default=0) + 1
+
+    def served_loras(self) -> dict[str, tuple[str, int]]:
+        """The adapters :meth:`adopt_loras` registered: name -> (folder, vLLM's ``lora_int_id``)."""
+        return dict(self._vllm_loras)
+
+    def adopt_loras(self, served: Mapping[str, tuple[str, int]]) -> dict[str, str]:
+        """Serve the LoRAs of the vLLM server whose engine this model adopted (``serve_engine``):
+        ``served`` maps each name to (its folder, the ``lora_int_id`` the server gave it). Each is
+        registered under that name and id (checked like any adapter), so a request here runs the
+        very LoRA vLLM's own routes run under that name; those adopted before and no longer in
+        ``served`` (or now another folder or id) are dropped. Returns the ones refused, by name,
+        with the reason (a name registered otherwise, another model's widths, a rank over
+        ``max_lora_rank``)."""
+        for name, lora in list(self._vllm_loras.items()):
+            if served.get(name) != lora:
+                del self._vllm_loras[name]
+                self._lora_ids.pop(name, None)
+                self._adapters.pop(name, None)
+        refused: dict[str, str] = {}
+        for name, (path, lora_id) in served.items():
+            if name in self._vllm_loras:
+                continue
+            self._adopting = lora_id
+            try:
+                self.load_adapter(name, path)
+            except InterpError as exc:
+                refused[name] = str(exc)
+                continue
+            finally:
+                self._adopting = None
+            self._vllm_loras[name] = (path, lora_id)
+        return refused
 
     def _lora_request(self, adapter: str | None) -> Any:
         """vLLM's ``LoRARequest`` for a registered adapter (``None``: the base model)."""
