@@ -108,13 +108,14 @@ def test_a_clamp_at_an_earlier_layer_moves_later_transcoder_features(tiny: Any) 
 
 
 def test_transcoder_clamps_are_refused_where_not_served(tiny: Any) -> None:
-    """The core's check names the backends that serve them (vLLM refuses before any compute)."""
+    """The core's check, for a backend that does not serve them (``transcoder_clamps`` false),
+    names the backends that do, before any compute."""
     from interp_engine.protocol._features import resolve_feature_writes
 
     plt = random_plt()
     write = FeatureWrite("tc.1", 0, "clamp", 1.0)
-    with pytest.raises(InvalidFeatures, match="eager backend serves it"):
-        resolve_feature_writes([write], lambda name: plt[1], tiny.info, backend="vllm")
+    with pytest.raises(InvalidFeatures, match="the eager, vllm and vllm-static backends serve it"):
+        resolve_feature_writes([write], lambda name: plt[1], tiny.info, backend="toy")
     out, used = resolve_feature_writes([write], lambda name: plt[1], tiny.info, transcoder_clamps=True)
     assert out[0].address == Address("mlp_out", 1) and used == {"tc.1": plt[1]}
 

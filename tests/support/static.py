@@ -1,7 +1,8 @@
 """The declarations of the vllm-static engines ``tests/vllm_static`` shares (its conftest starts
 them, once per folder): the llama engine's taps and writes, and the SAEs compiled into its graph
 (a TopK SAE at ``resid_post.1``, a ReLU SAE at ``mlp_out.1``, a JumpReLU SAE with layer-norm
-input normalisation at ``resid_pre.2`` and a sigmoid probe on ``attn_z.0``)."""
+input normalisation at ``resid_pre.2`` and a sigmoid probe on ``attn_z.0``), and the transcoders
+compiled in beside them."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from interp_engine import Address, Probe, Sae, load_model, sync_model
 from interp_engine.addresses._address import as_address
+from interp_engine.circuits import TranscoderSet
 from interp_testkit.suite import PROMPT, vllm_model_path
 
 # the taps and writes of test_vllm_static's llama and qwen2 engines
@@ -90,3 +92,22 @@ def saes() -> dict[str, Sae]:
         return out
     finally:
         eager.shutdown()
+
+
+# the transcoders compiled into the llama engine (test_vllm_static_circuits): ReLU transcoders
+# mlp_in.L -> mlp_out.L on every layer, and a JumpReLU one resid_mid.1 -> mlp_out.1
+TC_PREFIX = "tvstc"
+MID_TC = f"{TC_PREFIX}-mid"
+
+
+@functools.cache
+def transcoders() -> tuple[TranscoderSet, Sae]:
+    """The per-layer set (attached as ``tvstc.L``) and the ``resid_mid`` transcoder (``tvstc-mid``),
+    scaled to the llama checkpoint's activations."""
+    from .circuits import scaled_plt
+    from .readouts import eager_twin
+
+    eager = eager_twin("llama")
+    plt = scaled_plt(eager, prefix=TC_PREFIX, seed=31)
+    mid = scaled_plt(eager, kind="resid_mid", prefix=MID_TC, seed=32, jumprelu=True)[1]
+    return plt, mid

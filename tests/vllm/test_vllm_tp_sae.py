@@ -1,5 +1,5 @@
-"""SAE readouts and feature clamps under tensor parallelism (TP=2 equals TP=1), and SAEs at
-addresses tensor parallelism splits refused. The helpers and SAEs are test_vllm_sae's
+"""SAE readouts, feature clamps and transcoder clamps under tensor parallelism (TP=2 equals TP=1),
+and SAEs at addresses tensor parallelism splits refused. The helpers and SAEs are test_vllm_sae's
 (``support.readouts``); the engines are the session's llama TP=1/TP=2 pair, as in test_vllm_tp."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from interp_engine import Address, Features, FeatureWrite, InvalidFeatures, Stee
 from interp_engine.sae._readouts import read_features
 from interp_testkit.suite import LONG, PROMPT, rel_diff
 
+from ..support.circuits import scaled_plt
 from ..support.readouts import (
     ATTN,
     HOOK_Z,
@@ -22,6 +23,7 @@ from ..support.readouts import (
     assert_close_readout,
     assert_same_readout,
     busiest_feature,
+    eager_twin,
     make_sae,
     readouts_for,
 )
@@ -94,3 +96,42 @@ def test_tp2_refuses_an_sae_at_a_split_address(tp: tuple[Any, Any]) -> None:
         for facade in (one, two):
             if name in facade.saes:
                 facade.detach_sae(name)
+
+
+def test_tp2_transcoder_clamps_equal_tp1(tp: tuple[Any, Any]) -> None:
+    """Transcoder clamps (read at ``mlp_in``, written at ``mlp_out``: both whole rows on every
+    rank, each rank applying the same change) under TP=2 equal TP=1 and the eager backend, over
+    one prefill step and over several (chunked prefill)."""
+    one, two = tp
+    eager = eager_twin("llama")
+    plt = scaled_plt(eager, prefix="tvtp-tc", seed=41)
+    models = (one, two, eager)
+    for model in models:
+        plt.attach(model)
+    try:
+        points = [Address("mlp_out", 2), Address("resid_post", 2), Address("logits")]
+        spec = SteeringSpec(
+            [
+                FeatureWrite(plt.names[0], 4, "ablate"),
+                FeatureWrite(plt.names[1], 9, "clamp", 5.0, positions=[1, 3, -1]),
+                FeatureWrite(plt.names[2], 2, "clamp", 3.0),
+            ]
+        )
+        for ids in (one.to_tokens(PROMPT)[0].tolist(), LONG):
+            a = one.capture(ids, points, steering_spec=spec)
+            b = two.capture(ids, points, steering_spec=spec)
+            want = eager.capture(ids, points, steering_spec=spec)
+            plain = one.capture(ids, points)
+            for point in points:
+                assert rel_diff(b[point], a[point]) <= TOL, point
+                assert rel_diff(a[point], want[point]) <= TOL, point
+            assert rel_diff(a[Address("logits")], plain[Address("logits")]) > 1e-3, "the clamps did nothing"
+        ids = one.to_tokens(PROMPT)[0].tolist()
+        completion_a = one.generate(ids, max_tokens=5, steering_spec=spec, ignore_eos=True)
+        completion_b = two.generate(ids, max_tokens=5, steering_spec=spec, ignore_eos=True)
+        assert completion_a.token_ids == completion_b.token_ids
+    finally:
+        for model in models:
+            for name in plt.names.values():
+                if name in model.saes:
+                    model.detach_sae(name)

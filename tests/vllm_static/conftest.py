@@ -2,10 +2,11 @@
 the folder's last test ends (a compiled engine start is about a minute on 2 cores).
 
 ``static_engines[name]``: the llama engine (``static_points=[...]`` at load, 4 steering slots,
-chunked prefill over 64-token steps, and the SAEs of ``support.static`` compiled in), qwen2
-(``"auto"`` bound by ``configure_static`` before warm-up) and gpt2 (``"auto"`` never bound: the
-default set). One engine serves every module whose declaration it covers: the llama engine's
-taps are test_vllm_static's and test_vllm_static_sae's together.
+chunked prefill over 64-token steps, and the SAEs and transcoders of ``support.static`` compiled
+in), qwen2 (``"auto"`` bound by ``configure_static`` before warm-up) and gpt2 (``"auto"`` never
+bound: the default set). One engine serves every module whose declaration it covers: the llama
+engine's taps are test_vllm_static's, test_vllm_static_sae's and test_vllm_static_circuits'
+together.
 """
 
 from __future__ import annotations
@@ -19,7 +20,20 @@ from interp_engine import load_model, sync_model
 from interp_testkit.suite import KV_CACHE_BYTES, VLLM_ENGINE_ARGS, vllm_model_path
 
 from ..support.engines import shutdown_all
-from ..support.static import DENSE_MAX, JUMP, POINTS, PROBE, RELU, SAE_POINTS, TOP_K, TOPK, WRITES, saes
+from ..support.static import (
+    DENSE_MAX,
+    JUMP,
+    MID_TC,
+    POINTS,
+    PROBE,
+    RELU,
+    SAE_POINTS,
+    TOP_K,
+    TOPK,
+    WRITES,
+    saes,
+    transcoders,
+)
 
 
 def _llama() -> Any:
@@ -37,6 +51,9 @@ def _llama() -> Any:
         **VLLM_ENGINE_ARGS["llama"],
     )
     model.attach_sae(PROBE, attached[PROBE])  # before the build: compiled in too
+    plt, mid = transcoders()
+    plt.attach(model)
+    model.attach_sae(MID_TC, mid)
     return model
 
 

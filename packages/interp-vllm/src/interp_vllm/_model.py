@@ -26,6 +26,7 @@ from interp_engine import (
     FeatureReadout,
     Features,
     FeatureWrite,
+    InvalidFeatures,
     InvalidSteering,
     ModelClosed,
     Results,
@@ -53,9 +54,43 @@ class VllmModel(SaeSync):
     belongs to that loop: awaiting the model from another loop raises ``ForeignEventLoop``.
     """
 
+    transcoder_clamps = True
+    """A transcoder's feature clamps are served: the worker keeps the clamped requests' rows at the
+    transcoder's input address and writes the change at its output address in the same step."""
+
     def _check_request(self, request: CheckedRequest) -> None:
         self._check_tp_saes(request)
         self._check_lens_stages(request)
+        self._check_transcoder_clamps(request)
+
+    def _check_transcoder_clamps(self, request: CheckedRequest) -> None:
+        """A transcoder clamp reads the feature at the transcoder's input and writes at its output
+        in one forward: the input must come first (and, under pipeline parallelism, live on the
+        same stage as the output)."""
+        order = {kind: i for i, kind in enumerate(SITES)}
+        for write in request.writes:
+            if not isinstance(write, FeatureWrite) or write.address is None:
+                continue
+            sae = request.saes[write.sae]
+            if not sae.is_transcoder:
+                continue
+            source = sae.address.resolve(self.info.n_layers)
+            out = write.address
+            if (source.layer or 0, order[source.kind]) >= (out.layer or 0, order[out.kind]):
+                raise InvalidFeatures(
+                    f"a {write.op} of transcoder {write.sae!r} reads the feature at {source} and writes at {out}, "
+                    f"but the forward computes {out} first; a transcoder clamp needs its input address before its "
+                    "output address (mlp_in.L or resid_mid.L -> mlp_out.L)"
+                )
+            if len(self._stages) > 1 and not any(
+                source.layer in layers and out.layer in layers for layers, _ in self._stages
+            ):
+                raise InvalidFeatures(
+                    f"a {write.op} of transcoder {write.sae!r} reads {source} and writes {out}, which live on "
+                    f"different pipeline stages (pipeline_parallel_size={self.pp_size}); a transcoder clamp is "
+                    "served where both are on one stage (a transcoder of one layer's MLP), or under "
+                    "tensor_parallel_size instead"
+                )
 
     def _check_lens_stages(self, request: CheckedRequest) -> None:
         """Under pipeline parallelism the lens is computed on the last stage, which holds the

@@ -39,7 +39,9 @@ class WriteTable:
 class RequestTaps:
     """One request's points, writes, readouts and captured values, for its whole life in the worker."""
 
-    def __init__(self, payload: RequestPayload, saes: dict[str, Sae] | None = None) -> None:
+    def __init__(
+        self, payload: RequestPayload, saes: dict[str, Sae] | None = None, n_layers: int | None = None
+    ) -> None:
         self.payload = payload
         self.rid = payload.rid
         self.points = dict.fromkeys(payload.points)  # in the payload's order; a dict to look up
@@ -52,9 +54,14 @@ class RequestTaps:
         for spec in payload.readouts:
             self.saes[spec.sae] = held_sae(saes, spec.sae, payload.sae_keys)
             self.readouts_at[self.saes[spec.sae].address].append(spec)
+        # the input addresses of the transcoders whose features the request clamps: their rows are
+        # kept each step for the clamps at the output addresses (read at the input, written at the output)
+        self.sources: dict[str, Address] = {}
         for write in payload.writes:
             if isinstance(write, FeatureWrite):
-                self.saes[write.sae] = held_sae(saes, write.sae, payload.sae_keys)
+                sae = self.saes[write.sae] = held_sae(saes, write.sae, payload.sae_keys)
+                if sae.is_transcoder and write.op != "add":
+                    self.sources[write.sae] = source_address(sae, n_layers)
         # the logit lens: per lens layer's resid_post, the rows of the positions it reads (every
         # position from the prompt's last on, and the prompt positions asked) are decoded after
         # the forward; only their top-k ids and probabilities are kept
@@ -88,14 +95,16 @@ class RequestTaps:
         self.keys: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # layer -> (positions, keys, step)
         self.steps = 0
         # what the request does at each of its addresses, looked up once per hook and step
+        kept = set(self.sources.values())
         self.roles = {
             address: Role(
                 tuple(self.writes.get(address, ())),
                 address in self.points,
                 address in self.readouts_at,
                 self.lens_at.get(address),
+                address in kept,
             )
-            for address in dict.fromkeys([*self.points, *self.writes, *self.readouts_at, *self.lens_at])
+            for address in dict.fromkeys([*self.points, *self.writes, *self.readouts_at, *self.lens_at, *kept])
         }
 
     def addresses(self) -> Iterable[Address]:
@@ -113,12 +122,25 @@ class RequestTaps:
 @dataclass(frozen=True, slots=True)
 class Role:
     """What one request does at one address: its writes there (in order), whether it captures the
-    value, reads SAE features from it, and which lens layer it is (``None``: none)."""
+    value, reads SAE features from it, which lens layer it is (``None``: none), and whether its
+    rows are kept for the step (a clamped transcoder's input)."""
 
     writes: tuple[WriteTable, ...]
     captures: bool
     reads: bool
     lens: int | None
+    keeps: bool = False
+
+
+def source_address(sae: Sae, n_layers: int | None) -> Address:
+    """Where transcoder ``sae`` reads its features (its input address, a negative layer counted
+    from the end of a model of ``n_layers``)."""
+    address = sae.address
+    if address.layer is not None and address.layer < 0:
+        if n_layers is None:
+            raise BackendError(f"{sae!r} reads {address}: the worker needs the model's layer count to place it")
+        address = address.resolve(n_layers)
+    return address
 
 
 def held_sae(saes: dict[str, Sae] | None, name: str, keys: Mapping[str, str] | None = None) -> Sae:
@@ -142,6 +164,7 @@ class Slice:
     positions: torch.Tensor  # [end - start] absolute positions, on the CPU
     span: tuple[int, int] | None = None  # the positions as one run [first, last + 1), when they are one
     stash: dict[int, torch.Tensor] = field(default_factory=dict)
+    sources: dict[Address, torch.Tensor] = field(default_factory=dict)  # kept rows (transcoder inputs), this step
     lens_keep: torch.Tensor | None = None  # [end - start] bool: rows the lens reads this step
     lens_rows: dict[int, torch.Tensor] = field(default_factory=dict)  # lens layer index -> its kept rows
 

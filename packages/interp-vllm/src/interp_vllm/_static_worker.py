@@ -18,7 +18,11 @@ hook per site, and every hook is pure tensor work on buffers registered on the h
   :class:`~._static_sae.StaticSae` at its address: it encodes every row of every step and keeps the
   top features, the error norm and (small dictionaries) every feature in buffers, and applies
   the step's per-token feature clamps. At one address the order is: the write table, the SAEs
-  (each reads what the previous one left, then clamps), the capture tap.
+  (each reads what the previous one left, then clamps), the capture tap;
+- a transcoder compiled in is a :class:`~._transcoders.StaticTranscoder` at its input address
+  (readouts as above; for the clamped tokens it computes the change ``(v - f_i) d_i``) and a
+  :class:`~._transcoders.StaticTranscoderOut` among the SAEs at its output address, which adds
+  that change there (the MLP's error term kept).
 
 Host work per step happens in :meth:`StaticTapManager.run`: fill the indices from each request's
 slot plan (slots are held for the request's whole life, allocated when it first appears) and
@@ -44,7 +48,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from interp_engine import Address, FeatureWrite, Write, load_sae
+from interp_engine import Address, FeatureWrite, Sae, Write, load_sae
 from interp_engine.backend import write_positions
 
 from . import _compat
@@ -62,6 +66,7 @@ from ._sites import (
 from ._static import StaticTap, StaticWrites, plan_writes
 from ._static_hooks import Names, Stage, input_hook, layer_in_hook, layer_out_hook, output_hook
 from ._static_sae import SaeLayout, StaticSae
+from ._transcoders import StaticTranscoder, StaticTranscoderOut
 from ._wire import CONFIG_KEY, Fetched, RequestPayload, StaticDeclaration, compact, from_wire
 from ._worker import TapManager
 from .hooks import arg_slot, attr_path, forward_pre_hook
@@ -100,10 +105,14 @@ class StaticTapManager(TapManager):
         self.sae_modules: dict[str, StaticSae] = {}
         self.sae_names: dict[Address, list[str]] = defaultdict(list)
         n_layers = len(self.layers)
+        # transcoders also get a step at their output address, where their clamps are added
+        self.sae_outs: dict[Address, list[str]] = defaultdict(list)
         for name, entry in config.saes.items():
             sae = load_sae(entry.path).to(device=self.device)
             self.saes[name] = sae
             self.sae_names[sae.address.resolve(n_layers)].append(name)
+            if self._transcoder_clamps(sae):
+                self.sae_outs[sae.address_out.resolve(n_layers)].append(name)
         # per request: per SAE, the feature and value clamped at each position (-1: none)
         self.clamps: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
         _compat.keep_inductor_mutation_order()  # before warm-up compiles the graph with the hooks in it
@@ -112,7 +121,7 @@ class StaticTapManager(TapManager):
     # -- installation (before compilation) ------------------------------------------------
     def _install_static(self) -> None:
         hooks: dict[HookKey, list[Address]] = defaultdict(list)
-        for address in dict.fromkeys([*self.points, *self.write_addresses, *self.sae_names]):
+        for address in dict.fromkeys([*self.points, *self.write_addresses, *self.sae_names, *self.sae_outs]):
             if SITES[address.kind].where == "model_out" or SITES[address.kind].routed is not None:
                 continue
             if not self.owns(address):  # a layer of another pipeline stage
@@ -171,16 +180,20 @@ class StaticTapManager(TapManager):
         saes: list[str] = []
         clamps: list[str] = []
         for name in self.sae_names.get(address, ()):
-            sae = self.saes[name]
-            layout = SaeLayout.of(sae, self.sae_top_k, self.sae_dense_max)
-            clamping = sae.has_decoder and not sae.is_transcoder and site.static_write and site.shard is None
             attr = f"interp_sae_{len(self.sae_modules)}"  # SAE names may hold '.', not valid here
-            module_ = StaticSae(sae, layout, self.max_tokens, clamps=clamping, device=self.device, onednn=True)
+            module_ = self._sae_module(name, site)
             setattr(module, attr, module_)
-            self.sae_modules[name] = module_
             saes.append(attr)
-            if clamping:
+            if module_.clamps and not isinstance(module_, StaticTranscoder):  # a transcoder writes elsewhere
                 clamps.append(attr)
+        for name in self.sae_outs.get(address, ()):  # a transcoder's clamps, added at its output
+            transcoder = self._sae_module(name, SITES[self.saes[name].address.kind])
+            if not isinstance(transcoder, StaticTranscoder):  # pragma: no cover - sae_outs holds transcoders
+                raise TypeError(f"{name!r} is not a compiled-in transcoder")
+            attr = f"interp_tco_{len(saes)}_{address.kind}"
+            setattr(module, attr, StaticTranscoderOut(transcoder))
+            saes.append(attr)
+            clamps.append(attr)
         if address in self.write_addresses:
             write = f"interp_w_{address.kind}"
             if site.per_head:  # one row per (token, head), d_head wide
@@ -201,6 +214,36 @@ class StaticTapManager(TapManager):
             tap = f"interp_t_{address.kind}"
             self.taps[address] = self._new_tap(module, tap, width)
         return write, tuple(saes), tuple(clamps), tap
+
+    def _transcoder_clamps(self, sae: Sae) -> bool:
+        """Whether compiled-in transcoder ``sae`` clamps in-graph: its output address takes writes
+        in the graph, whole rows, on this pipeline stage with its input."""
+        if not (sae.is_transcoder and sae.has_decoder):
+            return False
+        n_layers = len(self.layers)
+        source, out = sae.address.resolve(n_layers), sae.address_out.resolve(n_layers)
+        site = SITES[out.kind]
+        return site.static_write and site.shard is None and self.owns(source) and self.owns(out)
+
+    def _sae_module(self, name: str, site: VllmSite) -> StaticSae:
+        """The compiled-in module of SAE ``name`` at ``site`` (its input address), built once: a
+        :class:`~._transcoders.StaticTranscoder` for a transcoder (its clamps added at its output
+        address), else a :class:`~._static_sae.StaticSae` (clamping in place where the site takes
+        in-graph writes of whole rows)."""
+        held = self.sae_modules.get(name)
+        if held is not None:
+            return held
+        sae = self.saes[name]
+        layout = SaeLayout.of(sae, self.sae_top_k, self.sae_dense_max)
+        module: StaticSae
+        if sae.is_transcoder and sae.has_decoder:
+            clamping = self._transcoder_clamps(sae)
+            module = StaticTranscoder(sae, layout, self.max_tokens, clamps=clamping, device=self.device, onednn=True)
+        else:
+            clamping = sae.has_decoder and site.static_write and site.shard is None
+            module = StaticSae(sae, layout, self.max_tokens, clamps=clamping, device=self.device, onednn=True)
+        self.sae_modules[name] = module
+        return module
 
     # -- the hooks: tensor work only, traced into the compiled graph ------------------------
     def _layer_in_hook(self, block: nn.Module, layer: int, addresses: list[Address]) -> Callable[..., Any]:
@@ -268,7 +311,7 @@ class StaticTapManager(TapManager):
         try:
             if payload.buffers:
                 self.writer.forget_gone()
-            taps = RequestTaps(payload, self.saes)
+            taps = RequestTaps(payload, self.saes, len(self.layers))
         except Exception as exc:  # an SAE this engine was not built with: reported at the fetch
             self.failed[rid] = f"this request cannot be served by this vllm-static engine: {type(exc).__name__}: {exc}"
             logger.warning("interp-engine: request %s refused in the worker: %s", rid, exc)

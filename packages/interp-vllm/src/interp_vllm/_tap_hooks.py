@@ -89,11 +89,14 @@ class HookTaps(SaeTaps, RecomputeTaps):
         capturing: list[Slice] = []
         readers: list[Slice] = []
         lensing: list[tuple[Slice, int]] = []
+        keeping: list[Slice] = []
         whole = self.rank == 0  # SAE readouts: the residual is whole on every rank
         for sl in members:  # one look at each member's role here
             role = sl.taps.roles.get(address)
             if role is None:
                 continue
+            if role.keeps:
+                keeping.append(sl)
             if role.writes:
                 writers.append((sl, role.writes))
             if role.captures:
@@ -103,6 +106,8 @@ class HookTaps(SaeTaps, RecomputeTaps):
             if role.lens is not None and sl.lens_keep is not None:
                 lensing.append((sl, role.lens))
         changed = self._write_all(value, writers, site) if writers else False
+        for sl in keeping:  # a clamped transcoder's input, as the sublayer gets it (after the writes)
+            sl.sources[address] = value[sl.start : sl.end].clone()
         if capturing:
             self._capture(
                 address, value.reshape(value.shape[0], -1, self.d_head) if site.per_head else value, capturing

@@ -1,4 +1,5 @@
-"""SAEs and probes in the dynamic worker: held by key, batched readouts, batched feature clamps."""
+"""SAEs, transcoders and probes in the dynamic worker: held by key, batched readouts, batched
+feature clamps (a transcoder's read at its input rows, kept earlier in the step)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from interp_engine import Address, BackendError, FeatureWrite, Sae
 from ._request_taps import Slice, WriteTable, touched_rows
 from ._static_sae import SaeLayout, SaeMath, pick
 from ._tap_base import TapBase
+from ._transcoders import TranscoderMath
 from ._wire import compact
 
 
@@ -26,11 +28,13 @@ class SaeTaps(TapBase):
         self.saes.pop(key, None)
 
     def _math(self, sae: Sae, device: torch.device) -> SaeMath:
-        """``sae``'s batched encoder (:class:`~._static_sae.SaeMath`) on ``device``, built once."""
+        """``sae``'s batched encoder (:class:`~._static_sae.SaeMath`; a transcoder's with its decoder,
+        :class:`~._transcoders.TranscoderMath`) on ``device``, built once."""
         key = (id(sae), str(device))
         held = self._sae_math.get(key)
         if held is None or held[0] is not sae:
-            held = self._sae_math[key] = (sae, SaeMath(sae, device, onednn=True))
+            kind = TranscoderMath if sae.is_transcoder and sae.has_decoder else SaeMath
+            held = self._sae_math[key] = (sae, kind(sae, device, onednn=True))
         return held[1]
 
     def _read_features_many(self, readers: list[Slice], value: torch.Tensor, address: Address) -> None:
@@ -85,8 +89,10 @@ class SaeTaps(TapBase):
         """Feature clamps (or ablations) of one SAE for several requests, in one batched pass
         (:meth:`SaeMath.clamp_rows <._static_sae.SaeMath.clamp_rows>`: the clamped features'
         own pre-activations, and a TopK SAE's whole encode only of the rows that need it; whole
-        rows: the SAE's address is never sharded)."""
-        rows, features, targets = [], [], []
+        rows: the SAE's address is never sharded). A transcoder's clamps are written here, at its
+        output address, from the input rows each request kept earlier in the step
+        (:meth:`TranscoderMath.clamp_output <._transcoders.TranscoderMath.clamp_output>`)."""
+        rows, features, targets, sources = [], [], [], []
         for sl, table in group:
             local_rows = touched_rows(sl, table)
             if local_rows is None:
@@ -97,6 +103,15 @@ class SaeTaps(TapBase):
             rows.append(local_rows + sl.start)
             features.append(torch.full((len(local_rows), 1), write.feature, dtype=torch.long))
             targets.append(torch.full((len(local_rows), 1), write.value))
+            source = sl.taps.sources.get(write.sae)
+            if source is not None:  # a transcoder: the feature is read from its input rows
+                kept = sl.sources.get(source)
+                if kept is None:
+                    raise BackendError(
+                        f"the forward reached {write.address}, where {write.sae!r} writes, before {source}, "
+                        "where it reads: its clamps need the input first"
+                    )
+                sources.append(kept[local_rows.to(kept.device)])
         if not rows:
             return False
         sl, table = group[0]
@@ -105,6 +120,10 @@ class SaeTaps(TapBase):
         math = self._math(sl.taps.saes[table.write.sae], value.device)
         index = torch.cat(rows).to(value.device)
         current = value[index]
-        out = math.clamp_rows(current, torch.cat(features).to(value.device), torch.cat(targets).to(value.device))
+        feature, target = torch.cat(features).to(value.device), torch.cat(targets).to(value.device)
+        if isinstance(math, TranscoderMath):
+            out = math.clamp_output(current, torch.cat(sources), feature, target)
+        else:
+            out = math.clamp_rows(current, feature, target)
         value[index] = out.reshape(current.shape).to(value.dtype)
         return True

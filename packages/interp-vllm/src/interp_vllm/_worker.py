@@ -172,7 +172,7 @@ class TapManager(HookTaps, LensTaps, FetchTaps):
         """The state of a request seen for the first time."""
         if payload.buffers:
             self.writer.forget_gone()  # segments the front end removed since
-        return RequestTaps(payload, self.saes)
+        return RequestTaps(payload, self.saes, len(self.layers))
 
     # -- one forward ----------------------------------------------------------------------
     def run(self, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -194,7 +194,7 @@ class TapManager(HookTaps, LensTaps, FetchTaps):
                 key = self._hook_key(address)
                 if key is None:  # another pipeline stage serves it
                     continue
-                if sl.lens_keep is None and not (role.writes or role.captures or role.reads):
+                if sl.lens_keep is None and not (role.writes or role.captures or role.reads or role.keeps):
                     continue  # a lens layer with no row to read in this step (an early prefill chunk)
                 hooks[key].add(address, sl)
                 if address.kind == "resid_mid":  # needs this layer's resid_pre

@@ -113,9 +113,10 @@ def resolve_feature_writes(
             if not transcoder_clamps:
                 raise InvalidFeatures(
                     f"{write.op} of a transcoder feature ({write.sae!r}) is not served by the {backend} backend "
-                    f"(the feature is read at {sae.address} and written at {sae.address_out}); the eager backend "
-                    "serves it, and here op='add' with the value to add, or AttributionGraph.steering_spec(..., "
-                    "mode='constant'), writes the same change at the prompt's own activations"
+                    f"(the feature is read at {sae.address} and written at {sae.address_out}); the eager, vllm "
+                    "and vllm-static backends serve it, and here op='add' with the value to add, or "
+                    "AttributionGraph.steering_spec(..., mode='constant'), writes the same change at the prompt's "
+                    "own activations"
                 )
             used[write.sae] = sae
             out.append(write.bound(sae.address_out.resolve(info.n_layers)))

@@ -564,7 +564,20 @@ def load_sae(source: str | os.PathLike[str] | Sae, *, device: str | torch.device
     """
     if isinstance(source, Sae):
         return source if device is None else source.to(device)
+    kind = type(source).__name__
+    if kind == "CrossLayerTranscoder":  # interp_engine.circuits (which imports this module)
+        raise UnsupportedSae(
+            "a CrossLayerTranscoder is not attached to a model: each of its features writes the MLP outputs "
+            "of several layers, which no FeatureWrite names. Intervene on its features with "
+            "AttributionGraph.steering_spec(nodes, mode='constant') (plain writes at those MLP outputs, served "
+            "on every backend), or attach per-layer transcoders (TranscoderSet.attach) to clamp by name"
+        )
+    if kind == "TranscoderSet":
+        raise UnsupportedSae(
+            "a TranscoderSet holds one transcoder per layer: attach them with transcoders.attach(model) "
+            "(each under transcoders.names[L]), or attach_sae(name, transcoders[L]) for one layer"
+        )
     if not isinstance(source, (str, os.PathLike)):
-        raise UnsupportedSae(f"load_sae takes a folder path or an Sae, got {type(source).__name__}")
+        raise UnsupportedSae(f"load_sae takes a folder path or an Sae, got {kind}")
     cfg, tensors, scaler_factor = read_folder(source, device)
     return _from_parts(cfg, tensors, scaler_factor=scaler_factor)
