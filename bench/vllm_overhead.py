@@ -30,6 +30,20 @@ variants alternating round by round:
   asks for the prompt's last position as a prompt position, which gives it a cache salt (every
   prompt token computed, as for the salted plain requests).
 
+Under LoRA adapters, on a second engine started after the first is shut down (vLLM has no LoRA
+layers for GPT-2): the Llama-shaped model of ``--family llama`` (12 x 768, the size of the GPT-2
+one) with ``enable_lora=True``, ``max_lora_rank=16``, ``max_loras=4`` and prefix caching off (so
+that every variant computes every prompt token, round after round), and four random rank-16
+LoRAs (``peft``, on every attention and MLP projection, built once under ``.cache``), relative to
+``lora_plain`` (that engine's own ``AsyncLLM.generate`` of every prompt under the first adapter,
+no interp payload):
+
+- ``lora_capture_1``: ``capture_generation`` of ``resid_post.6`` under the first adapter;
+- ``lora_mixed_4``: ``generate`` through the backend with the prompts spread over the four
+  adapters (prompt ``i`` under adapter ``i % 4``: every batch holds all four), against one
+  adapter for every prompt in ``lora_plain`` (what mixing four adapters costs, the backend's
+  own request handling included).
+
 With ``lens_4`` the bytes leaving the engine are measured too, on 8 of the prompts: the pickled
 size of what the workers return for the lens streams' drains, per generated token, against the
 pickled size of what they return for ``capture_generation`` of the same 4 layers' ``resid_post``
@@ -51,7 +65,8 @@ re-allocated activations add seconds of noise to every variant's rounds).
 
 Then 32 prompt captures are run concurrently and one after another. Ends with
 ``RESULT <name> <ratio> (target <t>)`` lines. ``--only`` runs ``plain`` and the named variants
-alone (no scores-per-context or concurrency figures); variants whose address the model does not
+alone (no scores-per-context or concurrency figures; LoRA variants only: just the LoRA engine,
+with ``lora_plain``); variants whose address the model does not
 have (``mlp_pre`` on a mixture-of-experts layer, heads where the model has none) are left out,
 and on a mixture of experts ``capture_router_1`` (``router_logits`` of the middle layer) is added.
 """
@@ -130,11 +145,46 @@ async def plain_run(model: Any, prompts: list[list[int]], tokens: int = GEN_TOKE
     return sum(await asyncio.gather(*(one(p) for p in prompts)))
 
 
-async def capture_run(model: Any, prompts: list[list[int]], points: list[Address]) -> int:
+async def capture_run(model: Any, prompts: list[list[int]], points: list[Address], adapter: str | None = None) -> int:
     results = await asyncio.gather(
-        *(model.capture_generation(p, points, max_tokens=GEN_TOKENS, ignore_eos=True) for p in prompts)
+        *(model.capture_generation(p, points, max_tokens=GEN_TOKENS, ignore_eos=True, adapter=adapter) for p in prompts)
     )
     return sum(len(completion.token_ids) for completion, _ in results)
+
+
+async def lora_plain_run(model: Any, prompts: list[list[int]], adapter: str) -> int:
+    """vLLM's own ``AsyncLLM.generate`` of every prompt under ``adapter`` (the ``LoRARequest`` the
+    backend sends for it), with no interp payload."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    engine = model._engine
+    lora = model._lora_request(adapter)
+    params = SamplingParams(
+        max_tokens=GEN_TOKENS, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+    )
+
+    async def one(ids: list[int]) -> int:
+        count = 0
+        rid = f"lora-plain-{uuid.uuid4().hex}"
+        prompt = TokensPrompt(prompt_token_ids=ids)
+        async for out in engine.generate(prompt, params, rid, lora_request=lora):
+            count += len(out.outputs[0].token_ids)
+        return count
+
+    return sum(await asyncio.gather(*(one(p) for p in prompts)))
+
+
+async def mixed_run(model: Any, prompts: list[list[int]], adapters: list[str]) -> int:
+    """``generate`` through the backend, prompt ``i`` under ``adapters[i % len(adapters)]``."""
+    results = await asyncio.gather(
+        *(
+            model.generate(p, max_tokens=GEN_TOKENS, ignore_eos=True, adapter=adapters[i % len(adapters)])
+            for i, p in enumerate(prompts)
+        )
+    )
+    return sum(len(c.token_ids) for c in results)
 
 
 async def steer_run(model: Any, prompts: list[list[int]], spec: SteeringSpec) -> int:
@@ -223,7 +273,36 @@ TARGETS: dict[str, float | None] = {
     "capture_scores_1": None,
     "capture_router_1": 0.95,
     "lens_4": 0.90,
+    "lora_capture_1": 0.95,
+    "lora_mixed_4": 0.90,
 }
+LORA_VARIANTS = ("lora_capture_1", "lora_mixed_4")
+"""The variants of the LoRA engine, measured against ``lora_plain``."""
+LORA_RANK = 16
+N_ADAPTERS = 4
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def build_adapters(base: pathlib.Path, n: int = N_ADAPTERS) -> list[pathlib.Path]:
+    """``n`` random rank-16 LoRAs of ``base`` on every attention and MLP projection (``peft``,
+    random ``A`` and ``B``), saved once beside it."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    folders = [base.parent / f"{base.name}-lora{i}" for i in range(n)]
+    for i, folder in enumerate(folders):
+        if (folder / "adapter_model.safetensors").is_file():
+            continue
+        torch.manual_seed(100 + i)
+        config = LoraConfig(
+            r=LORA_RANK,
+            lora_alpha=2 * LORA_RANK,
+            lora_dropout=0.0,
+            target_modules=list(LORA_TARGETS),
+            init_lora_weights=False,
+        )
+        get_peft_model(AutoModelForCausalLM.from_pretrained(base), config).save_pretrained(folder)
+    return folders
 
 
 # the code whose speed the figures measure
@@ -249,23 +328,23 @@ def spread(values: list[float]) -> float:
     return (max(values) - min(values)) / statistics.median(values) if values else float("nan")
 
 
-def report(results: Results, median: dict[str, float], rates: dict[str, list[float]]) -> None:
+def report(results: Results, median: dict[str, float], rates: dict[str, list[float]], base: str = "plain") -> None:
     """The table of medians and round spreads, a ``RESULT`` line per variant relative to
-    ``plain`` (its rounds: each round's rate over plain's in the same round), and, over two
-    rounds or more, each variant's spread against ``plain``'s."""
+    ``base`` (its rounds: each round's rate over the base's in the same round), and, over two
+    rounds or more, each variant's spread against the base's."""
     print()
-    print(f"{'variant':<18} {'tok/s (median)':>15} {'vs plain':>9} {'spread':>7}")
+    print(f"{'variant':<18} {'tok/s (median)':>15} {'vs ' + base:>14} {'spread':>7}")
     for name, rate in median.items():
-        print(f"{name:<18} {rate:>15.1f} {rate / median['plain']:>9.3f} {spread(rates[name]):>7.3f}")
+        print(f"{name:<18} {rate:>15.1f} {rate / median[base]:>14.3f} {spread(rates[name]):>7.3f}")
     print()
     for name, rate in median.items():
-        if name != "plain":
-            per_round = [r / p for r, p in zip(rates[name], rates["plain"], strict=False)]
-            results.add(f"{name}_vs_plain", rate / median["plain"], TARGETS[name], rounds=per_round)
-    if len(rates["plain"]) >= 2:
+        if name != base:
+            per_round = [r / p for r, p in zip(rates[name], rates[base], strict=False)]
+            results.add(f"{name}_vs_{base}", rate / median[base], TARGETS[name], rounds=per_round)
+    if len(rates[base]) >= 2:
         for name in median:
-            if name != "plain":
-                results.add(f"{name}_spread", spread(rates[name]), spread(rates["plain"]), better="lower")
+            if name != base:
+                results.add(f"{name}_spread", spread(rates[name]), spread(rates[base]), better="lower")
 
 
 def report_lens(results: Results, lens: Any, sizes: tuple[float, float] | None) -> None:
@@ -281,10 +360,72 @@ def report_lens(results: Results, lens: Any, sizes: tuple[float, float] | None) 
     results.add("dense_4_bytes_per_token", dense, digits=0)
 
 
+async def measure(
+    model: Any, variants: dict[str, Callable[[], Awaitable[int]]], rounds: int
+) -> tuple[dict[str, list[float]], dict[str, dict[str, int]]]:
+    """Each variant's generated tokens per second per round (after one warm-up run of each), the
+    variants alternating round by round, and rank 0's worker timers per variant, summed."""
+    if rounds:
+        for run in variants.values():  # warm-up of every path (and the slab's pages for each capture)
+            await timed(run)
+    rates: dict[str, list[float]] = {name: [] for name in variants}
+    worker: dict[str, dict[str, int]] = {name: {} for name in variants}  # rank 0's counters, summed
+    for round_index in range(rounds):
+        order = list(variants) if round_index % 2 == 0 else list(reversed(variants))
+        for name in order:
+            (before,) = (await model.worker_stats())[:1]
+            rates[name].append(await timed(variants[name]))
+            (after,) = (await model.worker_stats())[:1]
+            for key in WORKER_TIMES:
+                worker[name][key] = worker[name].get(key, 0) + after.get(key, 0) - before.get(key, 0)
+        print(f"round {round_index + 1}: " + ", ".join(f"{n} {rates[n][-1]:.1f} tok/s" for n in variants), flush=True)
+    return rates, worker
+
+
+async def lora_stage(results: Results, args: argparse.Namespace, names: tuple[str, ...]) -> None:
+    """The LoRA variants ``names`` against ``lora_plain`` on their own engine (module docstring)."""
+    path = build_model("llama")
+    folders = build_adapters(path)
+    adapters = [f"lora{i}" for i in range(len(folders))]
+    model = load_model(
+        path,
+        backend="vllm",
+        max_model_len=512,
+        enable_lora=True,
+        max_lora_rank=LORA_RANK,
+        max_loras=N_ADAPTERS,
+        enable_prefix_caching=False,  # every variant computes every prompt token (plain generate is unsalted)
+        adapters={name: str(folder) for name, folder in zip(adapters, folders, strict=True)},
+    )
+    try:
+        await model.warmup()
+        info = model.info
+        print(f"LoRA model: {path} ({info.architecture}, {info.n_layers} layers x {info.d_model}), adapters {adapters}")
+        prompts = make_prompts(args.prompts, info.vocab_size)
+        middle = info.n_layers // 2
+        every: dict[str, Callable[[], Awaitable[int]]] = {
+            "lora_plain": lambda: lora_plain_run(model, prompts, adapters[0]),
+            "lora_capture_1": lambda: capture_run(model, prompts, [Address("resid_post", middle)], adapters[0]),
+            "lora_mixed_4": lambda: mixed_run(model, prompts, adapters),
+        }
+        variants = {name: run for name, run in every.items() if name == "lora_plain" or name in names}
+        rates, worker = await measure(model, variants, args.rounds)
+    finally:
+        await model.shutdown()
+    report_worker(worker, args.rounds)
+    median = {name: statistics.median(values) if values else float("nan") for name, values in rates.items()}
+    report(results, median, rates, base="lora_plain")
+
+
 async def main(args: argparse.Namespace) -> int:
     results = Results("vllm_overhead", MEASURES, record=not args.quick)
-    path = pathlib.Path(args.model) if args.model else build_model(args.family)
     print(f"workers allocate with: {steady_malloc(not args.default_malloc)}")
+    lora_names = tuple(name for name in LORA_VARIANTS if not args.only or name in args.only)
+    if args.only and set(args.only) <= set(LORA_VARIANTS):  # the LoRA engine alone
+        await lora_stage(results, args, lora_names)
+        results.write()
+        return 0
+    path = pathlib.Path(args.model) if args.model else build_model(args.family)
     model = load_model(path, backend="vllm", max_model_len=512)
     await model.warmup()
     info = model.info
@@ -329,26 +470,14 @@ async def main(args: argparse.Namespace) -> int:
             print(f"({name} left out: this model has no {kind})")
             variants.pop(name)
     if args.only:
-        unknown = set(args.only) - set(variants)
+        unknown = set(args.only) - set(variants) - set(LORA_VARIANTS)
         if unknown:
-            print(f"unknown or unserved variants {sorted(unknown)}; these run here: {', '.join(variants)}")
+            valid = ", ".join([*variants, *LORA_VARIANTS])
+            print(f"unknown or unserved variants {sorted(unknown)}; these run here: {valid}")
             await model.shutdown()
             return 2
         variants = {name: run for name, run in variants.items() if name == "plain" or name in args.only}
-    if args.rounds:
-        for run in variants.values():  # warm-up of every path (and the slab's pages for each capture)
-            await timed(run)
-    rates: dict[str, list[float]] = {name: [] for name in variants}
-    worker: dict[str, dict[str, int]] = {name: {} for name in variants}  # rank 0's counters, summed
-    for round_index in range(args.rounds):
-        order = list(variants) if round_index % 2 == 0 else list(reversed(variants))
-        for name in order:
-            (before,) = (await model.worker_stats())[:1]
-            rates[name].append(await timed(variants[name]))
-            (after,) = (await model.worker_stats())[:1]
-            for key in WORKER_TIMES:
-                worker[name][key] = worker[name].get(key, 0) + after.get(key, 0) - before.get(key, 0)
-        print(f"round {round_index + 1}: " + ", ".join(f"{n} {rates[n][-1]:.1f} tok/s" for n in variants), flush=True)
+    rates, worker = await measure(model, variants, args.rounds)
     report_worker(worker, args.rounds)
 
     median = {name: statistics.median(values) if values else float("nan") for name, values in rates.items()}
@@ -357,6 +486,8 @@ async def main(args: argparse.Namespace) -> int:
         await model.shutdown()
         report(results, median, rates)
         report_lens(results, lens, lens_sizes)
+        if lora_names:
+            await lora_stage(results, args, lora_names)
         results.write()
         return 0
 
@@ -381,6 +512,7 @@ async def main(args: argparse.Namespace) -> int:
         results.add("capture_scores_1_extra_ms_per_token_per_100_context", slope * 1e3)
     results.add("concurrent_vs_sequential", sequential / concurrent, 8.0, digits=2)
     results.add("plain_vllm_concurrent_vs_sequential", plain_sequential / plain_concurrent, digits=2)
+    await lora_stage(results, args, lora_names)
     results.write()
     return 0
 
