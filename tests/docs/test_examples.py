@@ -210,6 +210,28 @@ class ConsoleSetup:
     prepare: Callable[[pathlib.Path], None] | None = None
 
 
+def _run_beside(
+    command: str, cwd: pathlib.Path, env: Mapping[str, str], background: list[subprocess.Popen[str]]
+) -> subprocess.CompletedProcess[str]:
+    """Run ``command`` to its end, within 600 s; ended early, as failed, when a background
+    command of the block exits meanwhile (a server that could not start: nothing will answer)."""
+    with subprocess.Popen(
+        ["bash", "-c", command], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as process:
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                out, err = process.communicate(timeout=0.5)
+                return subprocess.CompletedProcess(command, process.returncode, out, err)
+            except subprocess.TimeoutExpired:
+                gone = [p for p in background if p.poll() is not None]
+                if gone or time.monotonic() > deadline:
+                    process.kill()
+                    out, err = process.communicate()
+                    why = "a background command exited" if gone else "600 s passed"
+                    return subprocess.CompletedProcess(command, -9, out, f"{err}\n(stopped: {why})")
+
+
 def _stop(process: subprocess.Popen[str]) -> None:
     """Stop a background command and everything it started (its process group)."""
     with contextlib.suppress(ProcessLookupError):
@@ -323,9 +345,7 @@ def test_console(console: Console, tmp_path: pathlib.Path, request: pytest.Fixtu
                     )
                 background.append((command, process, log))
                 continue
-            done = subprocess.run(
-                ["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
-            )
+            done = _run_beside(command, tmp_path, env, [process for _, process, _ in background])
             logs = "".join(f"\n-- {c} (background):\n{log.read_text()[-4000:]}" for c, _, log in background)
             assert done.returncode == 0, f"{path.relative_to(ROOT)}:{line}: {command}\n{done.stderr}{logs}"
             printed = [out for out in done.stdout.splitlines() if not VLLM_LOG.match(out)]
@@ -423,6 +443,14 @@ def test_demo_sh_is_setup_then_the_demo() -> None:
     lines = [ln for ln in (ROOT / "scripts" / "demo.sh").read_text().splitlines() if ln and not ln.startswith("#")]
     assert lines[-2:] == ["bash scripts/setup.sh", 'exec .venv/bin/interp demo "$@"']
     assert "bash scripts/setup.sh" in (ROOT / "scripts" / "test.sh").read_text().splitlines()
+
+
+def test_a_server_that_cannot_start_fails_the_block_at_once(tmp_path: pathlib.Path) -> None:
+    block = "$ exit 3 &\n$ sleep 120\n"
+    started = time.monotonic()
+    with pytest.raises(AssertionError, match="a background command exited"):
+        test_console((ROOT / "README.md", 0, block, ()), tmp_path, None)  # type: ignore[arg-type]
+    assert time.monotonic() - started < 30
 
 
 def test_a_background_command_is_stopped(tmp_path: pathlib.Path) -> None:
