@@ -322,3 +322,80 @@ def test_demo_skips_the_sae_sections_on_a_model_it_does_not_fit(capsys: pytest.C
     assert "6. features" not in out
     status, _, err = interp(capsys, "demo", "--sae", "interp:no-such-sae", "--no-plots")
     assert status == 1 and len(our_lines(err)) == 1 and "shipped SAEs" in err
+
+
+# -- the demo's circuits section ---------------------------------------------------------------------
+
+
+def test_demo_circuits_section_is_what_it_says(demo_out: str, sync: Any) -> None:
+    """Section 8, recomputed: the graph's answer and the subject token feeding it most directly,
+    the features at the last position with an edge from it and into the answer (the strongest by
+    the smaller of the two), and P(' Paris') with each ablated through the transcoders, with all
+    of them, and without the subject's embedding."""
+    from interp_engine import load_transcoders
+    from interp_engine.circuits import attribution_graph
+
+    eight = section(demo_out, "8. circuits:")
+    assert "through interp:tiny-transcoders" in eight and "on eager" in eight
+    tcs = load_transcoders("interp:tiny-transcoders")
+    graph = attribution_graph(sync, PROMPT, tcs)
+    paris = sync.to_tokens(" Paris")[0].tolist()
+    answer = max(graph.nodes_of("logit"), key=lambda n: n.probability or 0.0)
+    assert answer.token == paris[0]
+    assert f"the answer: ' Paris' (p={answer.probability:.3f})" in eight
+    last = len(graph.tokens) - 1
+    inputs = graph.edges(answer.id, "in")
+    france, direct = max(((n, w) for n, w in inputs if n.kind == "embedding" and n.position < last), key=lambda e: e[1])
+    assert france.label == " France"
+    assert (
+        f"' France' (position 3) is the earlier token whose embedding feeds ' Paris' most directly ({direct:+.2f}"
+        in eight
+    )
+
+    def edge(source: Any, target: Any) -> float:
+        return float(graph.adjacency[target.index, source.index])
+
+    both = [(n, edge(france, n), w) for n, w in inputs if n.kind == "feature" and n.position == last]
+    both = sorted([c for c in both if c[1] > 0 and c[2] > 0], key=lambda c: -min(c[1], c[2]))[:4]
+    assert len(both) == 4
+    tcs.attach(sync)
+    try:
+
+        def p(spec: SteeringSpec | None = None) -> float:
+            return float(next_token(sync, graph.tokens, spec)[paris[0]])
+
+        for node, from_france, into_paris in both:
+            row = [line for line in eight.splitlines() if line.startswith(f"layer {node.layer} #{node.feature} ")]
+            assert len(row) == 1, node
+            cells = row[0].split()
+            ablated = p(
+                SteeringSpec([FeatureWrite(f"tc.{node.layer}", int(node.feature or 0), "ablate", positions=[last])])
+            )
+            assert cells[3:] == [
+                f"{node.activation:.2f}",
+                f"{from_france:+.2f}",
+                f"{into_paris:+.2f}",
+                f"{ablated:.3f}",
+            ]
+        together = p(
+            SteeringSpec(
+                [FeatureWrite(f"tc.{n.layer}", int(n.feature or 0), "ablate", positions=[last]) for n, _, _ in both]
+            )
+        )
+        without = p(graph.steering_spec([france]))
+        assert together < 0.5 * p(), "ablating the carriers together barely moves P(' Paris')"
+        assert f"{p():.3f} as is; {together:.3f} with these 4 features ablated together" in eight
+        assert f"{without:.3f} without the ' France' embedding" in eight
+    finally:
+        for layer in tcs.layers:
+            sync.detach_sae(f"tc.{layer}")
+
+
+def test_demo_skips_the_circuits_section_where_the_transcoders_do_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
+    out = demo(capsys, str(tiny_model_path("gpt2")), "--sae", "")
+    assert "8. circuits: skipped (interp:tiny-transcoders cannot replace this model's MLPs): " in out
+    assert "5. steering" in out
+    out = demo(capsys, str(tiny_model_path("gpt2")), "--sae", "", "--transcoders", "")
+    assert "8. circuits" not in out
+    status, _, err = interp(capsys, "demo", "--transcoders", "interp:no-such-transcoders", "--no-plots")
+    assert status == 1 and len(our_lines(err)) == 1 and "interp:no-such-transcoders" in err

@@ -9,6 +9,7 @@ of per-layer and cross-layer transcoders) runs on vLLM as on eager."""
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -225,3 +226,35 @@ def test_a_graphs_steering_spec_runs_on_vllm_as_on_eager(gpt2: Any, which: str) 
             on_eager = eager.capture(tokens, [LOGITS], steering_spec=spec)[LOGITS]
             assert rel_diff(on_vllm, on_eager) <= TOL, (mode, op)
             assert float((on_eager - plain).abs().max()) > 1e-3, (mode, op)
+
+
+def test_the_demos_circuits_section_measures_on_vllm(gpt2: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """``interp demo``'s section 8 with the demo's model on vLLM: the graph comes from the eager
+    twin, each probability it prints is measured on vLLM through the attached transcoders and
+    equals the eager backend's under the same clamps."""
+    from interp_engine.cli._demo_circuits import DemoTranscoders, section_circuits
+
+    facade, eager, sets = gpt2
+    plt = sets["mlp_in"]
+    ids = _ids(facade)
+    graph = section_circuits(facade, DemoTranscoders("tvtc", plt, attached=True), ids, eager.model)
+    out = capsys.readouterr().out
+    assert "ablations through the transcoders on vllm" in out
+    answer = max(graph.nodes_of("logit"), key=lambda n: n.probability or 0.0)
+
+    def p(model: Any, spec: SteeringSpec | None = None) -> float:
+        row = model.capture(ids, [LOGITS], steering_spec=spec)[LOGITS][-1]
+        return float(torch.softmax(row, -1)[int(answer.token or 0)])
+
+    rows = [line.split() for line in out.splitlines() if line.startswith("layer ")]
+    assert rows, out
+    nodes = []
+    for cells in rows:
+        node = graph.node(("feature", int(cells[1]), len(ids) - 1, int(cells[2].lstrip("#"))))
+        nodes.append(node)
+        spec = graph.steering_spec([node], mode="features")
+        assert abs(float(cells[-1]) - p(eager, spec)) <= 1.5e-3, cells
+        assert abs(p(facade, spec) - p(eager, spec)) <= TOL
+    together = graph.steering_spec(nodes, mode="features")
+    (plain, both) = re.findall(rf"([\d.]+) as is; ([\d.]+) with these {len(nodes)} features ablated together", out)[0]
+    assert abs(float(plain) - p(eager)) <= 1.5e-3 and abs(float(both) - p(eager, together)) <= 1.5e-3

@@ -1,5 +1,5 @@
-"""``interp demo``: capture, logit lens, attention, steering and SAE features on one model, as
-tables and PNGs."""
+"""``interp demo``: capture, logit lens, attention, steering, SAE features and a circuit (an
+attribution graph through transcoders) on one model, as tables and PNGs."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from .. import plot
 from .._errors import InterpError, UnsupportedAddress
 from .._sync import SyncModel
 from ..addresses._address import Address
+from ..circuits._formats import load_transcoders
 from ..protocol._base import ModelBase
 from ..sae._readouts import FeatureReadout, Features
 from ..sae._sae import Sae, load_sae
@@ -25,6 +26,7 @@ from ._common import (
     add_model_options,
     add_plot_options,
     bar,
+    open_model,
     opened,
     plots_wanted,
     prompt_ids,
@@ -32,12 +34,14 @@ from ._common import (
     show_token,
     table,
 )
+from ._demo_circuits import DemoTranscoders, attach_demo_transcoders, section_circuits
 from ._features import attach_name, describe_sae, feature_cells, feature_names, fired, label
 from ._views import lens_top_k, logit_lens, plot_lens
 
 PROMPT = "The capital of France is"
 CONTRAST = "The capital of Germany is"
 SAE = "interp:tiny-sae"
+TRANSCODERS = "interp:tiny-transcoders"
 SAE_TOP_K = 4
 """Features shown per token in the demo's SAE section."""
 MAX_TRIALS = 16
@@ -413,11 +417,37 @@ def check_against_model(sync: SyncModel, args: argparse.Namespace, ids: list[int
     return layer % info.n_layers
 
 
+def run_circuits(sync: SyncModel, args: argparse.Namespace, circuits: DemoTranscoders | str, ids: list[int]) -> None:
+    """Section 8 on the demo's model, the graph computed on it (eager) or on the same checkpoint
+    loaded on the eager backend (the graph needs gradients)."""
+    if isinstance(circuits, str):
+        print(f"\n8. circuits: skipped ({args.transcoders} cannot replace this model's MLPs): {circuits}")
+        return
+    if sync.model.backend == "eager":
+        section_circuits(sync, circuits, ids, sync.model)
+        return
+    try:
+        # the same checkpoint and dtype; the other load options are the demo's backend's
+        twin = open_model(argparse.Namespace(**{**vars(args), "backend": "eager", "device": None, "option": []}))
+    except InterpError as exc:
+        print(
+            f"\n8. circuits: skipped (the graph is computed on the eager backend, which cannot load "
+            f"{args.model}): {exc}"
+        )
+        return
+    try:
+        section_circuits(sync, circuits, ids, twin.model)
+    finally:
+        twin.shutdown()
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     check_options(args)
     sae = load_sae(args.sae) if args.sae else None  # a bad --sae is one line, before the model loads
+    replacement = load_transcoders(args.transcoders) if args.transcoders else None  # likewise
     with opened(args) as sync:
         demo = attach_demo_sae(sync, args.sae, sae) if sae is not None else None  # before any request
+        circuits = None if replacement is None else attach_demo_transcoders(sync, args.transcoders, replacement)
         info = sync.model.info
         ids = prompt_ids(sync, args.prompt)
         layer = check_against_model(sync, args, ids)
@@ -450,6 +480,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         elif demo is not None:
             print(f"\n6. features: skipped ({args.sae} cannot be attached here): {demo}")
 
+        if circuits is not None:
+            run_circuits(sync, args, circuits, ids)
+
         if plots:
             print()
             plot_lens(sync, lens, list(range(len(ids))), args.out, "lens.png")
@@ -476,13 +509,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def add_demo(sub: Any) -> None:
     parser = sub.add_parser(
         "demo",
-        help="a tour: capture, logit lens, attention, steering and SAE features, as tables and PNGs",
+        help="a tour: capture, logit lens, attention, steering, SAE features and a circuit, as tables and PNGs",
         description="A tour of one model: the residual stream's norm through the layers, the logit "
         "lens at the prompt's last token, each head's induction score on repeated random tokens, "
         "what zero-ablating the earlier previous-token heads leaves of the strongest one, "
         "steering with the difference of two prompts' residuals, an SAE's top features at the "
-        "prompt's tokens, and feature writes (ablations, clamps) that move the answer. Writes "
-        "lens.png, induction.png and features.png to --out.",
+        "prompt's tokens, feature writes (ablations, clamps) that move the answer, and the prompt's "
+        "attribution graph through transcoders: the features that carry the subject token to the "
+        "answer, and what ablating them does. Writes lens.png, induction.png and features.png to --out.",
         epilog="example: interp demo --out demo-plots   (or: interp demo path/to/model --prompt '...')",
     )
     parser.add_argument(
@@ -507,6 +541,13 @@ def add_demo(sub: Any) -> None:
         default=SAE,
         metavar="NAME_OR_PATH",
         help=f"the SAE of the features sections: a folder in SAELens's format or a shipped name ({SAE}); '' skips them",
+    )
+    parser.add_argument(
+        "--transcoders",
+        default=TRANSCODERS,
+        metavar="NAME_OR_PATH",
+        help="the transcoders of the circuits section: a folder load_transcoders reads (circuit-tracer's or "
+        f"SAELens's layouts) or a shipped name ({TRANSCODERS}); '' skips it",
     )
     add_plot_options(parser, "interp-demo")
     add_model_options(parser)
