@@ -25,6 +25,7 @@ from interp_engine import (
     SteeringSpec,
     UnknownAdapter,
     UnsupportedArchitecture,
+    UnsupportedOperation,
     Write,
     capture_generation,
     load_model,
@@ -271,6 +272,12 @@ def test_bad_adapters_are_typed_errors_before_any_compute(
     with pytest.raises(InvalidAdapter, match="another model"):
         lora_engine.generate(ids, max_tokens=2, adapter=str(loras["foreign"].adapter))
     assert set(lora_engine.adapters) == {"ft", "attn"}
+    # a LoRA on lm_head: the lens decodes with the base W_U in the workers, so it is refused
+    head = make_lora(vllm_model_path("llama"), tmp_path / "head", "llama", seed=6, targets=("lm_head",))
+    lora_engine.load_adapter("head", head.adapter)
+    lens = LensRequest(layers=[1], top_k=2)
+    with pytest.raises(UnsupportedOperation, match=r"'head' adapts the unembedding \(lm_head\).*logit lens"):
+        list(lora_engine.stream(ids, max_tokens=2, lens=lens, adapter="head"))
     base = lora_engine.capture(ids, ["resid_post.0"])[Address("resid_post", 0)]  # the engine keeps serving
     assert base.shape == (len(ids), lora_engine.info.d_model)
     assert_no_leaks(lora_engine)
