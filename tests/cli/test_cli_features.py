@@ -318,8 +318,9 @@ def test_demo_skips_the_sae_sections_on_a_model_it_does_not_fit(capsys: pytest.C
     out = demo(capsys, str(tiny_model_path("gpt2")))
     assert "5. steering" in out
     assert f"6. features: skipped ({SAE} cannot be attached here): " in out and "7. steering by feature" not in out
-    out = demo(capsys, str(tiny_model_path("gpt2")), "--sae", "")
-    assert "6. features" not in out
+    assert "8. circuits: skipped (interp:tiny-transcoders cannot replace this model's MLPs): " in out
+    out = demo(capsys, str(tiny_model_path("gpt2")), "--sae", "", "--transcoders", "")
+    assert "6. features" not in out and "8. circuits" not in out
     status, _, err = interp(capsys, "demo", "--sae", "interp:no-such-sae", "--no-plots")
     assert status == 1 and len(our_lines(err)) == 1 and "shipped SAEs" in err
 
@@ -391,11 +392,6 @@ def test_demo_circuits_section_is_what_it_says(demo_out: str, sync: Any) -> None
             sync.detach_sae(f"tc.{layer}")
 
 
-def test_demo_skips_the_circuits_section_where_the_transcoders_do_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
-    out = demo(capsys, str(tiny_model_path("gpt2")), "--sae", "")
-    assert "8. circuits: skipped (interp:tiny-transcoders cannot replace this model's MLPs): " in out
-    assert "5. steering" in out
-    out = demo(capsys, str(tiny_model_path("gpt2")), "--sae", "", "--transcoders", "")
-    assert "8. circuits" not in out
+def test_demo_transcoders_it_cannot_read_are_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
     status, _, err = interp(capsys, "demo", "--transcoders", "interp:no-such-transcoders", "--no-plots")
     assert status == 1 and len(our_lines(err)) == 1 and "interp:no-such-transcoders" in err

@@ -29,7 +29,9 @@ from interp_engine import (
     Address,
     Features,
     FeatureWrite,
+    InvalidFeatures,
     LensRequest,
+    Sae,
     SteeringSpec,
     UnsupportedOperation,
     Write,
@@ -37,9 +39,11 @@ from interp_engine import (
     logit_attribution,
     weights,
 )
+from interp_engine.circuits import TranscoderSet
 from interp_engine.sae._readouts import read_features
 from interp_testkit.suite import LONG, MODELS, PROMPT, VLLM_SHAPE, hf_for, rel_diff
 
+from ..support.circuits import random_plt
 from ..support.engines import started_engine
 from ..support.readouts import assert_close_readout, assert_same_readout, make_sae
 
@@ -341,6 +345,46 @@ def test_pp2_sae_readouts_and_clamps(pp: tuple[Any, Any]) -> None:
                 facade.detach_sae(name)
     # nothing left behind in any worker of either stage
     assert [s["live_requests"] for s in two.worker_stats()] == [0, 0]
+
+
+def test_pp2_transcoder_clamps_equal_pp1(pp: tuple[Any, Any]) -> None:
+    """Transcoder clamps on either stage (each read at ``mlp_in.L`` and written at ``mlp_out.L`` by
+    the stage holding layer L) equal PP=1; a transcoder reading on one stage and writing on the
+    other is refused under PP=2 (served at PP=1)."""
+    one, two = pp
+    ids = _ids(one)
+    plt = random_plt(seed=5)
+    plt = TranscoderSet(list(plt.transcoders.values()), names={layer: f"tpp-tc.{layer}" for layer in plt.layers})
+    across = plt[1]
+    across = Sae(
+        "transcoder", across.W_enc, across.b_enc, across.W_dec, across.b_dec, "mlp_in.1", hook_name_out="mlp_out.2"
+    )
+    for facade in (one, two):
+        plt.attach(facade)
+        facade.attach_sae("tpp-across", across)
+    try:
+        spec = SteeringSpec(
+            [
+                FeatureWrite("tpp-tc.1", 4, "clamp", 5.0),
+                FeatureWrite("tpp-tc.3", 7, "ablate"),
+                FeatureWrite("tpp-tc.2", 2, "clamp", 3.0, positions=[-1]),
+            ]
+        )
+        for prompt in (ids, LONG):
+            a = one.capture(prompt, ["mlp_out.1", "mlp_out.3", "logits"], steering_spec=spec)
+            b = two.capture(prompt, ["mlp_out.1", "mlp_out.3", "logits"], steering_spec=spec)
+            for point in a:
+                assert rel_diff(b[point], a[point]) <= TOL, point
+        plain = one.capture(ids, ["logits"])[Address("logits")]
+        assert rel_diff(one.capture(ids, ["logits"], steering_spec=spec)[Address("logits")], plain) > 1e-3
+        cross = SteeringSpec([FeatureWrite("tpp-across", 0, "clamp", 4.0)])
+        with pytest.raises(InvalidFeatures, match="different pipeline stages"):
+            two.capture(ids, ["logits"], steering_spec=cross)
+        assert rel_diff(one.capture(ids, ["logits"], steering_spec=cross)[Address("logits")], plain) > 1e-4
+    finally:
+        for facade in (one, two):
+            for name in [*plt.names.values(), "tpp-across"]:
+                facade.detach_sae(name)
 
 
 def test_pp2_static_equals_dynamic_pp1(pp: tuple[Any, Any]) -> None:

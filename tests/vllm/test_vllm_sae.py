@@ -186,7 +186,8 @@ def test_plain_writes_at_the_final_norm_steer_generation(attached: Any) -> None:
 
 def test_probes_and_transcoders(attached: Any) -> None:
     """A probe reads projections (no error norm, no writes); a transcoder reads one address and
-    its ``add`` writes at its output address (a clamp, which would need both, is refused)."""
+    its ``add`` writes at its output address; its clamp reads the feature at the input address and
+    writes the change at the output address."""
     facade = attached("gpt2")
     eager = eager_twin("gpt2")
     ids = facade.to_tokens(PROMPT)[0].tolist()
@@ -221,8 +222,12 @@ def test_probes_and_transcoders(attached: Any) -> None:
         got = facade.capture(ids, ["logits"], steering_spec=add)[Address("logits")]
         assert rel_diff(got, facade.capture(ids, ["logits"], steering_spec=by_hand)[Address("logits")]) <= TOL
         assert rel_diff(got, eager.capture(ids, ["logits"], steering_spec=add)[Address("logits")]) <= TOL
-        with pytest.raises(InvalidFeatures, match="transcoder"):
-            facade.capture(ids, ["logits"], steering_spec=SteeringSpec([FeatureWrite(f"{PREFIX}-tc", 3, "clamp", 1.0)]))
+        clamp = SteeringSpec([FeatureWrite(f"{PREFIX}-tc", 3, "clamp", 1.0)])
+        change = (1.0 - transcoder.encode(sample)[:, 3:4]) * transcoder.feature_direction(3)
+        by_hand = SteeringSpec([Write("mlp_out.0", change, positions=list(range(len(ids))))])
+        got = facade.capture(ids, ["logits"], steering_spec=clamp)[Address("logits")]
+        assert rel_diff(got, facade.capture(ids, ["logits"], steering_spec=by_hand)[Address("logits")]) <= TOL
+        assert rel_diff(got, eager.capture(ids, ["logits"], steering_spec=clamp)[Address("logits")]) <= TOL
         with pytest.raises(InvalidFeatures, match="probe"):
             facade.capture(
                 ids, ["logits"], steering_spec=SteeringSpec([FeatureWrite(f"{PREFIX}-probe", 0, "add", 1.0)])
