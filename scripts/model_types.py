@@ -18,9 +18,7 @@ The model types are :func:`interp_eager.verified_model_types` (the list the eage
 its refusals). ``--backend eager|vllm --out FILE`` writes ``{model_type: entry}`` as JSON, each
 entry ``{"status": "serves", "kinds": [...]}`` or ``{"status": "refused", "reason": "..."}``. Each
 backend runs in a process of its own, as a server would: vLLM sets up a process group and logs to
-stdout, and HF models of a type built earlier in the process can change what vLLM's Transformers
-modeling backend builds for it (the vllm front end refuses phimoe after an eager phimoe in the
-same process, and resolves it in a fresh one).
+stdout, and caches what its Transformers modeling backend finds per module class.
 """
 
 from __future__ import annotations

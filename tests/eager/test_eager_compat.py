@@ -81,6 +81,27 @@ def test_the_patched_lookup_hands_out_wrapped_functions_once(monkeypatch: pytest
     assert wrapped == [eager]
 
 
+def test_a_patch_of_the_lookups_class_made_later_is_seen_through_ours(monkeypatch: pytest.MonkeyPatch) -> None:
+    # vLLM's Transformers modeling backend patches the class's get_interface while it traces a model
+    # (to see attention as one call): the tapped lookup must hand out what that patch returns
+    class Lookup(_Lookup):
+        pass
+
+    lookup = Lookup()
+    monkeypatch.setattr(modeling_utils, "ALL_ATTENTION_FUNCTIONS", lookup)
+    _compat.tap_attention_interface(lambda function: function)
+
+    def eager(x: int) -> int:
+        return x + 1
+
+    def leaf(x: int) -> int:
+        return -x
+
+    assert lookup.get_interface("eager", eager) is eager
+    monkeypatch.setattr(Lookup, "get_interface", lambda self, attn_implementation, default: leaf)
+    assert lookup.get_interface("eager", eager) is leaf
+
+
 def test_a_fresh_threads_torch_state_is_told_apart_from_a_callers_modes(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = torch.device("cpu")
     assert _compat.default_thread_state(cpu)

@@ -379,6 +379,22 @@ def test_resolution_from_vllms_module_tree() -> None:
         resolve("bitnet")  # an extra norm (attn_sub_norm) inside the attention, names the module
 
 
+def test_resolution_after_the_eager_backend_tapped_attention_in_the_same_process() -> None:
+    """The eager backend's attention taps patch transformers' attention lookup for the process;
+    vLLM's Transformers modeling backend patches the same lookup's class while it traces a model to
+    find its attention's output projection, and must still see its own patch. PhiMoE is served
+    through that backend and resolved nowhere else in this module (vLLM caches what it finds per
+    module class)."""
+    from interp_engine import Address, load_model, run_with_cache
+    from interp_vllm._resolve import resolve_without_weights
+
+    path = str(vllm_model_path("phimoe"))
+    cache = run_with_cache(load_model(path, backend="eager"), "The capital of France is", [Address("attn_pattern", 0)])
+    assert cache[Address("attn_pattern", 0)].shape[-1] == cache[Address("attn_pattern", 0)].shape[-2]
+    family = resolve_without_weights(path, {"dtype": "float32"})
+    assert family.attn_o_proj == "self_attn.o_proj" and family.n_experts == 4
+
+
 # -- the sweep: every other model type, not in CI (pytest -m sweep tests/vllm/test_vllm_families.py) --------
 
 

@@ -88,15 +88,21 @@ def attention_interface() -> Any:
 def tap_attention_interface(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
     """Make ``ALL_ATTENTION_FUNCTIONS.get_interface`` return ``wrap(function)`` for the function it
     would return (once per process; later calls do nothing). The implementation (eager, SDPA, ...)
-    and its masks stay the model's own; ``wrap`` decides what else runs."""
+    and its masks stay the model's own; ``wrap`` decides what else runs.
+
+    The function is looked up through the class's ``get_interface`` as it is at each call, so that
+    another library patching the class for a while still sees its patch: vLLM's Transformers
+    modeling backend does, while it traces a model's attention to find its output projection."""
     interface = attention_interface()
     with _lock:
         if getattr(interface, _PATCHED, False):
             return
-        original = interface.get_interface
+        own = interface.__dict__.get("get_interface")  # an instance's own patch, kept if there is one
 
         def get_interface(attn_implementation: str, default: Callable[..., Any]) -> Callable[..., Any]:
-            return wrap(original(attn_implementation, default))
+            if own is not None:
+                return wrap(own(attn_implementation, default))
+            return wrap(type(interface).get_interface(interface, attn_implementation, default))
 
         setattr(interface, "get_interface", get_interface)  # noqa: B010 - an instance attribute, on purpose
         setattr(interface, _PATCHED, True)
