@@ -395,3 +395,25 @@ def test_demo_circuits_section_is_what_it_says(demo_out: str, sync: Any) -> None
 def test_demo_transcoders_it_cannot_read_are_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
     status, _, err = interp(capsys, "demo", "--transcoders", "interp:no-such-transcoders", "--no-plots")
     assert status == 1 and len(our_lines(err)) == 1 and "interp:no-such-transcoders" in err
+
+
+def test_the_circuits_section_through_a_cross_layer_transcoder(sync: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """A CLT is not attached (its features write several layers' MLP outputs): the section ablates
+    its features with the graph's plain writes (``mode="constant"``), measured as printed."""
+    from interp_engine.cli._demo_circuits import attach_demo_transcoders, section_circuits
+
+    from ..support.circuits import random_clt
+
+    demo = attach_demo_transcoders(sync, "clt", random_clt())
+    assert not isinstance(demo, str) and not demo.attached
+    ids = sync.to_tokens(PROMPT)[0].tolist()
+    graph = section_circuits(sync, demo, ids, sync.model)
+    out = capsys.readouterr().out
+    assert "their decoder writes removed" in out
+    answer = max(graph.nodes_of("logit"), key=lambda n: n.probability or 0.0)
+    rows = [line.split() for line in out.splitlines() if line.startswith("layer ")]
+    assert rows, out
+    for cells in rows:
+        node = graph.node(("feature", int(cells[1]), len(ids) - 1, int(cells[2].lstrip("#"))))
+        probs = next_token(sync, ids, graph.steering_spec([node], mode="constant"))
+        assert cells[-1] == f"{float(probs[int(answer.token or 0)]):.3f}", cells
