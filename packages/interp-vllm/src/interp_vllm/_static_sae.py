@@ -260,30 +260,40 @@ class SaeMath(nn.Module):
         norm: torch.Tensor = (enc.x - recon).norm(dim=-1)
         return norm
 
-    def clamp(self, enc: Encoded, feature: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """Each row with feature ``feature[r]`` (``[n, 1]`` long) clamped to ``value[r]``
-        (``[n, 1]``): ``x + (value - f(x)) d(x)``, float32 ``[n, d_in]``."""
+    def current(self, enc: Encoded, feature: torch.Tensor) -> torch.Tensor:
+        """Feature ``feature[r]`` (``[n, 1]`` long) of each encoded row, as :meth:`Sae.encode
+        <interp_engine.Sae.encode>` gives it (``[n, 1]``)."""
         if self.k is not None:  # f_i = relu(pre_i) if i is among the top k, else 0
             member = (enc.ids == feature).any(-1, keepdim=True)
             fired = enc.pre.gather(-1, feature).relu()
-            current = torch.where(member, fired, torch.zeros_like(fired))
-        else:
-            if enc.features is None:
-                raise RuntimeError("the SAE encode kept no features to read from")
-            current = enc.features.gather(-1, feature)
-        return self._clamped(enc.x, current, feature, value, enc.denorm)
+            return torch.where(member, fired, torch.zeros_like(fired))
+        if enc.features is None:
+            raise RuntimeError("the SAE encode kept no features to read from")
+        return enc.features.gather(-1, feature)
+
+    def clamp(self, enc: Encoded, feature: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """Each row with feature ``feature[r]`` (``[n, 1]`` long) clamped to ``value[r]``
+        (``[n, 1]``): ``x + (value - f(x)) d(x)``, float32 ``[n, d_in]``."""
+        return enc.x + self.change(self.current(enc, feature), feature, value, enc.denorm)
 
     def clamp_rows(self, x: torch.Tensor, feature: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """:meth:`clamp` of rows ``x`` (``[n, d_in]``), computing only what the clamped features
-        need: their own pre-activations (one column of the encoder per distinct feature), and,
-        for a TopK SAE, whether the feature is among the row's top ``k``. That is decided only
-        for the rows where its pre-activation is positive (elsewhere it is 0 either way), first
-        against a sample of the features (:attr:`sample`, the first ones): where more than ``k``
-        of them exceed it, it is not among the top ``k`` of all of them. The rows left are
-        encoded whole and counted (features above it < ``k``), not sorted. Both passes go a block
-        of rows at a time on the CPU.
-        Equal to :meth:`clamp` of a whole encode to float32 rounding; the row selection makes its
-        shapes depend on the values, so the compiled graph keeps :meth:`clamp`."""
+        need (:meth:`current_rows`). Equal to :meth:`clamp` of a whole encode to float32 rounding;
+        the row selection makes its shapes depend on the values, so the compiled graph keeps
+        :meth:`clamp`."""
+        x32, current, denorm = self.current_rows(x, feature)
+        return x32 + self.change(current, feature, value, denorm)
+
+    def current_rows(self, x: torch.Tensor, feature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """Feature ``feature[r]`` (``[n, 1]`` long) of rows ``x`` (``[n, d_in]``), computing only
+        what it needs: its own pre-activation (one column of the encoder per distinct feature),
+        and, for a TopK SAE, whether it is among the row's top ``k``. That is decided only for the
+        rows where its pre-activation is positive (elsewhere it is 0 either way), first against a
+        sample of the features (:attr:`sample`, the first ones): where more than ``k`` of them
+        exceed it, it is not among the top ``k`` of all of them. The rows left are encoded whole
+        and counted (features above it < ``k``), not sorted. Both passes go a block of rows at a
+        time on the CPU. Returns the rows as float32, the features (``[n, 1]``) and the rows'
+        output de-normalisation."""
         x32 = x.reshape(-1, self.d_in).float()
         sae_in, denorm = self._normalise(x32)
         if self.b_dec_in:
@@ -294,17 +304,28 @@ class SaeMath(nn.Module):
         if self.rescale:
             pre = pre * self.dec_norm[feature]
         if self.k is None:
-            current = self._activate_at(pre, feature)
-        else:
-            current = torch.zeros_like(pre)
-            rows = torch.nonzero(pre.squeeze(-1) > 0).flatten()
-            if self.sample and rows.numel():
-                rows = torch.cat(
-                    [some[self._may_be_member(sae_in[some], pre[some])] for some in self._blocks(rows, self.sample)]
-                )
-            for some in self._blocks(rows, self.d_sae):
-                current[some] = self._topk_member(sae_in[some], feature[some])
-        return self._clamped(x32, current, feature, value, denorm)
+            return x32, self._activate_at(pre, feature), denorm
+        current = torch.zeros_like(pre)
+        rows = torch.nonzero(pre.squeeze(-1) > 0).flatten()
+        if self.sample and rows.numel():
+            rows = torch.cat(
+                [some[self._may_be_member(sae_in[some], pre[some])] for some in self._blocks(rows, self.sample)]
+            )
+        for some in self._blocks(rows, self.d_sae):
+            current[some] = self._topk_member(sae_in[some], feature[some])
+        return x32, current, denorm
+
+    def change(self, current: torch.Tensor, feature: torch.Tensor, value: torch.Tensor, denorm: Any) -> torch.Tensor:
+        """``(value - current) d_feature`` per row (``[n, 1]`` each; ``denorm`` the output
+        de-normalisation of the rows' encode), float32 ``[n, d_out]``: what a clamp adds at the
+        SAE's output address (its own for an SAE, the MLP's output for a transcoder)."""
+        direction = self.W_dec[feature.squeeze(-1)]
+        if self.rescale:
+            direction = direction * (1 / self.dec_norm[feature])
+        mul, div, _ = denorm
+        direction = self._denorm(direction, mul, div, None)
+        delta: torch.Tensor = (value - current) * direction
+        return delta
 
     def _block(self, width: int | None = None) -> int:
         """How many rows of ``width`` (default: every feature) pre-activations :meth:`read` and
@@ -355,16 +376,6 @@ class SaeMath(nn.Module):
         if self.architecture in ("jumprelu", "jumprelu_transcoder", "jumprelu_skip_transcoder"):
             return torch.relu(pre) * (pre > self.threshold[feature]).to(pre.dtype)
         return self._activate(pre)
-
-    def _clamped(
-        self, x32: torch.Tensor, current: torch.Tensor, feature: torch.Tensor, value: torch.Tensor, denorm: Any
-    ) -> torch.Tensor:
-        direction = self.W_dec[feature.squeeze(-1)]
-        if self.rescale:
-            direction = direction * (1 / self.dec_norm[feature])
-        mul, div, _ = denorm
-        direction = self._denorm(direction, mul, div, None)
-        return x32 + (value - current) * direction
 
 
 def pick(

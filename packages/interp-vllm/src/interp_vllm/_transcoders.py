@@ -23,29 +23,12 @@ changes only that feature's part of the reconstruction, so the output becomes
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
 from interp_engine import Sae
 
-from ._static_sae import Encoded, SaeLayout, SaeMath, StaticSae
-
-
-def change(
-    math: SaeMath, current: torch.Tensor, feature: torch.Tensor, value: torch.Tensor, denorm: Any
-) -> torch.Tensor:
-    """``(value - current) d_feature`` per row (``[n, 1]`` each; ``denorm`` the output
-    de-normalisation of the rows' encode), float32 ``[n, d_out]``: what a clamp adds at a
-    transcoder's output address, from ``math``'s decoder rows."""
-    direction = math.W_dec[feature.squeeze(-1)]
-    if math.rescale:
-        direction = direction * (1 / math.dec_norm[feature])
-    mul, div, _ = denorm
-    direction = math._denorm(direction, mul, div, None)
-    delta: torch.Tensor = (value - current) * direction
-    return delta
+from ._static_sae import SaeLayout, SaeMath, StaticSae
 
 
 class TranscoderMath(SaeMath):
@@ -61,24 +44,10 @@ class TranscoderMath(SaeMath):
 
     def change_rows(self, source: torch.Tensor, feature: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """The change a clamp of feature ``feature[r]`` (``[n, 1]`` long) to ``value[r]`` makes at the
-        output address, from the input rows ``source`` (``[n, d_in]``): only the clamped features'
-        own pre-activations are computed (one encoder column per distinct feature)."""
-        x32 = source.reshape(-1, self.d_in).float()
-        sae_in, denorm = self._normalise(x32)
-        if self.b_dec_in:
-            sae_in = sae_in - self.b_dec
-        wanted, where = torch.unique(feature.reshape(-1), return_inverse=True)
-        pre = torch.addmm(self.b_enc[wanted], sae_in, self.W_enc[:, wanted]).gather(-1, where.unsqueeze(-1))
-        if self.rescale:
-            pre = pre * self.dec_norm[feature]
-        if self.k is None:
-            current = self._activate_at(pre, feature)
-        else:
-            current = torch.zeros_like(pre)
-            rows = torch.nonzero(pre.squeeze(-1) > 0).flatten()
-            if rows.numel():
-                current[rows] = self._topk_member(sae_in[rows], feature[rows])
-        return change(self, current, feature, value, denorm)
+        output address, from the input rows ``source`` (``[n, d_in]``), computing only what the
+        clamped features need (:meth:`~._static_sae.SaeMath.current_rows`)."""
+        _, current, denorm = self.current_rows(source, feature)
+        return self.change(current, feature, value, denorm)
 
     def clamp_output(
         self, out: torch.Tensor, source: torch.Tensor, feature: torch.Tensor, value: torch.Tensor
@@ -125,17 +94,6 @@ class StaticTranscoder(StaticSae):
             buffer("clamp_value", max_tokens)
             buffer("delta", max_tokens, sae.d_out)
 
-    def _current(self, enc: Encoded, feature: torch.Tensor) -> torch.Tensor:
-        """Feature ``feature[r]`` (``[n, 1]``) of each encoded row, as :meth:`Sae.encode
-        <interp_engine.Sae.encode>` gives it."""
-        if self.k is not None:  # f_i = relu(pre_i) if i is among the top k, else 0
-            member = (enc.ids == feature).any(-1, keepdim=True)
-            fired = enc.pre.gather(-1, feature).relu()
-            return torch.where(member, fired, torch.zeros_like(fired))
-        if enc.features is None:
-            raise RuntimeError("the transcoder's encode kept no features to read from")
-        return enc.features.gather(-1, feature)
-
     # -- in-graph: tensor work only ------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.d_in)
@@ -149,7 +107,7 @@ class StaticTranscoder(StaticSae):
         if self.clamps:
             on = self.clamp_on[:n].unsqueeze(-1)
             feature = self.clamp_feature[:n].unsqueeze(-1)
-            delta = change(self, self._current(enc, feature), feature, self.clamp_value[:n].unsqueeze(-1), enc.denorm)
+            delta = self.change(self.current(enc, feature), feature, self.clamp_value[:n].unsqueeze(-1), enc.denorm)
             self.delta[:n].copy_(torch.where(on, delta, torch.zeros_like(delta)))
         return x
 
