@@ -444,20 +444,24 @@ class StaticSae(SaeMath):
         if clamps and not self.clamps:
             raise ValueError(f"{sae!r} has no decoder back to its input: it cannot clamp features")
 
-        def buffer(name: str, *shape: int, dtype: torch.dtype = torch.float32) -> None:
-            self.register_buffer(name, torch.zeros(*shape, dtype=dtype, device=device), persistent=False)
-
-        buffer("values", max_tokens, layout.width)
-        buffer("ids", max_tokens, layout.width, dtype=torch.long)
+        self._buffer("values", device, max_tokens, layout.width)
+        self._buffer("ids", device, max_tokens, layout.width, dtype=torch.long)
         if self.has_error:
-            buffer("error_norm", max_tokens)
+            self._buffer("error_norm", device, max_tokens)
         if layout.dense:
-            buffer("dense", max_tokens, self.d_sae)
+            self._buffer("dense", device, max_tokens, self.d_sae)
         if self.clamps:
-            buffer("clamp_on", max_tokens, dtype=torch.bool)
-            buffer("clamp_feature", max_tokens, dtype=torch.long)
-            buffer("clamp_value", max_tokens)
+            self._clamp_buffers(device, max_tokens)
         self._dirty = 0  # clamp rows [0, _dirty) may be set
+
+    def _buffer(self, name: str, device: torch.device | str, *shape: int, dtype: torch.dtype = torch.float32) -> None:
+        self.register_buffer(name, torch.zeros(*shape, dtype=dtype, device=device), persistent=False)
+
+    def _clamp_buffers(self, device: torch.device | str, max_tokens: int) -> None:
+        """The per-token clamps :meth:`set_clamps` fills: whether, which feature, what value."""
+        self._buffer("clamp_on", device, max_tokens, dtype=torch.bool)
+        self._buffer("clamp_feature", device, max_tokens, dtype=torch.long)
+        self._buffer("clamp_value", device, max_tokens)
 
     # -- in-graph: tensor work only ------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -84,15 +84,9 @@ class StaticTranscoder(StaticSae):
         self.d_out = sae.d_out
         self.clamps = clamps
         if clamps:
-
-            def buffer(name: str, *shape: int, dtype: torch.dtype = torch.float32) -> None:
-                self.register_buffer(name, torch.zeros(*shape, dtype=dtype, device=device), persistent=False)
-
             self.register_buffer("W_dec", sae.W_dec.detach().to(device, torch.float32).contiguous(), persistent=False)
-            buffer("clamp_on", max_tokens, dtype=torch.bool)
-            buffer("clamp_feature", max_tokens, dtype=torch.long)
-            buffer("clamp_value", max_tokens)
-            buffer("delta", max_tokens, sae.d_out)
+            self._clamp_buffers(device, max_tokens)
+            self._buffer("delta", device, max_tokens, sae.d_out)
 
     # -- in-graph: tensor work only ------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
