@@ -3,7 +3,7 @@
     python bench/gpu_static_taps.py [--device cuda] [--layers 12] [--width 768] [--tokens 128]
 
 Builds a Llama-shaped model with random weights, installs the same tap and write modules the
-vllm-static backend uses (``interp_vllm._static``: a ``StaticTap`` and a ``StaticWrites`` table
+vllm-static backend uses (``interp_vllm.static._taps``: a ``StaticTap`` and a ``StaticWrites`` table
 on every layer's output), captures one forward in a ``torch.cuda.CUDAGraph`` and replays it:
 
 1. with new input ids and every token on slot 0: captures equal eager HF ``hidden_states`` and
@@ -12,9 +12,9 @@ on every layer's output), captures one forward in a ``torch.cuda.CUDAGraph`` and
    equal an eager HF forward with the same edits written as ordinary hooks, and the unsteered
    tokens of the tapped layers are bit-identical to the plain run;
 3. timing: replay with taps against replay of the same model captured without them;
-4. the transport out of the taps (``interp_vllm._buffers``): after each replay every layer's
+4. the transport out of the taps (``interp_vllm._transport``): after each replay every layer's
    tapped rows go into a shared-memory slab region of their own as the vllm backends' workers
-   write them, through :class:`~interp_vllm._buffers.HostCopier` (on CUDA: a device gather,
+   write them, through :class:`~interp_vllm._transport.HostCopier` (on CUDA: a device gather,
    a non-blocking copy to pinned host memory on a side stream, one synchronisation per step,
    then the write into the slab), half the layers as one block of rows and half through an
    indexed copy (prefill chunks and decode rows); the slab's rows must equal the taps', and
@@ -36,8 +36,8 @@ from typing import Any
 import torch
 
 from interp_engine import Write
-from interp_vllm._buffers import HostCopier, Slab, SlabWriter, new_prefix
-from interp_vllm._static import StaticTap, StaticWrites
+from interp_vllm._transport import HostCopier, Slab, SlabWriter, new_prefix
+from interp_vllm.static._taps import StaticTap, StaticWrites
 
 
 def build(layers: int, width: int, device: str) -> Any:

@@ -9,7 +9,7 @@ So the table is the backends' verdict on a tiny random-weight model of each type
 - **eager**: ``load_model(path, backend="eager")`` (the module tree and one traced forward), and
   the kinds the loaded model serves (``model.points()``); or the ``UnsupportedArchitecture`` it
   raises;
-- **vllm** and **vllm-static** (one front end): :func:`interp_vllm._resolve.resolve_without_weights`,
+- **vllm** and **vllm-static** (one front end): :func:`interp_vllm.model._resolve.resolve_without_weights`,
   which resolves vLLM's own model for the path on the meta device before any engine starts, and
   the kinds the front end serves for the resolved family (its ``_served_kinds``); or the
   ``UnsupportedArchitecture`` it raises.
@@ -56,8 +56,8 @@ def eager_support(path: pathlib.Path) -> Entry:
 def vllm_support(path: pathlib.Path) -> Entry:
     """What the vllm front end (shared by vllm-static) serves of the model at ``path``."""
     from interp_engine import KINDS, UnsupportedArchitecture
-    from interp_vllm._engine import EngineClient
-    from interp_vllm._resolve import resolve_without_weights
+    from interp_vllm.frontend._engine import EngineClient
+    from interp_vllm.model._resolve import resolve_without_weights
 
     try:
         family = resolve_without_weights(str(path), {})

@@ -32,7 +32,7 @@ from interp_engine.steering._writes import (
     op_table,
     param_doc,
 )
-from interp_vllm._static import StaticWrites, compose, plan_writes
+from interp_vllm.static._taps import StaticWrites, compose, plan_writes
 
 WIDTH = 16
 ROWS = {row.name: row for row in OP_ROWS}

@@ -24,7 +24,7 @@ FAMILY = "qwen2"
 
 
 def _engine_processes(model: Any) -> list[Any]:
-    from interp_vllm._engine import _engine_processes
+    from interp_vllm.frontend._engine import _engine_processes
 
     return _engine_processes(model._engine)
 

@@ -133,8 +133,8 @@ def granite_vllm_path() -> pathlib.Path:
 
 def test_the_vllm_resolver_reads_the_multiplier_of_each_sublayer() -> None:
     """vLLM's module tree (no engine): both contributions' multiplier, applied where each is added."""
-    from interp_vllm._resolve import resolve_without_weights
-    from interp_vllm._sites import SITES, added_scale
+    from interp_vllm.model._resolve import resolve_without_weights
+    from interp_vllm.model._sites import SITES, added_scale
 
     family = resolve_without_weights(str(granite_vllm_path()), {"dtype": "float32"})
     assert (family.attn_scale, family.mlp_scale) == (MULTIPLIER, MULTIPLIER)

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from interp_engine import Address, CaptureMemoryExceeded, ModelInfo
-from interp_vllm._buffers import HostCopier, Region, Slab, SlabWriter, covered, new_prefix, sweep
-from interp_vllm._capture_memory import CaptureMemory, needed_bytes, slab_shape
-from interp_vllm._request_taps import Slice
-from interp_vllm._tap_capture import CaptureTaps
+from interp_vllm._transport import HostCopier, Region, Slab, SlabWriter, covered, new_prefix, sweep
+from interp_vllm.frontend._capture_memory import CaptureMemory, needed_bytes, slab_shape
+from interp_vllm.worker._capture import CaptureTaps
+from interp_vllm.worker._request_taps import Slice
 
 INFO = ModelInfo(
     architecture="llama",
@@ -195,7 +195,7 @@ def test_a_tensor_collected_inside_the_slabs_own_allocation_does_not_deadlock(sl
 
 
 def test_regions_are_aligned_to_their_rows_and_segments_grow(slab: Slab, monkeypatch: Any) -> None:
-    monkeypatch.setattr("interp_vllm._buffers.SEGMENT_BYTES", 1 << 16)
+    monkeypatch.setattr("interp_vllm._transport.SEGMENT_BYTES", 1 << 16)
     regions = slab.allocate([(3, [5]), (400, [64]), (1, [7, 3])])
     for region in regions:
         assert region.offset % region.row_bytes == 0
@@ -326,7 +326,7 @@ def test_a_request_larger_than_the_cap_is_refused_and_others_wait(slab: Slab) ->
 
 
 def test_long_runs_are_copied_whole_beside_the_indexed_short_rows(slab: Slab) -> None:
-    from interp_vllm._tap_capture import LONG_RUN
+    from interp_vllm.worker._capture import LONG_RUN
 
     address = Address("resid_post", 3)
     n = LONG_RUN + 4
@@ -345,7 +345,7 @@ def test_long_runs_are_copied_whole_beside_the_indexed_short_rows(slab: Slab) ->
 
 
 def test_a_long_run_on_a_tensor_parallel_rank_writes_its_heads_only(slab: Slab) -> None:
-    from interp_vllm._tap_capture import LONG_RUN
+    from interp_vllm.worker._capture import LONG_RUN
 
     heads = Address("attn_z", 1)
     n = LONG_RUN
@@ -359,7 +359,7 @@ def test_a_long_run_on_a_tensor_parallel_rank_writes_its_heads_only(slab: Slab) 
 
 
 def test_on_a_gpu_a_long_run_is_staged_and_written_as_one_block(slab: Slab) -> None:
-    from interp_vllm._tap_capture import LONG_RUN
+    from interp_vllm.worker._capture import LONG_RUN
 
     cuda = _FakeCuda()
     copier = HostCopier(torch.device("cuda"), cuda=cuda)  # type: ignore[arg-type]
@@ -380,13 +380,13 @@ def test_segments_a_killed_front_end_left_are_swept_and_live_ones_kept(tmp_path:
     import subprocess
     import sys
 
-    from interp_vllm._buffers import hold, sweep_orphans
+    from interp_vllm._transport import hold, sweep_orphans
 
     root = str(tmp_path)
     # a front end that allocates a region and is then killed: nothing of its own removes its files
     script = (
         "import os, signal, sys\n"
-        "from interp_vllm._buffers import Slab, hold, new_prefix\n"
+        "from interp_vllm._transport import Slab, hold, new_prefix\n"
         "prefix = new_prefix(sys.argv[1])\n"
         "slab = Slab(prefix, held=hold(prefix))\n"
         "slab.allocate([(4, [64])])\n"

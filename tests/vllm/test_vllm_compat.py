@@ -152,7 +152,7 @@ def test_versions_compare_by_release() -> None:
 def test_the_engine_pins_the_runner_the_patches_reach() -> None:
     """vLLM 0.33 makes the V2 model runner its default; the patches wrap the V1 runner, which the
     engine's environment defaults select."""
-    from interp_vllm._engine import ENV_DEFAULTS
+    from interp_vllm.frontend._engine import ENV_DEFAULTS
 
     assert ENV_DEFAULTS["VLLM_USE_V2_MODEL_RUNNER"] == "0" == _compat.RUNNER_ENV["VLLM_USE_V2_MODEL_RUNNER"]
 

@@ -13,8 +13,9 @@ import pytest
 from fastapi import FastAPI
 
 from interp_engine import InvalidOption, SteeringSpec
-from interp_vllm import _compat, _endpoints
-from interp_vllm._endpoints import InterpEndpoints, plugin
+from interp_vllm import _compat
+from interp_vllm.serve import _endpoints
+from interp_vllm.serve._endpoints import InterpEndpoints, plugin
 
 
 def _engine(enforce_eager: bool = True, additional: Any = None) -> Any:

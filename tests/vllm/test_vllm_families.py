@@ -351,7 +351,7 @@ def test_resolution_from_vllms_module_tree() -> None:
     """What the resolver reads off vLLM's module trees (native classes and the Transformers
     backend's HF modules), and a clear refusal naming the module it cannot place."""
     from interp_engine import UnsupportedArchitecture
-    from interp_vllm._resolve import resolve_without_weights
+    from interp_vllm.model._resolve import resolve_without_weights
 
     def resolve(family: str) -> Any:
         return resolve_without_weights(str(vllm_model_path(family)), {"dtype": "float32"})
@@ -386,7 +386,7 @@ def test_resolution_after_the_eager_backend_tapped_attention_in_the_same_process
     through that backend and resolved nowhere else in this module (vLLM caches what it finds per
     module class)."""
     from interp_engine import Address, load_model, run_with_cache
-    from interp_vllm._resolve import resolve_without_weights
+    from interp_vllm.model._resolve import resolve_without_weights
 
     path = str(vllm_model_path("phimoe"))
     cache = run_with_cache(load_model(path, backend="eager"), "The capital of France is", [Address("attn_pattern", 0)])

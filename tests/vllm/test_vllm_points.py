@@ -318,7 +318,7 @@ def test_gradients_need_the_eager_backend(vllm_engines: Any) -> None:
     """vLLM runs its forwards under inference mode: gradients and attribution patching raise
     ``UnsupportedOperation`` naming the eager backend, before any compute (vllm-static too)."""
     from interp_engine import GradientCapture, UnsupportedOperation, attribution_patch, run_with_gradients
-    from interp_vllm._static_model import StaticVllmModel
+    from interp_vllm.static._model import StaticVllmModel
 
     gpt2 = vllm_engines("gpt2")
     assert not isinstance(gpt2.model, GradientCapture)

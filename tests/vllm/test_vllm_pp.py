@@ -106,8 +106,8 @@ def test_stages_and_owned_layers_whatever_the_workers_order() -> None:
     from torch import nn
     from vllm.model_executor.models.utils import PPMissingLayer
 
-    from interp_vllm._engine import _stages
     from interp_vllm._wire import Ping
+    from interp_vllm.frontend._engine import _stages
     from interp_vllm.hooks import owned_layers
 
     pings = [

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from interp_engine import FeatureWrite, Sae
-from interp_vllm import _static_sae as static_sae
-from interp_vllm._static_sae import SaeMath
+from interp_vllm.sae import _math as static_sae
+from interp_vllm.sae._math import SaeMath
 
 D_IN, D_SAE, ROWS = 48, 192, 300
 

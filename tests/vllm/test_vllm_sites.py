@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from interp_engine import KINDS, Address, Write
-from interp_vllm._sites import SITES, STATIC_WRITE_KINDS, WRITE_KINDS, local_write, merge_ranks, owned_heads
+from interp_vllm.model._sites import SITES, STATIC_WRITE_KINDS, WRITE_KINDS, local_write, merge_ranks, owned_heads
 
 SRC = pathlib.Path(__file__).resolve().parents[2] / "packages" / "interp-vllm" / "src" / "interp_vllm"
 
@@ -48,11 +48,11 @@ def test_no_module_outside_the_table_names_an_address_kind() -> None:
     model outputs are computed, not located, and are the only names allowed)."""
     derived = {"resid_mid", "attn_scores", "attn_pattern"}
     allowed = derived | {"final_norm", "logits_raw", "logits", "embed", "resid_pre", "resid_post"}
-    taps = sorted(p.name for p in SRC.glob("_tap_*.py"))
-    workers = ("_worker.py", "_static_worker.py", "_static_hooks.py", "_request_taps.py", "hooks.py", *taps)
-    front = ("_model.py", "_static_model.py", "_engine.py", "_sae_sync.py", "_lens_assembly.py", "_client.py")
-    for name in (*workers, *front):
-        tree = ast.parse((SRC / name).read_text())
+    workers = (*sorted(SRC.glob("worker/*.py")), SRC / "static/_worker.py", SRC / "static/_hooks.py", SRC / "hooks.py")
+    front = (*sorted(SRC.glob("frontend/*.py")), SRC / "static/_model.py")
+    for path in (*workers, *front):
+        name = str(path.relative_to(SRC))
+        tree = ast.parse(path.read_text())
         strings = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
         named = {s for s in strings if s in KINDS} - allowed
         assert not named, f"{name} names {sorted(named)}: put what it needs in the site table"

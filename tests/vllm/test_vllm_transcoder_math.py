@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from interp_engine import FeatureWrite, Sae
-from interp_vllm._static_sae import SaeLayout
-from interp_vllm._transcoders import StaticTranscoder, StaticTranscoderOut, TranscoderMath
+from interp_vllm.sae._math import SaeLayout
+from interp_vllm.sae._transcoders import StaticTranscoder, StaticTranscoderOut, TranscoderMath
 
 D_IN, D_OUT, D_SAE, ROWS = 48, 40, 96, 50
 SAME = 1e-5

@@ -91,7 +91,7 @@ def test_the_check_outside_a_spawned_import(tmp_path: pathlib.Path, monkeypatch:
     raises and leaves the note its parent reads once."""
     from multiprocessing import process
 
-    from interp_vllm import _spawn
+    from interp_vllm.frontend import _spawn
 
     monkeypatch.setattr(_spawn, "_note", lambda pid: tmp_path / f"note-{pid}")
     _spawn.check_not_bootstrapping()

@@ -18,8 +18,8 @@ import torch
 
 from interp_engine import Address, FeatureReadout, Features
 from interp_vllm import _wire as wire
-from interp_vllm._client import Workers
 from interp_vllm._wire import Fetched, FetchedWire, Ping, StaticDeclaration, WeightsHeld
+from interp_vllm.frontend._client import Workers
 
 
 def _trip(value: Any) -> Any:
@@ -40,7 +40,7 @@ def test_a_worker_without_taps_answers_its_ping_with_the_reason() -> None:
     """A model the worker cannot resolve still pings (vLLM's own requests keep being served): the
     answer says why it has no taps instead of raising."""
     from interp_vllm import _compat, _vllm_entry
-    from interp_vllm._worker import UntappedRunner
+    from interp_vllm.worker._manager import UntappedRunner
 
     class Runner:
         _interp_taps = UntappedRunner("its layers cannot be found")
@@ -59,7 +59,7 @@ def test_a_worker_without_taps_answers_its_ping_with_the_reason() -> None:
 
 
 def test_the_static_declaration_has_its_defaults_once() -> None:
-    from interp_vllm import _static_model
+    from interp_vllm.static import _model as _static_model
 
     declared = StaticDeclaration()
     assert declared.slots == wire.DEFAULT_SLOTS + 1

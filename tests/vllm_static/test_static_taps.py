@@ -13,7 +13,7 @@ import torch
 
 from interp_engine import Address, InvalidSteering, SteeringSpec, Write, sync_model
 from interp_testkit.suite import PROMPT, hf_for, rel_diff, tiny_model_path
-from interp_vllm._static import StaticTap, StaticWrites, compose, plan_writes
+from interp_vllm.static._taps import StaticTap, StaticWrites, compose, plan_writes
 
 from ..support.engines import eager_model
 

@@ -18,11 +18,11 @@ def interp_engine_backends() -> list[str]:
 @hookimpl
 def interp_engine_load_model(backend: str, name_or_path: str, options: dict[str, Any]) -> Any:
     if backend == NAME:
-        from ._model import VllmModel
+        from .frontend._model import VllmModel
 
         return VllmModel(name_or_path, options)
     if backend == STATIC:
-        from ._static_model import StaticVllmModel
+        from .static._model import StaticVllmModel
 
         return StaticVllmModel(name_or_path, options)
     return None

@@ -29,7 +29,7 @@ from interp_engine import IncompatibleDependency
 
 from . import _compat
 from . import _wire as wire
-from ._buffers import sees
+from ._transport import sees
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ _INCOMPATIBLE: list[str] = []
 def _taps(runner: Any) -> Any:
     taps = getattr(runner, "_interp_taps", None)
     if taps is None:
-        from ._worker import tap_manager
+        from .worker._manager import tap_manager
 
         taps = runner._interp_taps = tap_manager(runner)
     return taps
@@ -59,7 +59,7 @@ def _finished(runner: Any, req_ids: Any) -> None:
 
 def _after_load(runner: Any) -> None:
     """Install a vllm-static engine's taps right after the model is loaded (before compiling)."""
-    from ._static_worker import StaticTapManager, static_config
+    from .static._worker import StaticTapManager, static_config
 
     _compat.pipeline_buffers(runner)
 
@@ -105,7 +105,7 @@ def interp_ping(self: Any, probe: str | None = None, issuer: str | None = None) 
 
 
 def _is_static(taps: Any) -> bool:
-    from ._static_worker import StaticTapManager
+    from .static._worker import StaticTapManager
 
     return isinstance(taps, StaticTapManager)
 
@@ -145,7 +145,7 @@ def interp_decode(self: Any, data: bytes) -> bytes:
 
 def interp_weight_info(self: Any) -> Any:
     """What this worker's pipeline stage holds of the weights (a :class:`~._wire.WeightsHeld`)."""
-    from ._weights import worker_info
+    from .worker._weights import worker_info
 
     return wire.to_wire(worker_info(_taps(self.model_runner)))
 
@@ -153,7 +153,7 @@ def interp_weight_info(self: Any) -> Any:
 def interp_weight(self: Any, name: str, layer: int | None, vocab: list[int] | None) -> bytes:
     """This worker's shard of a weight the front end checked, as safetensors bytes (empty where
     its stage does not hold it)."""
-    from ._weights import worker_weight
+    from .worker._weights import worker_weight
 
     return wire.pack(worker_weight(_taps(self.model_runner), name, layer, vocab))
 

@@ -4,7 +4,7 @@ The front end and the workers import only these types and names; nothing else kn
 layout or an RPC's name:
 
 - the RPCs themselves (:data:`RPC_NAMES`): the workers register their methods under these
-  names (``_vllm_entry``) and the front end calls them through :class:`~._client.Workers`;
+  names (``_vllm_entry``) and the front end calls them through :class:`~.frontend._client.Workers`;
 - :class:`RequestPayload` travels in ``SamplingParams.extra_args[PAYLOAD_KEY]`` with each request
   (plain data: vLLM serialises it with the request);
 - :class:`StaticDeclaration` is a vllm-static engine's tap set, in vLLM's ``additional_config``
@@ -33,7 +33,7 @@ import torch
 
 from interp_engine import Address, BackendError, FeatureReadout, Features, FeatureWrite, SteeringSpec, Write
 
-from ._buffers import Region, Written
+from ._transport import Region, Written
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ class Ping(msgspec.Struct, frozen=True):
     """Why the runner could not be patched (``interp_engine.IncompatibleDependency``), if it could not."""
     sees_probe: bool = False
     """Whether the worker sees the front end's shared-memory probe file (``interp_ping``'s
-    argument): then captured values travel through shared memory (:mod:`._buffers`)."""
+    argument): then captured values travel through shared memory (:mod:`._transport`)."""
 
 
 class FinalNorm(msgspec.Struct, frozen=True):
@@ -250,7 +250,7 @@ class RequestPayload:
     lens_positions: tuple[int, ...] = ()
     """Prompt positions (absolute) the lens reads besides every position from ``n_prompt - 1`` on."""
     buffers: Mapping[Address, Region] = field(default_factory=dict)
-    """Per captured address, the slab region the workers write its values into (:mod:`._buffers`);
+    """Per captured address, the slab region the workers write its values into (:mod:`._transport`);
     an address without one is returned through the fetch RPC."""
     issuer: str = ""
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._sites import VllmSite
+from .model._sites import VllmSite
 
 
 def attr_path(root: Any, path: str) -> Any:

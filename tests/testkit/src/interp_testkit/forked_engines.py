@@ -33,7 +33,7 @@ PRELOAD = (
     "vllm.v1.worker.cpu_worker",
     "vllm.v1.worker.cpu_model_runner",
     "interp_vllm._vllm_entry",
-    "interp_vllm._worker",
+    "interp_vllm.worker._manager",
 )
 """What the server imports before it forks its first engine core."""
 

@@ -1,5 +1,5 @@
 """Where one vLLM model keeps the parts interp-engine reads and writes: the result of resolving
-its module tree (:func:`interp_vllm._resolve.resolve`).
+its module tree (:func:`interp_vllm.model._resolve.resolve`).
 
 vLLM reimplements most architectures (and serves others through its Transformers modeling
 backend, with HF's modules), so these paths name vLLM's modules, not HF's: the decoder-layer

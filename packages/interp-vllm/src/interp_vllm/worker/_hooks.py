@@ -21,11 +21,11 @@ from torch import nn
 
 from interp_engine import Address, BackendError, FeatureWrite, Write
 
+from ..hooks import arg_slot, arg_value, flat, forward_pre_hook, part_of, set_arg
+from ..model._sites import SITES, HookKey, VllmSite, added_scale, columns, gate_activation, local_write
+from ._recompute import RecomputeTaps
 from ._request_taps import Hook, LocalWrite, Slice, WriteTable, touched_rows, touches_run
-from ._sites import SITES, HookKey, VllmSite, added_scale, columns, gate_activation, local_write
-from ._tap_recompute import RecomputeTaps
-from ._tap_saes import SaeTaps
-from .hooks import arg_slot, arg_value, flat, forward_pre_hook, part_of, set_arg
+from ._saes import SaeTaps
 
 
 class HookTaps(SaeTaps, RecomputeTaps):

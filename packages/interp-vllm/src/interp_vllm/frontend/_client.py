@@ -1,4 +1,4 @@
-"""The front end's calls into vLLM's workers: one typed method per RPC of :mod:`._wire`.
+"""The front end's calls into vLLM's workers: one typed method per RPC of :mod:`.._wire`.
 
 Each method calls ``collective_rpc`` on the engine (looked up at every call, so a wrapper set on
 the engine sees it) and answers one value per worker, in ``collective_rpc``'s order, decoded into
@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from . import _wire as wire
-from ._wire import FetchedWire, Ping, WeightsHeld, WorkerStats
+from .. import _wire as wire
+from .._wire import FetchedWire, Ping, WeightsHeld, WorkerStats
 
 
 class Workers:

@@ -81,10 +81,10 @@ from interp_engine import (
 )
 from interp_engine.chat import build_chat_tokens, is_span_name, select_positions
 
-from . import _compat
-from ._capture_memory import OPTION as CAPTURE_MEMORY_OPTION
-from ._capture_memory import needed_bytes
-from ._lens_assembly import keyed, with_lens
+from .. import _compat
+from ..frontend._capture_memory import OPTION as CAPTURE_MEMORY_OPTION
+from ..frontend._capture_memory import needed_bytes
+from ..frontend._lens_assembly import keyed, with_lens
 
 logger = logging.getLogger(__name__)
 
@@ -258,7 +258,7 @@ class InterpEndpoints:
             logger.warning("interp-engine: %s; the server serves as it would without the plugin", exc)
 
     async def _start(self, engine: Any, args: Any, state: Any = None) -> None:
-        from ._model import VllmModel
+        from ..frontend._model import VllmModel
 
         vllm_config = engine.vllm_config
         model_config = vllm_config.model_config

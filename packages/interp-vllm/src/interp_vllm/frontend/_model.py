@@ -2,7 +2,7 @@
 
 :class:`VllmModel` is the engine client (:mod:`._engine`) with the workers' SAEs kept in step
 (:mod:`._sae_sync`). It validates each request, sends its points and steering spec to the workers
-as plain data in ``SamplingParams.extra_args`` (:class:`~._wire.RequestPayload`), lets vLLM
+as plain data in ``SamplingParams.extra_args`` (:class:`~.._wire.RequestPayload`), lets vLLM
 schedule and batch it with everything else in flight, and afterwards fetches what the workers
 captured for it (:class:`~._client.Workers`), joined over tensor-parallel ranks and pipeline
 stages; streams drain their readouts and lens step by step (:mod:`._lens_assembly`).
@@ -38,13 +38,13 @@ from interp_engine import (
 )
 from interp_engine.backend import LensResult, LensTopK, TextPieces
 
-from ._buffers import Region
+from .._transport import Region
+from .._wire import Fetched, FetchedWire, LensChunk, RequestPayload
+from ..model._sites import SITES, merge_ranks
 from ._client import Workers
 from ._engine import is_engine_dead
 from ._lens_assembly import keyed, lens_at_prompt, lens_of, lens_result, readouts_of, with_lens
 from ._sae_sync import SaeSync
-from ._sites import SITES, merge_ranks
-from ._wire import Fetched, FetchedWire, LensChunk, RequestPayload
 
 
 class VllmModel(SaeSync):

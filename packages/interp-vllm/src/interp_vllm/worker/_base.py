@@ -1,7 +1,7 @@
 """What every tap manager of a model runner holds: the model, where its parts live, and the state
 of the requests in flight.
 
-The structure comes from the site table's family (:func:`~._resolve.resolve`); this worker's
+The structure comes from the site table's family (:func:`~..model._resolve.resolve`); this worker's
 place in vLLM's tensor- and pipeline-parallel groups decides which heads, columns and layers its
 hooks see. Requests' states live in ``requests`` until the front end fetches or releases them;
 ``failed`` holds the error of a request whose taps raised here (reported at its fetch, while the
@@ -21,16 +21,16 @@ from torch import nn
 
 from interp_engine import Address, BackendError, Sae
 
-from . import _compat
-from ._buffers import HostCopier, SlabWriter
-from ._families import VllmFamily
+from .. import _compat
+from .._transport import HostCopier, SlabWriter
+from ..hooks import attr_path, owned_layers, pp_position, tp_position
+from ..model._families import VllmFamily
+from ..model._resolve import resolve
+from ..model._sites import SITES, HookKey, VllmSite
+from ..sae._math import SaeMath
 from ._request_taps import RequestTaps, Slice
-from ._resolve import resolve
-from ._sites import SITES, HookKey, VllmSite
-from ._static_sae import SaeMath
-from .hooks import attr_path, owned_layers, pp_position, tp_position
 
-logger = logging.getLogger("interp_vllm._worker")
+logger = logging.getLogger("interp_vllm.worker._manager")
 
 
 class TapBase:

@@ -9,10 +9,10 @@ import torch
 
 from interp_engine.backend import lens_top_k
 
+from .._wire import compact_ids
+from ..hooks import attr_path
+from ._base import TapBase
 from ._request_taps import Slice
-from ._tap_base import TapBase
-from ._wire import compact_ids
-from .hooks import attr_path
 
 
 class LensTaps(TapBase):

@@ -2,24 +2,24 @@
 
 Runs in vLLM's worker process(es). Before each forward, the runner's own batch state says which
 requests are in the step and which rows of the flattened token batch are theirs
-(:func:`._compat.batch_request_ids` and :func:`._compat.batch_starts`); the positions tensor
-gives each token's absolute position. Requests that carry a :class:`~._wire.RequestPayload` get
-hooks for exactly their addresses for that forward, placed by the site table (:mod:`._sites`):
+(:func:`.._compat.batch_request_ids` and :func:`.._compat.batch_starts`); the positions tensor
+gives each token's absolute position. Requests that carry a :class:`~.._wire.RequestPayload` get
+hooks for exactly their addresses for that forward, placed by the site table (:mod:`..model._sites`):
 reads are copied out per request, writes change only that request's rows. Values wait in the
 worker until the front end fetches them (``interp_fetch_many``), once the request is done.
 
 :class:`TapManager` is this module's step loop over the parts, each a module of its own:
 
-- :mod:`._tap_base` -- the model, its family, this worker's ranks and the requests' states;
-- :mod:`._tap_hooks` -- the hooks and what they read and write at each value;
-- :mod:`._tap_saes` -- SAEs held by key, batched readouts and feature clamps;
-- :mod:`._tap_recompute` -- routing, attention recompute and the model-output reads;
-- :mod:`._tap_lens` -- the logit lens: a request's lens layers' ``resid_post`` hooks keep only
+- :mod:`._base` -- the model, its family, this worker's ranks and the requests' states;
+- :mod:`._hooks` -- the hooks and what they read and write at each value;
+- :mod:`._saes` -- SAEs held by key, batched readouts and feature clamps;
+- :mod:`._recompute` -- routing, attention recompute and the model-output reads;
+- :mod:`._lens` -- the logit lens: a request's lens layers' ``resid_post`` hooks keep only
   the rows of the positions it reads; after the forward the step's kept rows of every request and
   layer go through one final norm and served unembedding, and only the top-k ids and
   probabilities are kept, drained like streamed readouts (``interp_drain_many``) or fetched with
   the request's values;
-- :mod:`._tap_fetch` -- what leaves the worker (fetch, drain, release, stats, decode).
+- :mod:`._fetch` -- what leaves the worker (fetch, drain, release, stats, decode).
 
 vLLM's decoder layers defer the residual add: a layer returns ``(hidden, residual)`` and the
 true residual stream is their sum. Reads take the sum; a write replaces the pair by
@@ -38,14 +38,14 @@ import torch
 
 from interp_engine import Address, BackendError, IncompatibleDependency, UnsupportedArchitecture
 
-from . import _compat
+from .. import _compat
+from .._wire import RequestPayload
+from ..hooks import tp_position
+from ..model._sites import HookKey, hook_key
+from ._fetch import FetchTaps
+from ._hooks import HookTaps
+from ._lens import LensTaps
 from ._request_taps import Hook, RequestTaps, Slice
-from ._sites import HookKey, hook_key
-from ._tap_fetch import FetchTaps
-from ._tap_hooks import HookTaps
-from ._tap_lens import LensTaps
-from ._wire import RequestPayload
-from .hooks import tp_position
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ values are fetched or released, and waits here (not in vLLM) while the tables ar
 
 SAEs attached before the engine is built are compiled in: each is saved to a folder this model
 owns (removed at shutdown) and named in the static config; the workers load them before
-compiling and encode every token in-graph (:class:`~._static_sae.StaticSae`). Readouts are served
+compiling and encode every token in-graph (:class:`~..sae._math.StaticSae`). Readouts are served
 from what the graph keeps (the top ``static_sae_top_k`` features per token, every feature of a
 dictionary no wider than ``static_sae_dense_max``); feature clamps are per-token tables filled
 by the workers (no slots to reserve). Attaching or detaching after the build is a
@@ -50,14 +50,8 @@ from interp_engine import (
 )
 from interp_engine.backend import Adapter, heads_of, requested_points, write_positions
 
-from ._buffers import Region
-from ._engine import ENGINE_DEFAULTS
-from ._model import VllmModel
-from ._sites import POINT_KINDS as STATIC_POINT_KINDS
-from ._sites import SITES, STATIC_WRITE_KINDS
-from ._static import plan_writes
-from ._static_sae import SaeLayout
-from ._wire import (
+from .._transport import Region
+from .._wire import (
     CONFIG_KEY,
     DEFAULT_SAE_DENSE_MAX,
     DEFAULT_SAE_TOP_K,
@@ -69,6 +63,12 @@ from ._wire import (
     StaticSae,
     to_wire,
 )
+from ..frontend._engine import ENGINE_DEFAULTS
+from ..frontend._model import VllmModel
+from ..model._sites import POINT_KINDS as STATIC_POINT_KINDS
+from ..model._sites import SITES, STATIC_WRITE_KINDS
+from ..sae._math import SaeLayout
+from ._taps import plan_writes
 
 
 def _count_option(options: dict[str, Any], name: str, default: int, least: int) -> int:

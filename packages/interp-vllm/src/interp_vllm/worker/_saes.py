@@ -7,11 +7,11 @@ import torch
 
 from interp_engine import Address, BackendError, FeatureWrite, Sae
 
+from .._wire import compact
+from ..sae._math import SaeLayout, SaeMath, pick
+from ..sae._transcoders import TranscoderMath
+from ._base import TapBase
 from ._request_taps import Slice, WriteTable, touched_rows
-from ._static_sae import SaeLayout, SaeMath, pick
-from ._tap_base import TapBase
-from ._transcoders import TranscoderMath
-from ._wire import compact
 
 
 class SaeTaps(TapBase):
@@ -28,8 +28,8 @@ class SaeTaps(TapBase):
         self.saes.pop(key, None)
 
     def _math(self, sae: Sae, device: torch.device) -> SaeMath:
-        """``sae``'s batched encoder (:class:`~._static_sae.SaeMath`; a transcoder's with its decoder,
-        :class:`~._transcoders.TranscoderMath`) on ``device``, built once."""
+        """``sae``'s batched encoder (:class:`~..sae._math.SaeMath`; a transcoder's with its decoder,
+        :class:`~..sae._transcoders.TranscoderMath`) on ``device``, built once."""
         key = (id(sae), str(device))
         held = self._sae_math.get(key)
         if held is None or held[0] is not sae:

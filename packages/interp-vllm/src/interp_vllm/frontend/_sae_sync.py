@@ -22,9 +22,9 @@ from interp_engine import (
     Sae,
 )
 
+from ..model._sites import SITES
 from ._client import Workers
 from ._engine import EngineClient
-from ._sites import SITES
 
 
 class SaeSync(EngineClient):

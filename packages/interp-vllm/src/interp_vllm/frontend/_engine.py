@@ -41,19 +41,20 @@ from interp_engine import (
 )
 from interp_engine.backend import Adapter, TokenizerMixin, WeightInfo, check_weight_request
 
-from . import _buffers, _spawn
-from ._buffers import Slab
+from .. import _transport
+from .._compat import RUNNER_ENV
+from .._transport import Slab
+from .._wire import FetchedWire, Ping
+from ..model._resolve import resolve_without_weights
+from ..model._sites import SITES
+from . import _spawn
 from ._capture_memory import CaptureMemory, default_limit
 from ._client import Workers
-from ._compat import RUNNER_ENV
-from ._resolve import resolve_without_weights
-from ._sites import SITES
 from ._weights import merge_info, merge_weight
-from ._wire import FetchedWire, Ping
 
 FRONT_END_OPTIONS = ("tokenizer_path", "capture_transport", "capture_memory_bytes")
 CAPTURE_TRANSPORTS = ("auto", "shared_memory", "rpc")
-"""How captured values leave the workers: ``shared_memory`` (:mod:`._buffers`: the workers write
+"""How captured values leave the workers: ``shared_memory`` (:mod:`.._transport`: the workers write
 them where the front end maps them; only metadata crosses vLLM's RPC path), ``rpc`` (packed into
 the fetch's answer), or ``auto``: shared memory where every worker sees the front end's
 directory (one machine), else the RPC."""
@@ -67,7 +68,7 @@ CPU_ENV_DEFAULTS = {
 }
 ENV_DEFAULTS = dict(RUNNER_ENV)
 """The environment the engine is built with, unless the caller's says otherwise: the taps live
-in the V1 model runner (:data:`._compat.RUNNER_ENV`)."""
+in the V1 model runner (:data:`.._compat.RUNNER_ENV`)."""
 ENGINE_DEFAULTS: dict[str, Any] = {
     "enforce_eager": True,
     "dtype": "float32",
@@ -159,7 +160,7 @@ class EngineClient(TokenizerMixin, ModelBase):
         memory = options.pop("capture_memory_bytes", None)
         if memory is not None and (not isinstance(memory, int) or isinstance(memory, bool) or memory < 1):
             raise InvalidOption(f"capture_memory_bytes must be a positive int (bytes), got {memory!r}")
-        self._buffer_root = _buffers.directory() if self._transport != "rpc" else None
+        self._buffer_root = _transport.directory() if self._transport != "rpc" else None
         self.capture_memory = CaptureMemory(memory or default_limit(self._buffer_root))
         trust = bool(options.get("trust_remote_code", False))
         try:
@@ -315,10 +316,10 @@ class EngineClient(TokenizerMixin, ModelBase):
         """Make a running engine this model's: ping its workers (telling them this front end's
         secret), check they can serve the model, and set up the capture slab where they all see
         it. Raises :class:`BackendError` (the engine is left running) when they cannot."""
-        prefix = None if self._buffer_root is None else _buffers.new_prefix(self._buffer_root)
+        prefix = None if self._buffer_root is None else _transport.new_prefix(self._buffer_root)
         if self._buffer_root is not None:  # what front ends killed by a signal left behind
-            _buffers.sweep_orphans(self._buffer_root)
-        probe = None if prefix is None else _buffers.make_probe(prefix)
+            _transport.sweep_orphans(self._buffer_root)
+        probe = None if prefix is None else _transport.make_probe(prefix)
         try:
             pings = await Workers(engine).ping(probe, self._issuer)
         except Exception as exc:
@@ -328,7 +329,7 @@ class EngineClient(TokenizerMixin, ModelBase):
             ) from exc
         finally:
             if probe is not None:
-                _buffers.sweep(prefix or "")
+                _transport.sweep(prefix or "")
         problem = self._check_workers(pings)
         if problem is None and self._transport == "shared_memory" and not all(p.sees_probe for p in pings):
             problem = (
@@ -338,8 +339,8 @@ class EngineClient(TokenizerMixin, ModelBase):
         if problem is not None:
             raise BackendError(problem)
         if prefix is not None and all(p.sees_probe for p in pings):
-            self.capture_memory.slab = Slab(prefix, held=_buffers.hold(prefix))
-            atexit.register(_buffers.sweep, prefix)
+            self.capture_memory.slab = Slab(prefix, held=_transport.hold(prefix))
+            atexit.register(_transport.sweep, prefix)
         self.tp_size = pings[0].tp_size
         self.pp_size = pings[0].pp_size
         self._stages = _stages(pings)

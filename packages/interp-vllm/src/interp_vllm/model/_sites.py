@@ -1,7 +1,7 @@
 """Where each address kind lives in vLLM's modules, and how tensor parallelism splits it.
 
-One table, read by the dynamic worker (:mod:`._worker`), the static worker
-(:mod:`._static_worker`) and the front end (which merges ranks): a new address kind on vLLM is
+One table, read by the dynamic worker (:mod:`..worker._manager`), the static worker
+(:mod:`..static._worker`) and the front end (which merges ranks): a new address kind on vLLM is
 one :class:`VllmSite` entry (plus its shard rule), not edits in each of them.
 
 A site names a hook:
@@ -54,7 +54,7 @@ class VllmSite:
     kind: str
     where: Where
     module: str | None = None
-    """The :class:`~interp_vllm._families.VllmFamily` field naming the module (``None``: the layer)."""
+    """The :class:`~interp_vllm.model._families.VllmFamily` field naming the module (``None``: the layer)."""
     arg: int = 0
     """For ``input`` sites: which positional argument."""
     arg_name: str | None = None
@@ -162,7 +162,7 @@ def columns(site: VllmSite, family: VllmFamily) -> tuple[int, int] | None:
 
 def gate_activation(act: Callable[[torch.Tensor], torch.Tensor], gate: torch.Tensor) -> torch.Tensor:
     """``act(gate)`` through a fused ``act(x[:d]) * x[d:]`` module (the family's
-    :attr:`~interp_vllm._families.VllmFamily.mlp_act`): the module applied to ``[gate | 1]``."""
+    :attr:`~interp_vllm.model._families.VllmFamily.mlp_act`): the module applied to ``[gate | 1]``."""
     out: torch.Tensor = act(torch.cat([gate, torch.ones_like(gate)], dim=-1))
     return out
 

@@ -1,5 +1,5 @@
 """Captured rows, written where they go: a request's region of the front end's slab
-(:mod:`._buffers`), or, without one, a float32 CPU chunk kept until the fetch.
+(:mod:`.._transport`), or, without one, a float32 CPU chunk kept until the fetch.
 
 Per hook and address, :meth:`CaptureTaps._capture` writes the rows of every request capturing
 there into the slab: a request with a long run of rows in the step (a prefill chunk) is one
@@ -19,11 +19,11 @@ import torch
 
 from interp_engine import Address, BackendError
 
-from ._buffers import SlabWriter
+from .._transport import SlabWriter
+from ..hooks import copy_rows
+from ..model._sites import SITES, VllmSite, owned_heads
+from ._base import TapBase
 from ._request_taps import Slice
-from ._sites import SITES, VllmSite, owned_heads
-from ._tap_base import TapBase
-from .hooks import copy_rows
 
 LONG_RUN = 16
 """A request with at least this many rows in a step, at consecutive positions, is copied as one

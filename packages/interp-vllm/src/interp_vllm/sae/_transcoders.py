@@ -15,7 +15,7 @@ changes only that feature's part of the reconstruction, so the output becomes
   worker's clamps: it keeps each clamped request's input rows at the input hook and applies the
   change at the output hook of the same step);
 - :class:`StaticTranscoder`: a transcoder compiled into vllm-static's graph at its input address:
-  it encodes every row for readouts (as :class:`~._static_sae.StaticSae`) and, for the tokens the
+  it encodes every row for readouts (as :class:`~._math.StaticSae`) and, for the tokens the
   host marks before each step, computes the change into a buffer;
 - :class:`StaticTranscoderOut`: the step at the output address that adds that buffer to the tokens
   it marks (every other token keeps its value bit for bit).
@@ -28,11 +28,11 @@ from torch import nn
 
 from interp_engine import Sae
 
-from ._static_sae import SaeLayout, SaeMath, StaticSae
+from ._math import SaeLayout, SaeMath, StaticSae
 
 
 class TranscoderMath(SaeMath):
-    """A transcoder's encoder (:class:`~._static_sae.SaeMath`) with its decoder rows, for clamps at
+    """A transcoder's encoder (:class:`~._math.SaeMath`) with its decoder rows, for clamps at
     its output address read from its input rows."""
 
     def __init__(self, sae: Sae, device: torch.device | str, *, onednn: bool = False) -> None:
@@ -45,7 +45,7 @@ class TranscoderMath(SaeMath):
     def change_rows(self, source: torch.Tensor, feature: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """The change a clamp of feature ``feature[r]`` (``[n, 1]`` long) to ``value[r]`` makes at the
         output address, from the input rows ``source`` (``[n, d_in]``), computing only what the
-        clamped features need (:meth:`~._static_sae.SaeMath.current_rows`)."""
+        clamped features need (:meth:`~._math.SaeMath.current_rows`)."""
         _, current, denorm = self.current_rows(source, feature)
         return self.change(current, feature, value, denorm)
 
@@ -61,8 +61,8 @@ class StaticTranscoder(StaticSae):
     """A transcoder inside vllm-static's compiled graph, at its input address.
 
     Its forward encodes every row of the step and keeps the readout buffers of
-    :class:`~._static_sae.StaticSae`; with ``clamps`` it also computes, for the tokens the host
-    marked (:meth:`~._static_sae.StaticSae.set_clamps`: one ``(feature, value)`` per token), the
+    :class:`~._math.StaticSae`; with ``clamps`` it also computes, for the tokens the host
+    marked (:meth:`~._math.StaticSae.set_clamps`: one ``(feature, value)`` per token), the
     change ``(value - f(x)) d`` into :attr:`delta` (zero elsewhere), and hands ``x`` back unchanged:
     the change is added at the output address by a :class:`StaticTranscoderOut`."""
 

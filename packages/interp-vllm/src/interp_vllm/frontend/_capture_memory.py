@@ -1,6 +1,6 @@
 """The front end's cap on capture memory: the bytes of captured values in flight (written by the
 workers, not yet fetched), reserved per request before it is submitted, with the request's regions
-of the shared-memory slab (:mod:`._buffers`) where values travel that way.
+of the shared-memory slab (:mod:`.._transport`) where values travel that way.
 
 A request's reservation is what its values take at most: every captured address's value shape
 over all its positions (float32, as the workers keep them). A request that needs more than the
@@ -20,8 +20,8 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from interp_engine import Address, CaptureMemoryExceeded, ModelInfo
 from interp_engine.backend import value_shape
 
-from ._buffers import Region, Slab
-from ._sites import SITES
+from .._transport import Region, Slab
+from ..model._sites import SITES
 
 OPTION = "capture_memory_bytes"
 

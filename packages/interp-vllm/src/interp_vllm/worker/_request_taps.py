@@ -1,6 +1,6 @@
 """A request's state in a worker: its taps over its whole life, and its rows in one step.
 
-:class:`RequestTaps` is built once per request from its :class:`~._wire.RequestPayload` (writes
+:class:`RequestTaps` is built once per request from its :class:`~.._wire.RequestPayload` (writes
 resolved over the whole sequence, SAEs by the names the request uses); each step it is cut to a
 :class:`Slice` (its rows of the flattened batch), and each hook gathers the slices that read or
 write its addresses in a :class:`Hook`.
@@ -17,9 +17,9 @@ import torch
 from interp_engine import Address, BackendError, FeatureReadout, Features, FeatureWrite, Sae, UnknownSae, Write
 from interp_engine.backend import write_positions
 
-from ._buffers import Region
-from ._sites import SITES, VllmSite
-from ._wire import LensChunk, RequestPayload
+from .._transport import Region
+from .._wire import LensChunk, RequestPayload
+from ..model._sites import SITES, VllmSite
 
 LocalWrite = tuple[Write, torch.Tensor, torch.Tensor | None]
 """This rank's part of a write, with its vector and target on the value's device and dtype."""

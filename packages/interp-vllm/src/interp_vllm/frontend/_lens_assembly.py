@@ -14,7 +14,7 @@ from interp_engine import (
 )
 from interp_engine.backend import CheckedLens, LensResult, LensTopK
 
-from ._wire import Fetched, LensChunk, RequestPayload
+from .._wire import Fetched, LensChunk, RequestPayload
 
 
 def readouts_of(ranks: list[Fetched]) -> dict[Features, tuple[torch.Tensor, FeatureReadout]]:

@@ -10,10 +10,10 @@ import torch
 
 from interp_engine import Address
 
+from ..hooks import attr_path, copy_rows
+from ..model._sites import SITES
+from ._capture import CaptureTaps
 from ._request_taps import Hook, Slice
-from ._sites import SITES
-from ._tap_capture import CaptureTaps
-from .hooks import attr_path, copy_rows
 
 
 class RecomputeTaps(CaptureTaps):

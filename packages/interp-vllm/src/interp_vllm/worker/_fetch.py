@@ -9,11 +9,11 @@ import torch
 
 from interp_engine import Address
 
-from ._buffers import covered
+from .._transport import covered
+from .._wire import Fetched, merge_lens
+from ..hooks import attr_path
+from ._base import TapBase
 from ._request_taps import merged_readouts
-from ._tap_base import TapBase
-from ._wire import Fetched, merge_lens
-from .hooks import attr_path
 
 
 class FetchTaps(TapBase):

@@ -1,10 +1,10 @@
 """The hooks vllm-static installs, as closures of pure tensor work traced into the compiled graph.
 
-Each hook runs, at each address it serves, that address's :class:`~._static.StaticWrites` table,
-then its SAEs (:class:`~._static_sae.StaticSae`, each reading what the previous one left, and
-those that clamp applying the step's clamps), then its :class:`~._static.StaticTap`
+Each hook runs, at each address it serves, that address's :class:`~._taps.StaticWrites` table,
+then its SAEs (:class:`~..sae._math.StaticSae`, each reading what the previous one left, and
+those that clamp applying the step's clamps), then its :class:`~._taps.StaticTap`
 (:func:`chain`). The modules they call are registered on the hooked module by
-:class:`~._static_worker.StaticTapManager`, which builds the hooks here and installs them; a
+:class:`~._worker.StaticTapManager`, which builds the hooks here and installs them; a
 :data:`Stage` names one address's modules by attribute.
 
 vLLM's deferred residual is handled in-graph: a write on ``resid_pre``/``resid_post`` gives
@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._sites import gate_activation
-from ._static import StaticTap
-from .hooks import arg_value, attr_path, set_arg
+from ..hooks import arg_value, attr_path, set_arg
+from ..model._sites import gate_activation
+from ._taps import StaticTap
 
 Stage = tuple[str | None, tuple[str, ...], tuple[str, ...], str | None]
 """One address at a hook: the attribute names of its write table, of its SAEs (and of those

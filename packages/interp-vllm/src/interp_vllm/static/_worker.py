@@ -2,9 +2,9 @@
 
 Installed right after the model runner loads the model (before ``warming_up_model()`` traces
 and compiles it, and before CUDA graphs are captured), so the taps are part of the compiled
-graph. They are placed by the same site table as the dynamic backend's (:mod:`._sites`), one
+graph. They are placed by the same site table as the dynamic backend's (:mod:`..model._sites`), one
 hook per site, and every hook is pure tensor work on buffers registered on the hooked modules
-(the hooks are built in :mod:`._static_hooks`):
+(the hooks are built in :mod:`._hooks`):
 
 - a capture point copies its rows into a :class:`StaticTap` buffer every step;
 - a write point runs a :class:`StaticWrites` table whose per-token index (per token and head,
@@ -15,13 +15,13 @@ hook per site, and every hook is pure tensor work on buffers registered on the h
 - ``mlp_pre`` / ``mlp_pre_linear`` are the gate / up half of the fused ``gate_up_proj`` output: a
   write there rebuilds the output from the written half and the other one;
 - an SAE compiled in (``saes`` in the config: a folder per name, written by the front end) is a
-  :class:`~._static_sae.StaticSae` at its address: it encodes every row of every step and keeps the
+  :class:`~..sae._math.StaticSae` at its address: it encodes every row of every step and keeps the
   top features, the error norm and (small dictionaries) every feature in buffers, and applies
   the step's per-token feature clamps. At one address the order is: the write table, the SAEs
   (each reads what the previous one left, then clamps), the capture tap;
-- a transcoder compiled in is a :class:`~._transcoders.StaticTranscoder` at its input address
+- a transcoder compiled in is a :class:`~..sae._transcoders.StaticTranscoder` at its input address
   (readouts as above; for the clamped tokens it computes the change ``(v - f_i) d_i``) and a
-  :class:`~._transcoders.StaticTranscoderOut` among the SAEs at its output address, which adds
+  :class:`~..sae._transcoders.StaticTranscoderOut` among the SAEs at its output address, which adds
   that change there (the MLP's error term kept).
 
 Host work per step happens in :meth:`StaticTapManager.run`: fill the indices from each request's
@@ -30,7 +30,7 @@ each SAE's per-token clamps, run the compiled forward, read each capturing reque
 the buffers and each reading request's readouts out of its SAEs' (only the readouts, compacted
 as the dynamic worker's, ever leave the worker).
 
-Invariant: :func:`._compat.keep_inductor_mutation_order` runs in the worker before vLLM compiles
+Invariant: :func:`.._compat.keep_inductor_mutation_order` runs in the worker before vLLM compiles
 the model (here, when the :class:`StaticTapManager` is built). The hooks read tensors that opaque ops wrote
 in place (on CPU every vLLM linear is ``onednn_mm(out, ...)`` into a preallocated buffer; the
 ``resid_mid`` stash is our own buffer); without it torch 2.13's Inductor may schedule such a read
@@ -51,9 +51,10 @@ from torch import nn
 from interp_engine import Address, FeatureWrite, Sae, Write, load_sae
 from interp_engine.backend import write_positions
 
-from . import _compat
-from ._request_taps import Hook, RequestTaps, Slice
-from ._sites import (
+from .. import _compat
+from .._wire import CONFIG_KEY, Fetched, RequestPayload, StaticDeclaration, compact, from_wire
+from ..hooks import arg_slot, attr_path, forward_pre_hook
+from ..model._sites import (
     ROUTER_KIND,
     SITES,
     HookKey,
@@ -63,13 +64,12 @@ from ._sites import (
     hook_key,
     owned_heads,
 )
-from ._static import StaticTap, StaticWrites, plan_writes
-from ._static_hooks import Names, Stage, input_hook, layer_in_hook, layer_out_hook, output_hook
-from ._static_sae import SaeLayout, StaticSae
-from ._transcoders import StaticTranscoder, StaticTranscoderOut
-from ._wire import CONFIG_KEY, Fetched, RequestPayload, StaticDeclaration, compact, from_wire
-from ._worker import TapManager
-from .hooks import arg_slot, attr_path, forward_pre_hook
+from ..sae._math import SaeLayout, StaticSae
+from ..sae._transcoders import StaticTranscoder, StaticTranscoderOut
+from ..worker._manager import TapManager
+from ..worker._request_taps import Hook, RequestTaps, Slice
+from ._hooks import Names, Stage, input_hook, layer_in_hook, layer_out_hook, output_hook
+from ._taps import StaticTap, StaticWrites, plan_writes
 
 logger = logging.getLogger(__name__)
 
@@ -227,8 +227,8 @@ class StaticTapManager(TapManager):
 
     def _sae_module(self, name: str, site: VllmSite) -> StaticSae:
         """The compiled-in module of SAE ``name`` at ``site`` (its input address), built once: a
-        :class:`~._transcoders.StaticTranscoder` for a transcoder (its clamps added at its output
-        address), else a :class:`~._static_sae.StaticSae` (clamping in place where the site takes
+        :class:`~..sae._transcoders.StaticTranscoder` for a transcoder (its clamps added at its output
+        address), else a :class:`~..sae._math.StaticSae` (clamping in place where the site takes
         in-graph writes of whole rows)."""
         held = self.sae_modules.get(name)
         if held is not None:
@@ -390,7 +390,7 @@ class StaticTapManager(TapManager):
     def _lens_rows(self, slices: list[Slice]) -> None:
         """The lens layers' rows out of their ``resid_post`` taps (the front end serves the lens
         only at declared ``resid_post`` points): a layer without a tap is decoded as zeros and
-        the request fails (see :meth:`~._tap_lens.LensTaps._lens`)."""
+        the request fails (see :meth:`~..worker._lens.LensTaps._lens`)."""
         for sl in slices:
             if sl.lens_keep is None:
                 continue

@@ -313,7 +313,7 @@ def _mlp(model: nn.Module, mlp: nn.Module, prefix: str, classes: dict[str, Any],
 def _gate_activation(mlp: nn.Module, projections: tuple[str, str], classes: dict[str, Any]) -> str | None:
     """The child of a gated MLP that turns ``[gate | up]`` into ``act(gate) * up`` (vLLM's
     ``SiluAndMul``, ``GeluAndMul``, ...), checked on a probe to be one that ``act([gate | 1])``
-    turns into ``act(gate)`` (:func:`interp_vllm._sites.gate_activation`); ``None``: no such child."""
+    turns into ``act(gate)`` (:func:`interp_vllm.model._sites.gate_activation`); ``None``: no such child."""
     gate, up = torch.randn(2, 2, 8, generator=torch.Generator().manual_seed(0))
     for name, child in mlp.named_children():
         if name in projections or isinstance(child, classes["linear"]) or any(True for _ in child.parameters()):
