@@ -14,8 +14,10 @@ from fastapi import FastAPI
 
 from interp_engine import InvalidOption, SteeringSpec
 from interp_vllm import _compat
-from interp_vllm.serve import _endpoints
+from interp_vllm.serve._answers import Steps
 from interp_vllm.serve._endpoints import InterpEndpoints, plugin
+from interp_vllm.serve._requests import Refused
+from interp_vllm.serve._routes import api_keys
 
 
 def _engine(enforce_eager: bool = True, additional: Any = None) -> Any:
@@ -111,18 +113,18 @@ def test_an_interp_object_is_read_from_the_body_or_vllm_xargs() -> None:
     xargs = SimpleNamespace(model="m", model_extra={}, vllm_xargs={"interp": json.dumps({"steering": spec})})
     assert endpoints._call_of(xargs) is not None and xargs.vllm_xargs == {}
     for bad in ("{not json", json.dumps([1])):
-        with pytest.raises(_endpoints.Refused):
+        with pytest.raises(Refused):
             endpoints._call_of(SimpleNamespace(model="m", model_extra={}, vllm_xargs={"interp": bad}))
     assert endpoints._call_of(SimpleNamespace(model="m", model_extra={}, vllm_xargs=None)) is None
 
 
 def test_the_interp_routes_take_the_keys_vllms_own_routes_take(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_API_KEY", "from-env")
-    assert _endpoints.api_keys(SimpleNamespace(api_key=None)) == ("from-env",)
-    assert _endpoints.api_keys(SimpleNamespace(api_key=["a", "b"])) == ("a", "b")  # the flag wins, as in vLLM
+    assert api_keys(SimpleNamespace(api_key=None)) == ("from-env",)
+    assert api_keys(SimpleNamespace(api_key=["a", "b"])) == ("a", "b")  # the flag wins, as in vLLM
     monkeypatch.delenv("VLLM_API_KEY")
-    assert _endpoints.api_keys(SimpleNamespace(api_key=None)) == ()
-    assert _endpoints.api_keys(SimpleNamespace(api_key=[""])) == ()
+    assert api_keys(SimpleNamespace(api_key=None)) == ()
+    assert api_keys(SimpleNamespace(api_key=[""])) == ()
 
 
 @pytest.mark.parametrize(
@@ -142,7 +144,7 @@ def test_the_interp_routes_take_the_keys_vllms_own_routes_take(monkeypatch: pyte
 def test_points_and_positions_of_the_wrong_shape_are_refused_by_field(interp: Any, param: str) -> None:
     endpoints = InterpEndpoints()
     endpoints.refusal = None
-    with pytest.raises(_endpoints.Refused) as refused:
+    with pytest.raises(Refused) as refused:
         endpoints._call_of(SimpleNamespace(model="m", model_extra={"interp": interp}, vllm_xargs=None))
     assert refused.value.param == param and isinstance(refused.value.error, InvalidOption)
 
@@ -159,7 +161,7 @@ def test_points_asked_make_a_call_that_holds_them() -> None:
 
 
 def test_an_answer_carries_no_inf_or_nan() -> None:
-    steps = _endpoints._Steps(per_token=True)
+    steps = Steps(per_token=True)
     steps.ready.append({"position": 3, "lens": {"probs": [[float("nan"), 0.5]]}})
     steps.points = {"positions": [0], "activations": {"resid_post.1": [[float("inf"), 1.0]]}}
     import json

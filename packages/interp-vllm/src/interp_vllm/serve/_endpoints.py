@@ -47,44 +47,28 @@ The taps run in vLLM's eager mode: on a server that compiles the model (no ``--e
 requests with ``interp`` fields are refused with a message saying so, and everything else is
 served unchanged. A vLLM without endpoint plugins never loads this module; one whose server
 lacks what it wraps gets a warning at start and serves unchanged.
+
+The plugin (:class:`InterpEndpoints`) is cut along what it does: :mod:`._routes` (vLLM's routes
+wrapped, the ``/interp`` app, API keys), :mod:`._requests` (a request's ``interp`` fields read
+into a call), :mod:`._steering` (the engine's ``generate`` wrapped: checks, steering and reading
+in vLLM's generation) and :mod:`._answers` (readouts, lens and points in the answer or its
+stream chunks).
 """
 
 from __future__ import annotations
 
-import contextvars
-import copy
-import hashlib
-import hmac
-import json
 import logging
-import math
 import os
-import secrets
 import threading
-import uuid
-from collections.abc import AsyncGenerator, Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
-import torch
-from fastapi import HTTPException, Request
-
-from interp_engine import (
-    Address,
-    CaptureMemoryExceeded,
-    InterpError,
-    InvalidOption,
-    InvalidSteering,
-    LensRequest,
-    SteeringSpec,
-    load_sae,
-)
-from interp_engine.chat import build_chat_tokens, is_span_name, select_positions
+from interp_engine import InvalidOption, SteeringSpec, load_sae
 
 from .. import _compat
-from ..frontend._capture_memory import OPTION as CAPTURE_MEMORY_OPTION
-from ..frontend._capture_memory import needed_bytes
-from ..frontend._lens_assembly import keyed, with_lens
+from ._requests import Call, call_of
+from ._routes import api_keys, authorized, error_body, interp_app, models_route, steered
+from ._steering import wrap_generate
 
 logger = logging.getLogger(__name__)
 
@@ -92,84 +76,12 @@ NAME = "interp_vllm"
 """The plugin's name in ``VLLM_PLUGINS`` (the general plugin's too)."""
 CONFIG_KEY = "interp"
 """The entry of ``--additional-config`` that configures the plugin."""
-FIELD = "interp"
-"""The request field (and ``vllm_xargs`` entry) that carries a request's steering."""
-INTERP_FIELDS = ("steering", "features", "lens", "points", "positions")
-"""What a request's ``interp`` object may hold on vLLM's routes."""
 CONFIG_FIELDS = ("saes", "presets", "capture_memory_bytes", "points_max_values")
 """The settings of ``--additional-config``'s ``interp`` entry."""
 POINTS_MAX_VALUES = 65536
 """Most numbers ``interp.points`` returns in one answer (positions x values per position), unless
 ``points_max_values`` says otherwise."""
 STEERED_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
-
-
-class Refused(Exception):
-    """A request's ``interp`` fields refused before it reached the engine (answered ``400``)."""
-
-    def __init__(self, error: InterpError, param: str) -> None:
-        super().__init__(str(error))
-        self.error = error
-        self.param = param
-
-
-class LimitExceeded(InvalidOption):
-    """A request asking for more than the server's bound (``valid``: the bound)."""
-
-    def __init__(self, message: str, *, valid: int) -> None:
-        super().__init__(message)
-        self.valid = valid
-
-
-class _Steps:
-    """Each generated token's readouts and lens, as the engine's outputs come, until the response
-    (or its next stream chunk) takes them; and the points asked for, once the generation is done."""
-
-    def __init__(self, per_token: bool) -> None:
-        self.per_token = per_token
-        self.ready: list[dict[str, Any]] = []
-        self.points: dict[str, Any] | None = None
-        self.generations = 0
-
-    def take(self) -> list[dict[str, Any]]:
-        taken, self.ready = self.ready, []
-        return taken
-
-    def chunk(self, last: bool) -> dict[str, Any] | None:
-        """The ``interp`` object of a stream chunk: the steps ready (``last``: the chunk before
-        ``[DONE]``, with the points too), ``None`` when there is nothing to send."""
-        out: dict[str, Any] = {}
-        ready = self.take()
-        if ready:
-            out["steps"] = ready
-        if last and self.points is not None:
-            out.update(self.points)
-        return _finite(out) if out else None
-
-    def whole(self) -> dict[str, Any]:
-        """The ``interp`` object of a whole answer."""
-        out: dict[str, Any] = {"steps": self.take()} if self.per_token else {}
-        if self.points is not None:
-            out.update(self.points)
-        return dict(_finite(out))
-
-
-@dataclass(frozen=True)
-class _Call:
-    """What a route handler hands to the engine's ``generate`` for one HTTP request."""
-
-    spec: SteeringSpec | None
-    field: str
-    messages: list[Any] | None = None
-    chat_options: Mapping[str, Any] | None = None
-    features: tuple[Any, ...] = ()
-    lens: Mapping[str, Any] | None = None
-    points: tuple[str, ...] = ()
-    positions: Any = None
-    steps: _Steps | None = None
-
-
-_CALL: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("interp_vllm_call", default=None)
 
 
 def plugin() -> InterpEndpoints:
@@ -212,7 +124,7 @@ class InterpEndpoints:
         for path, route in originals.items():
             app.add_api_route(
                 path,
-                self._steered(route.endpoint),
+                steered(self, route.endpoint),
                 methods=["POST"],
                 dependencies=route.dependencies,
                 responses=route.responses,
@@ -224,7 +136,7 @@ class InterpEndpoints:
         )
         if models is not None:
             app.add_api_route(
-                "/v1/models", self._models(models.endpoint), methods=["GET"], name="show_available_models_interp"
+                "/v1/models", models_route(self, models.endpoint), methods=["GET"], name="show_available_models_interp"
             )
 
         async def interp_app(scope: Any, receive: Any, send: Any) -> None:
@@ -234,9 +146,9 @@ class InterpEndpoints:
 
             inner = self._interp_app
             if not self._authorized(scope):
-                answer = JSONResponse(_error_body("a valid API key is required", "Unauthorized", 401), 401)
+                answer = JSONResponse(error_body("a valid API key is required", "Unauthorized", 401), 401)
             elif inner is None:
-                answer = JSONResponse(_error_body(self.refusal or "not started", "NotFound", 404), 404)
+                answer = JSONResponse(error_body(self.refusal or "not started", "NotFound", 404), 404)
             else:
                 self._sync_adapters()
                 await inner(scope, receive, send)
@@ -308,8 +220,8 @@ class InterpEndpoints:
             raise
         self.api_keys = api_keys(args)
         self.points_max_values = cap
-        self._wrap_generate(engine)
-        self._interp_app = self._build_interp_app(model)
+        wrap_generate(self, engine)
+        self._interp_app = interp_app(self, model)
         self.refusal = None
         logger.info(
             "interp-engine: serving %s with %d preset(s) and %d SAE(s)",
@@ -338,77 +250,8 @@ class InterpEndpoints:
             self._refused_adapters[name] = wanted[name]
 
     def _authorized(self, scope: Any) -> bool:
-        """Whether an ``/interp`` request may pass: the server has no API key, or it sends one of
-        them as ``Authorization: Bearer KEY`` (vLLM's own check guards only its prefixes)."""
-        if not self.api_keys or scope.get("path", "").endswith("/v1/health"):
-            return True
-        given = b""
-        for name, value in scope.get("headers") or ():
-            if name == b"authorization":
-                given = value
-        scheme, _, key = given.decode("latin-1").partition(" ")
-        if scheme.lower() != "bearer":
-            return False
-        digest = hashlib.sha256(key.encode()).digest()
-        return any(hmac.compare_digest(digest, hashlib.sha256(k.encode()).digest()) for k in self.api_keys)
-
-    def _build_interp_app(self, model: Any) -> Any:
-        from interp_engine.server import create_app
-
-        app = create_app(model)
-        app.state.served.model = model  # a mounted app's lifespan never runs: the engine is already up
-        endpoints = self
-
-        def check_key() -> None:
-            if not endpoints.api_keys:
-                raise HTTPException(403, "presets and SAEs change at run time only on a server started with --api-key")
-
-        async def keyed_body(request: Request, error: type[InterpError], shape: str) -> Any:
-            """The JSON body of a change to the server (one started with a key)."""
-            check_key()
-            try:
-                return json.loads(await request.body())
-            except ValueError as exc:
-                raise error(f"the body is {shape}: {exc}") from None
-
-        async def put_preset(name: str, request: Request) -> Any:
-            spec = await keyed_body(request, InvalidSteering, "a steering spec's JSON")
-            endpoints.set_preset(name, spec)
-            return {"name": name, "presets": sorted(endpoints.presets)}
-
-        async def delete_preset(name: str) -> Any:
-            check_key()
-            if not endpoints.drop_preset(name):
-                raise HTTPException(404, f"no preset {name!r}; presets: {sorted(endpoints.presets)}")
-            return {"name": name, "presets": sorted(endpoints.presets)}
-
-        async def list_presets() -> Any:
-            return {name: spec.to_dict() for name, spec in endpoints.presets.items()}
-
-        async def workers() -> Any:
-            return {"workers": await model.worker_stats()}
-
-        async def put_sae(name: str, request: Request) -> Any:
-            body = await keyed_body(request, InvalidOption, "{'path': FOLDER}")
-            if not isinstance(body, dict) or set(body) != {"path"} or not isinstance(body["path"], str):
-                raise InvalidOption("the body is {'path': FOLDER}: a folder load_sae reads, on the server")
-            if name in model.saes:
-                model.detach_sae(name)  # a request in flight keeps the SAE it was checked with
-            model.attach_sae(name, load_sae(body["path"]))
-            return {"name": name, "saes": sorted(model.saes)}
-
-        async def delete_sae(name: str) -> Any:
-            check_key()
-            model.detach_sae(name)
-            return {"name": name, "saes": sorted(model.saes)}
-
-        app.add_api_route("/v1/presets", list_presets, methods=["GET"])
-        app.add_api_route("/v1/workers", workers, methods=["GET"])
-        app.add_api_route("/v1/saes/{name}", put_sae, methods=["PUT"])
-        app.add_api_route("/v1/saes/{name}", delete_sae, methods=["DELETE"])
-        app.add_api_route("/v1/presets/{name}", put_preset, methods=["PUT"])
-        app.add_api_route("/v1/presets/{name}", delete_preset, methods=["DELETE"])
-        return app
+        """Whether an ``/interp`` request may pass (:func:`~._routes.authorized`)."""
+        return authorized(self.api_keys, scope)
 
     def set_preset(self, name: str, spec: Any) -> None:
         """Serve ``spec`` (a steering spec or its JSON) under the model name ``name``."""
@@ -429,546 +272,10 @@ class InterpEndpoints:
             return True
 
     # -- per request ----------------------------------------------------------------------------
-    def _steered(self, endpoint: Callable[..., Any]) -> Callable[..., Any]:
-        endpoints = self
-
-        async def steered(request: Any, raw_request: Request) -> Any:
-            call = None
-            try:
-                call = endpoints._call_of(request)
-            except Refused as exc:
-                return _refusal(exc)
-            if call is None:
-                return await endpoint(request, raw_request)
-            token = _CALL.set(call)
-            try:
-                response = await endpoint(request, raw_request)
-            except Refused as exc:
-                return _refusal(exc)
-            finally:
-                _CALL.reset(token)
-            return response if call.steps is None else _with_steps(response, call.steps)
-
-        steered.__annotations__ = dict(getattr(endpoint, "__annotations__", {}))
-        steered.__annotations__["raw_request"] = Request
-        steered.__signature__ = _signature_of(endpoint)  # type: ignore[attr-defined]
-        return steered
-
-    def _call_of(self, request: Any) -> _Call | None:
+    def _call_of(self, request: Any) -> Call | None:
         """The request's steering (its ``interp`` field, ``vllm_xargs["interp"]``, or its model
-        name's preset), or ``None``; :class:`Refused` when it cannot be served."""
-        extra = request.model_extra if isinstance(getattr(request, "model_extra", None), dict) else {}
-        given = extra.pop(FIELD, None)
-        xargs = getattr(request, "vllm_xargs", None)
-        if isinstance(xargs, dict) and FIELD in xargs:
-            text = xargs.pop(FIELD)
-            if given is not None:
-                raise Refused(
-                    InvalidSteering("send interp in the body or in vllm_xargs, not both"), "vllm_xargs.interp"
-                )
-            try:
-                given = json.loads(text) if isinstance(text, str) else text
-            except ValueError as exc:
-                raise Refused(InvalidSteering(f"vllm_xargs.interp is not JSON: {exc}"), "vllm_xargs.interp") from None
-        presets = self.presets
-        preset = presets.get(getattr(request, "model", None) or "")
-        if given is None and preset is None:
-            return None
-        if self.refusal is not None:
-            raise Refused(InvalidOption(self.refusal), FIELD)
-        spec = preset
-        features: tuple[Any, ...] = ()
-        lens: dict[str, Any] | None = None
-        points: tuple[str, ...] = ()
-        positions: Any = None
-        if given is not None:
-            if not isinstance(given, dict) or set(given) - set(INTERP_FIELDS):
-                raise Refused(
-                    InvalidOption(
-                        f"interp is an object with the fields {', '.join(INTERP_FIELDS)}; got {_keys(given)} "
-                        "(whole captures: the /interp/v1 routes)"
-                    ),
-                    FIELD,
-                )
-            try:
-                asked = SteeringSpec.from_dict(given.get("steering") or [])
-            except InterpError as exc:
-                raise Refused(exc, f"{FIELD}.steering") from None
-            spec = asked if preset is None else SteeringSpec([*preset.writes, *asked.writes])
-            features, lens = _readouts_asked(given)
-            points, positions = _points_asked(given)
-        if preset is not None:
-            request.model = self.base_names[0]
-        if spec is not None and not spec.writes:
-            spec = None
-        if spec is None and not features and lens is None and not points:
-            return None
-        steps = None
-        if features or lens is not None or points:
-            if int(getattr(request, "n", 1) or 1) != 1 or getattr(request, "use_beam_search", False):
-                raise Refused(
-                    InvalidOption("readouts, points and the lens are read for one completion (n=1, no beam search)"),
-                    FIELD,
-                )
-            steps = _Steps(per_token=bool(features) or lens is not None)
-        messages = getattr(request, "messages", None)
-        options = None
-        if messages is not None:
-            options = {
-                "add_generation_prompt": bool(getattr(request, "add_generation_prompt", True)),
-                **dict(getattr(request, "chat_template_kwargs", None) or {}),
-            }
-            if getattr(request, "continue_final_message", False) or getattr(request, "chat_template", None):
-                options = None  # the model's own template, as vLLM renders it, is the only one spans are read in
-        return _Call(
-            spec,
-            f"{FIELD}.steering",
-            list(messages) if messages is not None else None,
-            options,
-            features=features,
-            lens=lens,
-            points=points,
-            positions=positions,
-            steps=steps,
-        )
-
-    def _wrap_generate(self, engine: Any) -> None:
-        original = engine.generate
-        endpoints = self
-
-        def generate(prompt: Any, sampling_params: Any, request_id: str, *args: Any, **kwargs: Any) -> Any:
-            call = _CALL.get()
-            if call is None or not hasattr(sampling_params, "extra_args"):
-                return original(prompt, sampling_params, request_id, *args, **kwargs)
-            prompt, checked, selected = endpoints._check(call, prompt, sampling_params)
-            return endpoints._steer(
-                original, call.steps, checked, selected, prompt, sampling_params, request_id, args, kwargs
-            )
-
-        engine.generate = generate
-
-    def _check(self, call: _Call, prompt: Any, params: Any) -> tuple[Any, Any, list[int]]:
-        """The prompt (with a cache salt of its own), the request's checked steering, readouts and
-        points, and the positions its points are read at."""
-        model = self.model
-        ids = _compat.prompt_token_ids(model._engine, prompt)
-        if ids is None or not isinstance(prompt, dict):
-            raise Refused(InvalidSteering("steering needs a prompt of tokens (not embeddings)"), call.field)
-        tokens: Any = list(ids)
-        named = call.spec is not None and any(is_span_name(w.positions) for w in call.spec.writes)
-        if named or (isinstance(call.positions, str) and call.positions != "prompt"):
-            try:
-                tokens = self._chat_tokens(call, tokens)
-            except Refused as exc:
-                if named:
-                    raise
-                raise Refused(InvalidOption(str(exc.error)), f"{FIELD}.positions") from None
-        if call.steps is not None:
-            call.steps.generations += 1
-            if call.steps.generations > 1:
-                raise Refused(InvalidOption("readouts and the lens are read for one prompt per request"), FIELD)
-        max_tokens = int(params.max_tokens or 1)
-        points = self._addresses(call.points, len(ids), max_tokens)
-        try:
-            lens = None if call.lens is None else LensRequest(**call.lens)
-            checked = model._check_generation(
-                tokens,
-                [*model._stream_readouts(call.features), *points],
-                max_tokens=max_tokens,
-                steering_spec=call.spec,
-                sampling={},
-                lens=lens,
-            )
-        except InterpError as exc:
-            raise Refused(exc, FIELD if call.spec is None else call.field) from None
-        except TypeError as exc:  # a lens object with fields LensRequest does not take
-            fields = InvalidOption(f"interp.lens takes layers and top_k: {exc}")
-            raise Refused(fields, f"{FIELD}.lens") from None
-        selected = self._positions(call, tokens, checked, max_tokens) if points else []
-        return {**prompt, "cache_salt": f"interp-{secrets.token_hex(8)}"}, checked, selected
-
-    def _addresses(self, points: tuple[str, ...], n: int, max_tokens: int) -> list[Address]:
-        """``interp.points`` as addresses, each checked against the model (the entry at fault named)."""
-        model = self.model
-        out = []
-        for i, text in enumerate(points):
-            try:
-                address = Address.parse(text)
-                model._check_generation([0] * n, [address], max_tokens=max_tokens, steering_spec=None, sampling={})
-            except InterpError as exc:
-                raise Refused(exc, f"{FIELD}.points[{i}]") from None
-            out.append(address)
-        return out
-
-    def _positions(self, call: _Call, tokens: Any, checked: Any, max_tokens: int) -> list[int]:
-        """The positions ``interp.positions`` selects, each one the engine runs (the prompt's and
-        every generated token's but the last, which vLLM samples and never runs), and the answer
-        within :attr:`points_max_values` and the capture memory."""
-        n = len(checked.token_ids)
-        runs = n + max_tokens - 1
-        field = f"{FIELD}.positions"
-        if isinstance(call.positions, list):
-            past = [p for p in call.positions if p >= runs]
-            if past:
-                raise Refused(
-                    InvalidOption(
-                        f"position {past[0]} is past the last one this request runs: positions 0..{runs - 1} (the "
-                        f"prompt's {n} tokens, then each generated token but the last, which the model never runs)"
-                    ),
-                    field,
-                )
-        try:
-            selected = select_positions(call.positions, tokens, n, runs)
-        except InterpError as exc:
-            raise Refused(exc, field) from None
-        model = self.model
-        n_total = n + max_tokens
-        per_position = sum(needed_bytes([a], n_total, model.info) // (4 * n_total) for a in checked.addresses)
-        values = len(selected) * per_position
-        if values > self.points_max_values:
-            raise Refused(
-                LimitExceeded(
-                    f"interp.points at these {len(selected)} positions would return {values} numbers; this server "
-                    f"returns at most points_max_values={self.points_max_values} in an answer (fewer points or "
-                    "positions, or /interp/v1/capture_generation for whole captures)",
-                    valid=self.points_max_values,
-                ),
-                f"{FIELD}.points",
-            )
-        needed = needed_bytes(checked.addresses, n_total, model.info)
-        if needed > model.capture_memory.limit:
-            error = CaptureMemoryExceeded(
-                f"interp.points holds {needed} bytes while the request runs and the capture memory cap is "
-                f"{model.capture_memory.limit} bytes (fewer points or a smaller max_tokens)",
-                needed=needed,
-                limit=model.capture_memory.limit,
-                option=CAPTURE_MEMORY_OPTION,
-            )
-            raise Refused(error, f"{FIELD}.points")
-        return selected
-
-    def _chat_tokens(self, call: _Call, ids: list[int]) -> Any:
-        if call.messages is None:
-            raise Refused(
-                InvalidSteering("positions that name chat spans need /v1/chat/completions (messages)"), call.field
-            )
-        if call.chat_options is None:
-            raise Refused(
-                InvalidSteering(
-                    "chat span names are read in the model's own chat template; this request sets chat_template "
-                    "or continue_final_message: give absolute positions"
-                ),
-                call.field,
-            )
-        try:
-            tokens = build_chat_tokens(self.model.tokenizer, _plain(call.messages), **call.chat_options)
-        except InterpError as exc:
-            raise Refused(exc, call.field) from None
-        if list(tokens) != ids:
-            raise Refused(
-                InvalidSteering(
-                    "chat span names could not be read in this prompt: vLLM rendered it differently from the "
-                    "model's chat template over these messages (tools or multimodal parts?); give absolute positions"
-                ),
-                call.field,
-            )
-        return tokens
-
-    def _steer(
-        self,
-        original: Callable[..., Any],
-        steps: _Steps | None,
-        checked: Any,
-        selected: list[int],
-        prompt: Any,
-        params: Any,
-        request_id: str,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> AsyncGenerator[Any, None]:
-        model = self.model
-
-        async def run() -> AsyncGenerator[Any, None]:
-            engine = model._engine
-            await model._sync_saes(engine, checked)
-            keys = model._use_saes(checked)
-
-            def generate(steered: Any) -> Any:
-                return original(prompt, steered, request_id, *args, **kwargs)
-
-            try:
-                n_total = len(checked.token_ids) + checked.max_tokens
-                async with model.capture_memory.reserved(checked.addresses, n_total, model.info) as regions:
-                    outputs = self._generate(generate, params, engine, keys, regions, steps, checked, selected)
-                    async for output in outputs:
-                        yield output
-            finally:
-                await model._unuse_saes(engine, keys)
-
-        return run()
-
-    async def _generate(
-        self,
-        generate: Callable[[Any], Any],
-        params: Any,
-        engine: Any,
-        keys: dict[str, str],
-        regions: Any,
-        steps: _Steps | None,
-        checked: Any,
-        selected: list[int],
-    ) -> AsyncGenerator[Any, None]:
-        """vLLM's generation of one steered or read request, its readouts and lens drained into
-        ``steps`` as its tokens come, its points read once it is done."""
-        from vllm.sampling_params import RequestOutputKind
-
-        model = self.model
-        points = checked.addresses
-        drains = bool(checked.readouts or checked.lens)
-        holds = drains or bool(points)
-        rid = f"interp-{uuid.uuid4().hex}"
-        delta = getattr(params, "output_kind", None) == RequestOutputKind.DELTA
-        n = len(checked.token_ids)
-        payload = model._payload(
-            rid, points, checked.writes, n, n + checked.max_tokens, checked.readouts, stream=drains, regions=regions
-        )
-        payload = keyed(with_lens(payload, checked.lens), keys)
-        steered = copy.copy(params)
-        steered.extra_args = {**(params.extra_args or {}), **payload.extra_args()}
-        position, generated = n - 1, 0
-        pending: dict[int, dict[Any, Any]] = {}
-        lens_pending: dict[int, tuple[Any, Any]] = {}
-        fetched = False
-        try:
-            async for output in generate(steered):
-                count = len(output.outputs[0].token_ids) if holds and output.outputs else 0
-                new = count if delta else count - generated
-                generated += max(new, 0)
-                if new > 0 and drains and steps is not None:
-                    await model._drain(engine, rid, pending, lens_pending)
-                    for _ in range(new):
-                        found = pending.pop(position, {})
-                        lens = lens_pending.pop(position, None)
-                        steps.ready.append(_step(position, found, lens, checked, model.tokenizer))
-                        position += 1
-                yield output
-            if points and steps is not None:
-                ran = n + max(generated - 1, 0)  # vLLM never runs the last token it samples
-                values, _, _ = await model._fetch(engine, rid, points, ran, (), regions)
-                fetched = True
-                steps.points = _points_answer(checked, values, [p for p in selected if p < ran])
-        finally:
-            if holds and not fetched:
-                await model._release(engine, rid)
-
-    def _models(self, endpoint: Callable[..., Any]) -> Callable[..., Any]:
-        endpoints = self
-
-        async def models(raw_request: Request) -> Any:
-            response = await endpoint(raw_request)
-            presets = endpoints.presets
-            if not presets:
-                return response
-            from starlette.responses import JSONResponse
-
-            body = json.loads(bytes(response.body))
-            data = list(body.get("data") or [])
-            base = data[0] if data else {"object": "model", "owned_by": "vllm"}
-            for name in presets:
-                data.append({**base, "id": name, "root": base.get("id", base.get("root")), "parent": base.get("id")})
-            body["data"] = data
-            return JSONResponse(body, status_code=response.status_code)
-
-        return models
-
-
-def api_keys(args: Any) -> tuple[str, ...]:
-    """The keys vLLM's server takes: its ``--api-key`` values, else ``VLLM_API_KEY``."""
-    given = getattr(args, "api_key", None)
-    listed = [given] if isinstance(given, str) else list(given or ())
-    if not listed:
-        listed = [os.environ.get("VLLM_API_KEY", "")]
-    return tuple(key for key in listed if key)
-
-
-def _readouts_asked(given: Mapping[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any] | None]:
-    """The ``features`` (readout strings such as ``"features:res:top8"``) and ``lens`` (``{"layers":
-    [...], "top_k": k}``) of an ``interp`` object."""
-    features = given.get("features") or ()
-    if isinstance(features, str) or not isinstance(features, (list, tuple)):
-        raise Refused(
-            InvalidOption("interp.features is a list of readouts such as 'features:res:top8'"), f"{FIELD}.features"
-        )
-    lens = given.get("lens")
-    if lens is not None and not isinstance(lens, dict):
-        raise Refused(InvalidOption("interp.lens is an object: {'layers': [...], 'top_k': k}"), f"{FIELD}.lens")
-    if lens is not None and "positions" in lens:
-        raise Refused(
-            InvalidOption("interp.lens reads the generated tokens here; the prompt's lens: /interp/v1/generate"),
-            f"{FIELD}.lens",
-        )
-    return tuple(features), lens
-
-
-def _points_asked(given: Mapping[str, Any]) -> tuple[tuple[str, ...], Any]:
-    """The ``points`` (address strings) and ``positions`` (ints, ``"prompt"`` or a chat span name)
-    of an ``interp`` object, checked for shape (what they name is checked against the prompt)."""
-    points, positions = given.get("points"), given.get("positions")
-    if points is None:
-        if positions is not None:
-            refused = InvalidOption("interp.positions selects the positions of interp.points")
-            raise Refused(refused, f"{FIELD}.positions")
-        return (), None
-    if not isinstance(points, list) or not points or not all(isinstance(p, str) for p in points):
-        raise Refused(
-            InvalidOption(
-                "interp.points is a non-empty list of addresses such as 'resid_post.1' (feature readouts: "
-                "interp.features)"
-            ),
-            f"{FIELD}.points",
-        )
-    if positions is None:
-        raise Refused(
-            InvalidOption(
-                "interp.points needs interp.positions, the few positions to read (ints, 'prompt' or a chat span "
-                "name); whole captures: /interp/v1/capture_generation"
-            ),
-            f"{FIELD}.positions",
-        )
-    if isinstance(positions, str):
-        if positions != "prompt" and not is_span_name(positions):
-            raise Refused(
-                InvalidOption(
-                    f"interp.positions is a list of positions (ints from 0), 'prompt' or a chat span name such as "
-                    f"'user[-1].last', got {positions!r:.60}"
-                ),
-                f"{FIELD}.positions",
-            )
-    elif (
-        not isinstance(positions, list)
-        or not positions
-        or not all(isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in positions)
-    ):
-        raise Refused(
-            InvalidOption(
-                "interp.positions is a non-empty list of positions counted from the prompt's first token (ints from "
-                "0: the length of a generation is not known before it ends), 'prompt' or a chat span name"
-            ),
-            f"{FIELD}.positions",
-        )
-    return tuple(points), positions
-
-
-def _step(position: int, features: Mapping[Any, Any], lens: Any, checked: Any, tokenizer: Any) -> dict[str, Any]:
-    """One generated token's readouts and lens as JSON, in the shapes of ``interp serve``'s stream
-    steps: ``position`` is the one that produced it."""
-    step: dict[str, Any] = {"position": position}
-    if checked.readouts:
-        step["features"] = {
-            str(spec): {
-                "values": readout.values.tolist(),
-                "ids": None if readout.ids is None else readout.ids.tolist(),
-                "error_norm": None if readout.error_norm is None else float(readout.error_norm),
-            }
-            for spec, readout in features.items()
-        }
-    if lens is not None:
-        ids, probs = lens
-        listed = ids.tolist()
-        step["lens"] = {
-            "layers": list(checked.lens.layers),
-            "ids": listed,
-            "probs": probs.tolist(),
-            "tokens": [tokenizer.batch_decode([[i] for i in row]) for row in listed],
-        }
-    return step
-
-
-def _points_answer(checked: Any, values: Mapping[Address, Any], positions: list[int]) -> dict[str, Any]:
-    """``interp.positions`` and ``interp.activations`` (by address as asked: ``[n_positions, ...]``
-    as JSON lists; an attention pattern's ``[heads, n_positions, keys]``); a value that
-    overflowed float32 is ``null``."""
-    rows = torch.tensor(positions, dtype=torch.long)
-    out = {}
-    for asked, address in checked.points.items():
-        value = values[address]
-        picked = value[:, rows] if address.info.width == "heads x keys" else value[rows]
-        out[str(asked)] = picked.tolist()
-    return {"positions": positions, "activations": out}
-
-
-def _finite(value: Any) -> Any:
-    """JSON data (dicts, lists, numbers) with every inf or NaN as ``None`` (JSON has neither)."""
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite(v) for v in value]
-    return None if isinstance(value, float) and not math.isfinite(value) else value
-
-
-def _with_steps(response: Any, steps: _Steps) -> Any:
-    """vLLM's answer with the generated tokens' readouts and lens under ``interp``: in the body, or
-    in each stream chunk (the steps of the tokens that chunk carries)."""
-    from starlette.responses import JSONResponse, StreamingResponse
-
-    if isinstance(response, StreamingResponse):
-        chunks = response.body_iterator
-
-        async def decorated() -> AsyncGenerator[Any, None]:
-            async for chunk in chunks:
-                text = chunk if isinstance(chunk, str) else bytes(chunk).decode()
-                if text.startswith("data: [DONE]"):
-                    left = steps.chunk(last=True)
-                    if left:
-                        yield f"data: {json.dumps({'interp': left})}\n\n"
-                elif text.startswith("data: "):
-                    ready = steps.chunk(last=False)
-                    if ready:
-                        body = json.loads(text[len("data: ") :])
-                        body["interp"] = ready
-                        text = f"data: {json.dumps(body)}\n\n"
-                    yield text
-                    continue
-                yield chunk
-
-        response.body_iterator = decorated()
-        return response
-    if isinstance(response, JSONResponse) and response.status_code == 200:
-        body = json.loads(bytes(response.body))
-        body["interp"] = steps.whole()
-        return JSONResponse(body, status_code=200)
-    return response
-
-
-def _signature_of(endpoint: Callable[..., Any]) -> Any:
-    import inspect
-
-    return inspect.signature(endpoint)
-
-
-def _plain(messages: list[Any]) -> list[Any]:
-    return [m.model_dump(exclude_none=True) if hasattr(m, "model_dump") else m for m in messages]
-
-
-def _keys(value: Any) -> str:
-    return repr(sorted(value)[:8]) if isinstance(value, dict) else f"a {type(value).__name__}"
-
-
-def _error_body(message: str, kind: str, status: int, param: str | None = None, valid: Any = None) -> dict[str, Any]:
-    """vLLM's error shape (``{"error": {...}}``), with the typed error's name and ``valid``."""
-    error: dict[str, Any] = {"message": message, "type": kind, "param": param, "code": status}
-    if valid is not None:
-        error["valid"] = valid
-    return {"error": error}
-
-
-def _refusal(exc: Refused) -> Any:
-    from starlette.responses import JSONResponse
-
-    valid = getattr(exc.error, "valid", None)
-    if valid is not None and not isinstance(valid, (str, int, float, bool, list, dict)):
-        valid = [str(v) for v in valid] if isinstance(valid, (tuple, set, frozenset)) else str(valid)
-    return JSONResponse(_error_body(str(exc.error), type(exc.error).__name__, 400, exc.param, valid), 400)
+        name's preset), or ``None``; :class:`~._requests.Refused` when it cannot be served."""
+        return call_of(request, self.presets, self.base_names, self.refusal)
 
 
 def plugin_enabled() -> bool:
