@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from interp_engine import FeatureWrite, Sae
-from interp_vllm.sae import _math as static_sae
+from interp_vllm.sae import _math as sae_math
 from interp_vllm.sae._math import SaeMath
 
 D_IN, D_SAE, ROWS = 48, 192, 300
@@ -82,7 +82,7 @@ def test_a_topk_clamp_encodes_only_the_rows_that_need_it(monkeypatch: pytest.Mon
         return whole(sae_in)
 
     monkeypatch.setattr(math, "_pre", counting)
-    monkeypatch.setattr(static_sae, "READ_BLOCK_BYTES", 8 * 4 * D_SAE)  # blocks of 16 rows (the least)
+    monkeypatch.setattr(sae_math, "READ_BLOCK_BYTES", 8 * 4 * D_SAE)  # blocks of 16 rows (the least)
     feature = torch.full((ROWS, 1), 5)
     math.clamp_rows(x, feature, torch.full((ROWS, 1), 2.0))
     pre = x @ sae.W_enc[:, 5] + sae.b_enc[5]
@@ -119,7 +119,7 @@ def test_readouts_encoded_a_block_at_a_time_equal_one_encode(case: str, monkeypa
     math = SaeMath(make(arch, extra), "cpu")
     x = torch.randn(ROWS, D_IN, generator=torch.Generator().manual_seed(3))
     whole = math.encode(x, 16, dense=True)
-    monkeypatch.setattr(static_sae, "READ_BLOCK_BYTES", 64 * 4 * D_SAE)  # blocks of 64 rows: 5 of them
+    monkeypatch.setattr(sae_math, "READ_BLOCK_BYTES", 64 * 4 * D_SAE)  # blocks of 64 rows: 5 of them
     top, ids, error, features = math.read(x, 16, dense=True)
     kept = math.kept(16)
     assert top.shape == (ROWS, kept) and ids.shape == (ROWS, kept)

@@ -13,7 +13,8 @@ import torch
 
 from interp_engine import FeatureWrite, Sae
 from interp_vllm.sae._math import SaeLayout
-from interp_vllm.sae._transcoders import StaticTranscoder, StaticTranscoderOut, TranscoderMath
+from interp_vllm.sae._transcoders import TranscoderMath
+from interp_vllm.static._saes import StaticTranscoder, StaticTranscoderOut
 
 D_IN, D_OUT, D_SAE, ROWS = 48, 40, 96, 50
 SAME = 1e-5

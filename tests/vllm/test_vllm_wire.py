@@ -69,7 +69,7 @@ def test_the_static_declaration_has_its_defaults_once() -> None:
         points=("resid_post.1", "attn_pattern.0"),
         writes=("resid_pre.2",),
         slots=9,
-        saes={"res": wire.StaticSae(path="/tmp/x", digest="ab")},
+        saes={"res": wire.SavedSae(path="/tmp/x", digest="ab")},
         sae_top_k=8,
     )
     data = _trip(full)

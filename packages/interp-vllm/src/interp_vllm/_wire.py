@@ -89,9 +89,10 @@ DEFAULT_SAE_DENSE_MAX = 1024
 """Dictionaries up to this wide keep every feature in-graph (``static_sae_dense_max``)."""
 
 
-class StaticSae(msgspec.Struct, frozen=True):
-    """An SAE compiled into a vllm-static engine: the folder it was saved to, and a digest of it
-    (so the compile hash covers what the graph holds)."""
+class SavedSae(msgspec.Struct, frozen=True):
+    """An SAE a vllm-static engine compiles in, as the front end saved it for the workers: the
+    folder it was saved to, and a digest of it (so the compile hash covers what the graph holds).
+    The workers load it into a :class:`~interp_vllm.sae._math.StaticSae`."""
 
     path: str
     digest: str
@@ -106,7 +107,7 @@ class StaticDeclaration(msgspec.Struct, frozen=True):
     """Write points."""
     slots: int = DEFAULT_SLOTS + 1
     """Rows of each write table: the steering slots and row 0, the identity."""
-    saes: dict[str, StaticSae] = {}
+    saes: dict[str, SavedSae] = {}
     """SAEs compiled in, by name."""
     sae_top_k: int = DEFAULT_SAE_TOP_K
     sae_dense_max: int = DEFAULT_SAE_DENSE_MAX

@@ -1,19 +1,15 @@
-"""SAEs inside vLLM's workers as batched tensor work: compiled into the graph (vllm-static), and
-the encoder the dynamic workers run per request.
+"""SAEs inside vLLM's workers as batched tensor work, for the dynamic workers and vllm-static.
 
 - :class:`SaeMath`: an SAE's encoder, reconstruction error and feature clamp as batched tensor
   work, equal to :class:`~interp_engine.Sae`'s to float32 rounding (the dynamic workers' encoder,
-  and the base of :class:`StaticSae`);
-- :class:`StaticSae`: one SAE inside the compiled graph, at its address's hook: it keeps each
-  step's top features (and the error norm, and every feature of a small dictionary) in buffers
-  the host reads after the step, and applies the per-token feature clamps the host fills before it;
+  and the base of vllm-static's compiled-in SAE, :class:`~interp_vllm.static._saes.StaticSae`);
 - :class:`SaeLayout`: what a compiled-in SAE keeps of each token, and why a readout cannot be
   served from that; :func:`pick` takes a readout out of what an encode kept.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -406,108 +402,3 @@ def pick(
     if dense is None:  # pragma: no cover - the front end refuses it first
         raise InvalidFeatures(layout.refusal(spec, d_sae) or str(spec))
     return select_features(dense, spec, sparse=sparse, error_norm=error)
-
-
-class StaticSae(SaeMath):
-    """One SAE (or probe, or transcoder) inside the compiled graph, at its address's hook.
-
-    ``forward(x)`` encodes every row of the step (:class:`SaeMath`) and keeps the step's sorted
-    top ``layout.width`` ids and values, the reconstruction error norm (SAEs with a decoder back
-    to their input) and, for a small dictionary, every feature, in buffers sized ``max_tokens``;
-    the host reads a request's rows after the step (:meth:`readout`). With ``clamps`` it also
-    applies per-token feature clamps, one ``(feature, value)`` per token from buffers the host
-    fills before each step (:meth:`set_clamps`); tokens without a clamp get ``x`` back (a
-    ``where``), bit for bit.
-    """
-
-    values: torch.Tensor
-    ids: torch.Tensor
-    error_norm: torch.Tensor
-    dense: torch.Tensor
-    clamp_on: torch.Tensor
-    clamp_feature: torch.Tensor
-    clamp_value: torch.Tensor
-
-    def __init__(
-        self,
-        sae: Sae,
-        layout: SaeLayout,
-        max_tokens: int,
-        *,
-        clamps: bool,
-        device: torch.device | str,
-        onednn: bool = False,
-    ) -> None:
-        super().__init__(sae, device, onednn=onednn)
-        self.layout = layout
-        self.clamps = clamps and self.has_error
-        if clamps and not self.clamps:
-            raise ValueError(f"{sae!r} has no decoder back to its input: it cannot clamp features")
-
-        self._buffer("values", device, max_tokens, layout.width)
-        self._buffer("ids", device, max_tokens, layout.width, dtype=torch.long)
-        if self.has_error:
-            self._buffer("error_norm", device, max_tokens)
-        if layout.dense:
-            self._buffer("dense", device, max_tokens, self.d_sae)
-        if self.clamps:
-            self._clamp_buffers(device, max_tokens)
-        self._dirty = 0  # clamp rows [0, _dirty) may be set
-
-    def _buffer(self, name: str, device: torch.device | str, *shape: int, dtype: torch.dtype = torch.float32) -> None:
-        self.register_buffer(name, torch.zeros(*shape, dtype=dtype, device=device), persistent=False)
-
-    def _clamp_buffers(self, device: torch.device | str, max_tokens: int) -> None:
-        """The per-token clamps :meth:`set_clamps` fills: whether, which feature, what value."""
-        self._buffer("clamp_on", device, max_tokens, dtype=torch.bool)
-        self._buffer("clamp_feature", device, max_tokens, dtype=torch.long)
-        self._buffer("clamp_value", device, max_tokens)
-
-    # -- in-graph: tensor work only ------------------------------------------------------------
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.d_in)
-        n = rows.shape[0]
-        width = self.layout.width
-        enc = self.encode(rows, width, dense=self.layout.dense)
-        self.values[:n].copy_(enc.top[:, :width])
-        self.ids[:n].copy_(enc.ids[:, :width])
-        if enc.features is not None and self.layout.dense:
-            self.dense[:n].copy_(enc.features)
-        if self.has_error:
-            self.error_norm[:n].copy_(self.error(enc))
-        if not self.clamps:
-            return x
-        on = self.clamp_on[:n].unsqueeze(-1)
-        out = self.clamp(enc, self.clamp_feature[:n].unsqueeze(-1), self.clamp_value[:n].unsqueeze(-1))
-        return torch.where(on, out.to(x.dtype), rows).reshape(x.shape)
-
-    def steered(self, n: int) -> torch.Tensor:
-        """``[n, 1]`` bool: which of this step's first ``n`` tokens get a clamp (in-graph)."""
-        return self.clamp_on[:n].unsqueeze(-1)
-
-    # -- host side, between steps --------------------------------------------------------------
-    def set_clamps(self, clamps: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> None:
-        """This step's clamps: per token ``(on, feature, value)`` (``None``: no token is clamped)."""
-        n = 0 if clamps is None else int(clamps[0].shape[0])
-        if clamps is not None and n:
-            on, feature, value = clamps
-            self.clamp_on[:n].copy_(on, non_blocking=True)
-            self.clamp_feature[:n].copy_(feature, non_blocking=True)
-            self.clamp_value[:n].copy_(value, non_blocking=True)
-        if self._dirty > n:
-            self.clamp_on[n : self._dirty].zero_()
-        self._dirty = n
-
-    def readout(self, rows: torch.Tensor, specs: Sequence[Features]) -> dict[Features, FeatureReadout]:
-        """Each of ``specs`` over ``rows`` (indices into the last step's tokens), float32 on the
-        CPU, as :func:`~interp_engine.sae._readouts.read_features` gives them: one read of the
-        buffers for all of them."""
-        rows = rows.to(self.values.device)
-        values = self.values[rows].to("cpu")
-        ids = self.ids[rows].to("cpu")
-        error = self.error_norm[rows].to("cpu") if self.has_error else None
-        dense = self.dense[rows].to("cpu") if self.layout.dense else None
-        return {
-            spec: pick(spec, self.layout, self.d_sae, self.sparse, values, ids, error, dense)
-            for spec in dict.fromkeys(specs)
-        }

@@ -1,7 +1,7 @@
 """The hooks vllm-static installs, as closures of pure tensor work traced into the compiled graph.
 
 Each hook runs, at each address it serves, that address's :class:`~._taps.StaticWrites` table,
-then its SAEs (:class:`~..sae._math.StaticSae`, each reading what the previous one left, and
+then its SAEs (:class:`~._saes.StaticSae`, each reading what the previous one left, and
 those that clamp applying the step's clamps), then its :class:`~._taps.StaticTap`
 (:func:`chain`). The modules they call are registered on the hooked module by
 :class:`~._worker.StaticTapManager`, which builds the hooks here and installs them; a

@@ -11,7 +11,7 @@ values are fetched or released, and waits here (not in vLLM) while the tables ar
 
 SAEs attached before the engine is built are compiled in: each is saved to a folder this model
 owns (removed at shutdown) and named in the static config; the workers load them before
-compiling and encode every token in-graph (:class:`~..sae._math.StaticSae`). Readouts are served
+compiling and encode every token in-graph (:class:`~._saes.StaticSae`). Readouts are served
 from what the graph keeps (the top ``static_sae_top_k`` features per token, every feature of a
 dictionary no wider than ``static_sae_dense_max``); feature clamps are per-token tables filled
 by the workers (no slots to reserve). Attaching or detaching after the build is a
@@ -59,8 +59,8 @@ from .._wire import (
     LensChunk,
     Ping,
     RequestPayload,
+    SavedSae,
     StaticDeclaration,
-    StaticSae,
     to_wire,
 )
 from ..frontend._engine import ENGINE_DEFAULTS
@@ -198,7 +198,7 @@ class StaticVllmModel(VllmModel):
         )
         return {**args, "additional_config": {**extra, CONFIG_KEY: to_wire(declared)}}
 
-    def _save_saes(self) -> dict[str, StaticSae]:
+    def _save_saes(self) -> dict[str, SavedSae]:
         """Write each attached SAE into a folder of ours for the workers to load; the config names
         the folder and a digest of the SAE (the compile hash covers what the graph holds)."""
         if self._sae_folder is None:
@@ -210,7 +210,7 @@ class StaticVllmModel(VllmModel):
                 shutil.rmtree(folder)
             sae.save(folder)
             digest = hashlib.sha256(sae.to_bytes()).hexdigest()[:32]
-            entries[name] = StaticSae(path=str(folder), digest=digest)
+            entries[name] = SavedSae(path=str(folder), digest=digest)
         self._compiled_saes = dict(self.saes)
         return entries
 

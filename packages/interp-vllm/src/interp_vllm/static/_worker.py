@@ -15,13 +15,13 @@ hook per site, and every hook is pure tensor work on buffers registered on the h
 - ``mlp_pre`` / ``mlp_pre_linear`` are the gate / up half of the fused ``gate_up_proj`` output: a
   write there rebuilds the output from the written half and the other one;
 - an SAE compiled in (``saes`` in the config: a folder per name, written by the front end) is a
-  :class:`~..sae._math.StaticSae` at its address: it encodes every row of every step and keeps the
+  :class:`~._saes.StaticSae` at its address: it encodes every row of every step and keeps the
   top features, the error norm and (small dictionaries) every feature in buffers, and applies
   the step's per-token feature clamps. At one address the order is: the write table, the SAEs
   (each reads what the previous one left, then clamps), the capture tap;
-- a transcoder compiled in is a :class:`~..sae._transcoders.StaticTranscoder` at its input address
+- a transcoder compiled in is a :class:`~._saes.StaticTranscoder` at its input address
   (readouts as above; for the clamped tokens it computes the change ``(v - f_i) d_i``) and a
-  :class:`~..sae._transcoders.StaticTranscoderOut` among the SAEs at its output address, which adds
+  :class:`~._saes.StaticTranscoderOut` among the SAEs at its output address, which adds
   that change there (the MLP's error term kept).
 
 Host work per step happens in :meth:`StaticTapManager.run`: fill the indices from each request's
@@ -64,11 +64,11 @@ from ..model._sites import (
     hook_key,
     owned_heads,
 )
-from ..sae._math import SaeLayout, StaticSae
-from ..sae._transcoders import StaticTranscoder, StaticTranscoderOut
+from ..sae._math import SaeLayout
 from ..worker._manager import TapManager
 from ..worker._request_taps import Hook, RequestTaps, Slice
 from ._hooks import Names, Stage, input_hook, layer_in_hook, layer_out_hook, output_hook
+from ._saes import StaticSae, StaticTranscoder, StaticTranscoderOut
 from ._taps import StaticTap, StaticWrites, plan_writes
 
 logger = logging.getLogger(__name__)
@@ -227,8 +227,8 @@ class StaticTapManager(TapManager):
 
     def _sae_module(self, name: str, site: VllmSite) -> StaticSae:
         """The compiled-in module of SAE ``name`` at ``site`` (its input address), built once: a
-        :class:`~..sae._transcoders.StaticTranscoder` for a transcoder (its clamps added at its output
-        address), else a :class:`~..sae._math.StaticSae` (clamping in place where the site takes
+        :class:`~._saes.StaticTranscoder` for a transcoder (its clamps added at its output
+        address), else a :class:`~._saes.StaticSae` (clamping in place where the site takes
         in-graph writes of whole rows)."""
         held = self.sae_modules.get(name)
         if held is not None:
