@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 
+from interp_testkit import runners
+
 from .support.engines import EnginePool
 
 # The session's vLLM engines start their processes from a preloaded forkserver (test-only; see
@@ -43,6 +45,41 @@ LONG_MODULES = ("vllm/test_vllm_lifecycle.py", "vllm/test_vllm_ray.py", "vllm/te
 first in their folder's part of the collection."""
 
 
+V1_SLICE = (
+    "vllm/test_vllm_parity.py",
+    "vllm/test_vllm_points.py",
+    "vllm/test_vllm_serving.py",
+    "vllm/test_vllm_lifecycle.py",
+    "vllm/test_vllm_sae.py",
+    "vllm/test_vllm_tp.py",
+    "vllm_static/test_vllm_static.py",
+)
+"""The modules whose tests also run on vLLM's V1 model runner by default (every vLLM test runs
+on V2). ``INTERP_TEST_RUNNERS`` chooses otherwise: ``v1``, ``v2``, or ``all`` (both, everywhere)."""
+
+
+def _runners(module: str) -> list[str]:
+    """The model runners the vLLM tests of ``module`` (``vllm/test_x.py``) run on."""
+    chosen = os.environ.get("INTERP_TEST_RUNNERS", "")
+    if chosen in ("", "default"):
+        return ["v2", "v1"] if module in V1_SLICE else ["v2"]
+    if chosen == "all":
+        return list(runners.RUNNERS)
+    picked = [name.strip() for name in chosen.split(",") if name.strip()]
+    unknown = [name for name in picked if name not in runners.RUNNERS]
+    if unknown or not picked:
+        raise pytest.UsageError(f"INTERP_TEST_RUNNERS={chosen!r}: name v1, v2, both (v1,v2) or all")
+    return picked
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Every test that uses a vLLM engine (through the ``vllm_runner`` fixture, autouse in the
+    vLLM folders) runs once per model runner of :func:`_runners`."""
+    if "vllm_runner" in metafunc.fixturenames:
+        module = metafunc.definition.nodeid.split("::", 1)[0].removeprefix("tests/")
+        metafunc.parametrize("vllm_runner", _runners(module), indirect=True, scope="session")
+
+
 def _folder(nodeid: str) -> str:
     """``vllm`` for ``tests/vllm/test_x.py::test_y``; ``""`` for a module directly in ``tests``."""
     parts = nodeid.split("::", 1)[0].split("/")
@@ -53,10 +90,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Order the tests by :data:`FOLDER_ORDER` and :data:`LONG_MODULES` (each folder otherwise
     keeps its own order)."""
 
-    def rank(item: pytest.Item) -> tuple[int, bool]:
+    def rank(item: pytest.Item) -> tuple[int, int, bool]:
         name = _folder(item.nodeid)
         module = item.nodeid.split("::", 1)[0].removeprefix("tests/")
-        return FOLDER_ORDER.index(name) if name in FOLDER_ORDER else len(FOLDER_ORDER), module not in LONG_MODULES
+        # a folder's tests on one runner, then on the other: each switch restarts its engines
+        callspec = getattr(item, "callspec", None)
+        runner = callspec.params.get("vllm_runner") if callspec is not None else None
+        order = runners.RUNNERS.index(runner) if runner in runners.RUNNERS else -1
+        folder = FOLDER_ORDER.index(name) if name in FOLDER_ORDER else len(FOLDER_ORDER)
+        return folder, -order, module not in LONG_MODULES
 
     items.sort(key=rank)
 
@@ -101,7 +143,17 @@ def engine_pool() -> Iterator[EnginePool]:
 
 
 @pytest.fixture(scope="session")
-def vllm_engines(engine_pool: EnginePool) -> Any:
-    """``get(family, **engine_args)``: one started vLLM engine per (family, args) for the whole
-    session, behind its sync facade (the facade's loop owns the engine)."""
+def vllm_runner(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The vLLM model runner of this test (``"v1"`` or ``"v2"``, parametrized by
+    :func:`pytest_generate_tests`): the engines started while it is in place run on it
+    (``interp_testkit.runners``), the pool's among them. The pool keeps each runner's engines
+    (a test process moves between runners module by module, and the tiny engines fit)."""
+    with runners.using(request.param):
+        yield request.param
+
+
+@pytest.fixture(scope="session")
+def vllm_engines(engine_pool: EnginePool, vllm_runner: str) -> Any:
+    """``get(family, **engine_args)``: one started vLLM engine per (runner, family, args) for the
+    whole session, behind its sync facade (the facade's loop owns the engine)."""
     return engine_pool.get

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from interp_testkit import runners
 from interp_testkit.suite import KV_CACHE_BYTES, VLLM_ENGINE_ARGS, tiny_model_path, vllm_model_path
 
 
@@ -50,14 +51,16 @@ def started_engine(path: pathlib.Path, backend: str = "vllm", **engine_args: Any
     return facade
 
 
-Key = tuple[str, tuple[tuple[str, Any], ...]]
+Key = tuple[str, str, tuple[tuple[str, Any], ...]]
 
 
 class EnginePool:
-    """Started vLLM engines, one per (family, engine arguments), each behind its sync facade (the
-    facade's loop owns the engine): ``pool.get(family, **engine_args)`` starts it on first use.
+    """Started vLLM engines, one per (model runner, family, engine arguments), each behind its sync
+    facade (the facade's loop owns the engine): ``pool.get(family, **engine_args)`` starts it on
+    first use, on the runner this process's environment names (``interp_testkit.runners``), and
+    checks that vLLM runs that runner.
 
-    ``release(keep)`` shuts down the engines ``keep(engine_args)`` rejects (a folder's
+    ``release(keep)`` shuts down the engines ``keep(runner, engine_args)`` rejects (a folder's
     tensor-parallel engines when it ends, so they hold no memory while the next folder starts its
     own); a later ``get`` starts such an engine again."""
 
@@ -68,15 +71,21 @@ class EnginePool:
         from interp_engine import load_model, sync_model
 
         args = {"kv_cache_memory_bytes": KV_CACHE_BYTES, **VLLM_ENGINE_ARGS.get(family, {}), **engine_args}
-        key = (family, tuple(sorted(args.items())))
+        runner = runners.current()
+        key = (runner, family, tuple(sorted(args.items())))
         if key not in self.started:
             facade = sync_model(load_model(vllm_model_path(family), backend="vllm", **args))
-            facade.warmup()
+            try:
+                facade.warmup()
+                runners.check_engine(facade.model, runner)
+            except BaseException:
+                facade.shutdown()
+                raise
             self.started[key] = facade
         return self.started[key]
 
-    def release(self, keep: Callable[[dict[str, Any]], bool]) -> None:
-        gone = [key for key in self.started if not keep(dict(key[1]))]
+    def release(self, keep: Callable[[str, dict[str, Any]], bool]) -> None:
+        gone = [key for key in self.started if not keep(key[0], dict(key[2]))]
         shutdown_all([self.started.pop(key) for key in gone])
 
     def close(self) -> None:

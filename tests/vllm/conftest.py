@@ -17,7 +17,13 @@ from ..support.readouts import PREFIX, attach_all, eager_twin, saes_for
 @pytest.fixture(scope="package", autouse=True)
 def _release_tensor_parallel_engines(engine_pool: EnginePool) -> Iterator[None]:
     yield
-    engine_pool.release(keep=lambda args: args.get("tensor_parallel_size", 1) == 1)
+    engine_pool.release(keep=lambda runner, args: args.get("tensor_parallel_size", 1) == 1)
+
+
+@pytest.fixture(autouse=True)
+def _on_each_runner(vllm_runner: str) -> str:
+    """Every test of this folder runs on each model runner the session runs (``vllm_runner``)."""
+    return vllm_runner
 
 
 @pytest.fixture(scope="module")

@@ -50,7 +50,7 @@ def _release_lora_engines(engine_pool: EnginePool) -> Iterator[None]:
     """The LoRA engines serve this module only: shut down when it ends, so that they hold no
     memory while later modules start their own."""
     yield
-    engine_pool.release(keep=lambda args: not args.get("enable_lora"))
+    engine_pool.release(keep=lambda runner, args: not args.get("enable_lora"))
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import pathlib
 from typing import Any
 
 import pytest
@@ -90,55 +91,107 @@ def test_the_inductor_patch_renames_the_reads_it_re_derives() -> None:
         SchedulerNode._compute_attrs = before  # type: ignore[method-assign]
 
 
-@pytest.mark.parametrize("patch", [*_compat.RUNNER_PATCHES, _compat.WORKER_METHODS], ids=lambda p: p.target)
+V2_PATCHES = [patch for runner in _compat.V2_RUNNERS for patch in runner]
+
+
+@pytest.mark.parametrize("patch", [*_compat.V1_PATCHES, *V2_PATCHES, _compat.WORKER_METHODS], ids=lambda p: p.target)
 def test_every_vllm_target_has_the_shape_its_patch_expects(patch: Patch) -> None:
+    if patch.optional and patch.owner() is None:  # a runner class this vLLM does not have
+        assert not patch.in_range(), f"{patch.target} is missing from vllm {_compat._installed('vllm')}"
+        return
     assert patch.in_range(), f"vllm {_compat._installed('vllm')} is outside {patch.spelled}"
     owner = patch.check()
     assert owner is not None or patch.optional
 
 
-def test_the_runner_state_the_taps_read_is_set_by_the_v1_runner() -> None:
-    """The attributes ``check_runner`` asks of a runner instance are assigned in vLLM's V1 runner
+@pytest.mark.parametrize(
+    ("cls", "names"),
+    [
+        ("vllm.v1.worker.gpu_model_runner:GPUModelRunner", _compat.V1_RUNNER_STATE),
+        ("vllm.v1.worker.gpu.model_runner:GPUModelRunner", _compat.V2_RUNNER_STATE),
+    ],
+    ids=["v1", "v2"],
+)
+def test_the_runner_state_the_taps_read_is_set_by_the_runner(cls: str, names: tuple[str, ...]) -> None:
+    """The attributes the seam's ``check`` asks of a runner instance are assigned in vLLM's runner
     (read from its source: building one needs a whole engine)."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    source = inspect.getsource(GPUModelRunner)
-    for name in _compat.RUNNER_STATE:
+    module_name, _, class_name = cls.partition(":")
+    runner = getattr(__import__(module_name, fromlist=[class_name]), class_name)
+    source = inspect.getsource(runner)
+    for name in names:
         assert f"self.{name} =" in source or f"self.{name}:" in source, name
+
+
+def test_what_the_v2_seam_reads_exists_in_the_installed_vllm() -> None:
+    """Every field the V2 seam reads of vLLM's objects (``_compat.V2_READS``) is declared there, by
+    the same source check ``scripts/check_vllm_runner.py`` runs on other releases."""
+    import vllm
+
+    from interp_vllm._compat_check import check_tree
+
+    problems = check_tree(pathlib.Path(vllm.__file__).parent.parent, _compat._installed("vllm"))
+    assert problems == []
 
 
 def test_a_moved_target_is_a_typed_error_naming_the_versions() -> None:
     installed = _compat._installed("vllm")
-    renamed = dataclasses.replace(_compat.MODEL_FORWARD, parameters=("self", "no_such_argument"))
+    renamed = dataclasses.replace(_compat.V1_MODEL_FORWARD, parameters=("self", "no_such_argument"))
     with pytest.raises(IncompatibleDependency, match=r"vllm>=0\.32,<0\.34") as caught:
         renamed.check()
     assert installed in str(caught.value) and "no_such_argument" in str(caught.value)
-    gone = dataclasses.replace(_compat.MODEL_FORWARD, target="vllm.v1.worker.gpu_model_runner:NoSuchRunner.x")
+    gone = dataclasses.replace(_compat.V1_MODEL_FORWARD, target="vllm.v1.worker.gpu_model_runner:NoSuchRunner.x")
     with pytest.raises(IncompatibleDependency, match="NoSuchRunner does not exist"):
         gone.check()
     inherited = dataclasses.replace(
-        _compat.UPDATE_STATES, target="vllm.v1.worker.cpu_model_runner:CPUModelRunner._update_states"
+        _compat.V1_UPDATE_STATES, target="vllm.v1.worker.cpu_model_runner:CPUModelRunner._update_states"
     )
     with pytest.raises(IncompatibleDependency, match="not defined on the class itself"):
         inherited.check()
-    missing_optional = dataclasses.replace(_compat.CPU_LOAD_MODEL, target="vllm.no_such_module:Runner.load_model")
+    v2_inherited = dataclasses.replace(
+        _compat.V2_GPU_RUNNER[0], target="vllm.v1.worker.cpu.model_runner:CPUModelRunner.add_requests"
+    )
+    with pytest.raises(IncompatibleDependency, match=r"vllm>=0\.32,<0\.35.*not defined on the class itself"):
+        v2_inherited.check()
+    missing_optional = dataclasses.replace(_compat.V1_CPU_LOAD_MODEL, target="vllm.no_such_module:Runner.load_model")
     assert missing_optional.check() is None
     clash = dataclasses.replace(_compat.WORKER_METHODS, target="vllm.v1.worker.worker_base:WorkerBase.load_model")
     with pytest.raises(IncompatibleDependency, match="already exists"):
         clash.check()
 
 
-def test_patch_runner_patches_nothing_when_a_target_moved(monkeypatch: pytest.MonkeyPatch) -> None:
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+@pytest.mark.parametrize("seam_name", ["v1", "v2"])
+def test_a_seam_patches_nothing_when_a_target_moved(seam_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1Runner
 
+    from interp_vllm.worker import _seam
+
+    seam = {s.name: s for s in _seam.seams()}[seam_name]
+    runner = V1Runner if seam_name == "v1" else V2Runner
     # an engine started earlier in this process loaded the plugin, which patched the runner
-    monkeypatch.delattr(GPUModelRunner, _compat.PATCHED, raising=False)
-    before = dict(vars(GPUModelRunner))
-    broken = dataclasses.replace(_compat.UPDATE_STATES, parameters=("self", "no_such_argument"))
-    monkeypatch.setattr(_compat, "RUNNER_PATCHES", (_compat.MODEL_FORWARD, broken))
-    with pytest.raises(IncompatibleDependency):
-        _compat.patch_runner(lambda *a: None, lambda *a: None, lambda *a: None)
-    assert dict(vars(GPUModelRunner)) == before
+    monkeypatch.delattr(runner, _compat.PATCHED, raising=False)
+    before = dict(vars(runner))
+    if seam_name == "v1":
+        broken = dataclasses.replace(_compat.V1_UPDATE_STATES, parameters=("self", "no_such_argument"))
+        monkeypatch.setattr(_compat, "V1_PATCHES", (_compat.V1_MODEL_FORWARD, broken))
+    else:
+        broken = dataclasses.replace(_compat.V2_GPU_RUNNER[4], parameters=("self", "no_such_argument"))
+        monkeypatch.setattr(_compat, "V2_RUNNERS", ((*_compat.V2_GPU_RUNNER[:4], broken),))
+    with pytest.raises(IncompatibleDependency, match="no_such_argument"):
+        seam.install(_NoTaps())
+    assert dict(vars(runner)) == before
+    assert _seam.install(_NoTaps()) == [] or all("no_such_argument" in p for p in _seam.install(_NoTaps()))
+
+
+class _NoTaps:
+    def step(self, runner: Any, batch: Any) -> Any:
+        return (yield)
+
+    def finished(self, runner: Any, req_ids: Any) -> None:
+        return None
+
+    def after_load(self, runner: Any) -> None:
+        return None
 
 
 def test_versions_compare_by_release() -> None:
@@ -146,20 +199,23 @@ def test_versions_compare_by_release() -> None:
     assert _compat.release("0.32.0rc1") == (0, 32, 0)
     patch = _compat.INDUCTOR_MUTATION_ORDER
     assert patch.in_range("2.13.0+cpu") and not patch.in_range("2.14.0")
-    assert _compat.MODEL_FORWARD.in_range("0.33.1") and not _compat.MODEL_FORWARD.in_range("0.34.0")
+    assert _compat.V1_MODEL_FORWARD.in_range("0.33.1") and not _compat.V1_MODEL_FORWARD.in_range("0.34.0")
+    assert all(p.in_range("0.34.0") and not p.in_range("0.35.0") for p in _compat.V2_GPU_RUNNER)
 
 
-def test_the_engine_pins_the_runner_the_patches_reach() -> None:
-    """vLLM 0.33 makes the V2 model runner its default; the patches wrap the V1 runner, which the
-    engine's environment defaults select."""
-    from interp_vllm.frontend._engine import ENV_DEFAULTS
+def test_the_engine_leaves_the_choice_of_runner_to_vllm() -> None:
+    """vLLM picks its runner (V2 by default from 0.33, V1 where ``VLLM_USE_V2_MODEL_RUNNER=0`` asks
+    for it); the engine's environment defaults do not pin either."""
+    from interp_vllm.frontend import _engine
 
-    assert ENV_DEFAULTS["VLLM_USE_V2_MODEL_RUNNER"] == "0" == _compat.RUNNER_ENV["VLLM_USE_V2_MODEL_RUNNER"]
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in _engine.CPU_ENV_DEFAULTS
+    assert not hasattr(_engine, "ENV_DEFAULTS")
 
 
 def test_register_is_idempotent_and_its_targets_keep_their_shape() -> None:
     """vLLM loads the plugin in every process, perhaps more than once: a second ``register()``
     patches nothing twice, and the checks see vLLM's signatures through the wrappers."""
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     from vllm.v1.worker.worker_base import WorkerBase
 
@@ -168,10 +224,12 @@ def test_register_is_idempotent_and_its_targets_keep_their_shape() -> None:
 
     _vllm_entry.register()
     forward = GPUModelRunner.__dict__["_model_forward"]
+    prepare = V2Runner.__dict__["prepare_inputs"]
     _vllm_entry.register()
     assert GPUModelRunner.__dict__["_model_forward"] is forward
-    assert getattr(GPUModelRunner, _compat.PATCHED)
-    for patch in _compat.RUNNER_PATCHES:
+    assert V2Runner.__dict__["prepare_inputs"] is prepare
+    assert getattr(GPUModelRunner, _compat.PATCHED) and getattr(V2Runner, _compat.PATCHED)
+    for patch in (*_compat.V1_PATCHES, *V2_PATCHES):
         patch.check()
     assert set(_vllm_entry.WORKER_RPCS) == set(RPC_NAMES)
     for name, function in _vllm_entry.WORKER_RPCS.items():

@@ -42,16 +42,18 @@ def test_a_worker_without_taps_answers_its_ping_with_the_reason() -> None:
     from interp_vllm import _compat, _vllm_entry
     from interp_vllm.worker._manager import UntappedRunner
 
-    class Runner:
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    class Runner(GPUModelRunner):  # a V2 runner (not built: that takes a whole engine)
         _interp_taps = UntappedRunner("its layers cannot be found")
 
     setattr(Runner, _compat.PATCHED, True)
 
     class Worker:
-        model_runner = Runner()
+        model_runner = object.__new__(Runner)
 
     ping = wire.from_wire(Ping, _vllm_entry.interp_ping(Worker()))
-    assert ping.patched and ping.unsupported == "its layers cannot be found"
+    assert ping.patched and ping.unsupported == "its layers cannot be found" and ping.seam == "v2"
     # as a front end pings (telling its secret): the reason, not "this vLLM worker has no taps"
     told = wire.from_wire(Ping, _vllm_entry.interp_ping(Worker(), None, "front-end-secret"))
     assert told.unsupported == "its layers cannot be found"

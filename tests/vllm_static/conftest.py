@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from interp_engine import load_model, sync_model
+from interp_testkit import runners
 from interp_testkit.suite import KV_CACHE_BYTES, VLLM_ENGINE_ARGS, vllm_model_path
 
 from ..support.engines import shutdown_all
@@ -73,9 +74,11 @@ DECLARED: dict[str, Callable[[], Any]] = {"llama": _llama, "qwen2": _qwen2, "gpt
 
 
 class StaticEngines:
-    """``engines[name]``: the started engine of :data:`DECLARED` ``name``, behind its sync facade."""
+    """``engines[name]``: the started engine of :data:`DECLARED` ``name``, behind its sync facade,
+    on the model runner ``runner``."""
 
-    def __init__(self) -> None:
+    def __init__(self, runner: str) -> None:
+        self.runner = runner
         self.started: dict[str, Any] = {}
 
     def __getitem__(self, name: str) -> Any:
@@ -83,6 +86,7 @@ class StaticEngines:
             facade = sync_model(DECLARED[name]())
             try:
                 facade.warmup()
+                runners.check_engine(facade.model, self.runner)
             except BaseException:
                 facade.shutdown()
                 raise
@@ -95,7 +99,15 @@ class StaticEngines:
 
 
 @pytest.fixture(scope="package")
-def static_engines() -> Iterator[StaticEngines]:
-    engines = StaticEngines()
+def static_engines(vllm_runner: str) -> Iterator[StaticEngines]:
+    """The folder's engines on the session's runner (shut down when the folder ends, or when the
+    session moves to the other runner)."""
+    engines = StaticEngines(vllm_runner)
     yield engines
     shutdown_all(list(engines.started.values()))
+
+
+@pytest.fixture(autouse=True)
+def _on_each_runner(vllm_runner: str) -> str:
+    """Every test of this folder runs on each model runner the session runs (``vllm_runner``)."""
+    return vllm_runner

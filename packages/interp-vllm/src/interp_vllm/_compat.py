@@ -8,18 +8,20 @@ moved), so a new vLLM or torch breaks this file with a clear error, not a worker
 
 - :data:`INDUCTOR_MUTATION_ORDER` -- torch's ``SchedulerNode._compute_attrs`` (Inductor), replaced
   for torch releases without the upstream fix (:func:`keep_inductor_mutation_order`);
-- :data:`MODEL_FORWARD`, :data:`UPDATE_STATES`, :data:`LOAD_MODEL`, :data:`CPU_LOAD_MODEL` --
-  vLLM's V1 model runner (``vllm.v1.worker.gpu_model_runner.GPUModelRunner``, which the CPU
-  runner subclasses), wrapped by :func:`patch_runner`;
+- ``V1_*`` -- vLLM's V1 model runner (``vllm.v1.worker.gpu_model_runner.GPUModelRunner``, which
+  the CPU runner subclasses; vLLM 0.32 and 0.33), wrapped by the runner seam's V1 implementation
+  (:mod:`interp_vllm.worker._runner_v1`), and the runner state it reads (:data:`V1_RUNNER_STATE`);
+- ``V2_*`` -- vLLM's V2 model runner (``vllm.v1.worker.gpu.model_runner.GPUModelRunner``, and vLLM
+  0.34's standalone CPU runner), wrapped by :mod:`interp_vllm.worker._runner_v2`, and what that
+  reads of V2's objects (:data:`V2_READS`);
 - :data:`WORKER_METHODS` -- methods added to vLLM's ``WorkerBase`` for ``collective_rpc``
   (:func:`add_worker_methods`);
-- the runner's batch state read each step (:func:`batch_request_ids`, :func:`batch_starts`,
-  :func:`request_params`) and the pipeline buffers allocated after load (:func:`pipeline_buffers`);
-- :data:`RUNNER_ENV` -- the environment that makes vLLM pick the V1 runner the patches reach
-  (the V2 runner, ``vllm/v1/worker/gpu/model_runner.py``, has none of these methods).
+- the pipeline buffers V1 allocates only in a warm-up its CPU worker skips (:func:`pipeline_buffers`);
+- :data:`ENGINE_GENERATE`, :data:`PROMPT_COMPONENTS` -- what the ``vllm serve`` plugin wraps and reads.
 
 ``tests/vllm/test_vllm_compat.py`` checks every shape against the installed versions and fails once a
-patch is no longer needed.
+patch is no longer needed; ``scripts/check_vllm_runner.py`` checks the seam's targets against the
+sources of vLLM releases that are not installed (0.33 and 0.34, read from their wheels).
 """
 
 from __future__ import annotations
@@ -198,97 +200,176 @@ def keep_inductor_mutation_order() -> bool:
     return True
 
 
-# -- vLLM's V1 model runner -----------------------------------------------------------------------
+# -- vLLM's model runners (the taps' seam: interp_vllm.worker._runner) ----------------------------
 
-_RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
+VLLM_VERSIONS = ((0, 32), (0, 35))
+"""The vLLM releases the runner seam and the server plugin are written for: ``>=0.32,<0.35``."""
 
-MODEL_FORWARD = Patch(
+V1_VERSIONS = ((0, 32), (0, 34))
+"""The releases with the V1 runner: 0.32 (its default on CPU builds without Triton) and 0.33 (where
+``VLLM_USE_V2_MODEL_RUNNER=0`` asks for it); 0.34 removed it."""
+
+V1_MODULE = "vllm.v1.worker.gpu_model_runner"
+_V1 = f"{V1_MODULE}:GPUModelRunner"
+
+V1_MODEL_FORWARD = Patch(
     "vllm",
-    f"{_RUNNER}._model_forward",
-    VLLM_VERSIONS,
+    f"{_V1}._model_forward",
+    V1_VERSIONS,
     "each forward runs with the taps of the requests in its step, read from its positions",
     parameters=("self", "input_ids", "positions"),
 )
-UPDATE_STATES = Patch(
+V1_UPDATE_STATES = Patch(
     "vllm",
-    f"{_RUNNER}._update_states",
-    VLLM_VERSIONS,
+    f"{_V1}._update_states",
+    V1_VERSIONS,
     "the taps learn which requests vLLM finished or aborted",
     parameters=("self", "scheduler_output"),
 )
-LOAD_MODEL = Patch(
+V1_LOAD_MODEL = Patch(
     "vllm",
-    f"{_RUNNER}.load_model",
-    VLLM_VERSIONS,
+    f"{_V1}.load_model",
+    V1_VERSIONS,
     "vllm-static installs its taps before vLLM compiles the model",
 )
-CPU_LOAD_MODEL = Patch(
+V1_CPU_LOAD_MODEL = Patch(
     "vllm",
     "vllm.v1.worker.cpu_model_runner:CPUModelRunner.load_model",
-    VLLM_VERSIONS,
+    V1_VERSIONS,
     "the CPU runner overrides load_model without calling the GPU runner's",
     optional=True,
 )
-RUNNER_PATCHES = (MODEL_FORWARD, UPDATE_STATES, LOAD_MODEL, CPU_LOAD_MODEL)
+V1_PATCHES = (V1_MODEL_FORWARD, V1_UPDATE_STATES, V1_LOAD_MODEL, V1_CPU_LOAD_MODEL)
+
+V1_RUNNER_STATE = ("input_batch", "query_start_loc", "requests", "max_num_tokens", "model_config", "vllm_config")
+"""The attributes of a V1 runner instance the seam and the taps read."""
+
+V2_VERSIONS = ((0, 32), (0, 35))
+"""The releases with the V2 runner: 0.32 (where ``VLLM_USE_V2_MODEL_RUNNER=1`` asks for it), 0.33 and
+0.34 (their default; 0.34's only runner)."""
+
+V2_MODULE = "vllm.v1.worker.gpu.model_runner"
 
 
-def patch_runner(
-    forward: Callable[[Any, Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any],
-    finished: Callable[[Any, Any], None],
-    after_load: Callable[[Any], None],
-) -> None:
-    """Wrap the V1 runner (idempotent): ``forward(runner, original, args, kwargs)`` runs each
-    ``_model_forward``, ``finished(runner, req_ids)`` hears of requests vLLM finished before the
-    runner drops them, ``after_load(runner)`` runs right after the model is loaded (GPU and CPU
-    runner). Checks every target first: nothing is patched if one moved."""
-    runner = MODEL_FORWARD.owner()
-    if getattr(runner, PATCHED, False):
+def _v2_patches(
+    target: str, versions: tuple[tuple[int, ...], tuple[int, ...] | None], optional: bool
+) -> tuple[Patch, ...]:
+    """What the seam wraps of one V2 runner class (``"module:Class"``)."""
+    rows = (
+        ("add_requests", ("self", "scheduler_output"), "each new request's SamplingParams (V2 keeps no table of them)"),
+        ("finish_requests", ("self", "scheduler_output"), "the taps learn which requests vLLM finished or aborted"),
+        (
+            "prepare_inputs",
+            ("self", "scheduler_output"),
+            "the step's requests in the batch's order, rows and positions",
+        ),
+        ("execute_model", ("self", "scheduler_output"), "a step whose forward raised takes its hooks out"),
+        ("load_model", ("self",), "the model is hooked, and vllm-static's taps installed, before vLLM compiles it"),
+    )
+    return tuple(
+        Patch("vllm", f"{target}.{name}", versions, why, parameters=parameters, optional=optional)
+        for name, parameters, why in rows
+    )
+
+
+V2_GPU_RUNNER = _v2_patches(f"{V2_MODULE}:GPUModelRunner", V2_VERSIONS, optional=False)
+"""V2's runner (the CPU build's ``vllm.v1.worker.cpu.model_runner.CPUModelRunner`` subclasses it)."""
+V2_STANDALONE_CPU_RUNNER = _v2_patches(
+    "vllm.v1.worker.cpu.standalone_model_runner:StandaloneCPUModelRunner", ((0, 34), (0, 35)), optional=True
+)
+"""vLLM 0.34's CPU runner that does not subclass the GPU one (the same methods)."""
+V2_RUNNERS = (V2_GPU_RUNNER, V2_STANDALONE_CPU_RUNNER)
+V2_EXECUTE_MODEL = V2_GPU_RUNNER[3]
+
+V2_RUNNER_STATE = ("model", "max_num_tokens", "model_config", "vllm_config", "device")
+"""The attributes of a V2 runner instance the seam and the taps read (after ``load_model``)."""
+
+
+@dataclass(frozen=True)
+class Reads:
+    """Attributes the seam reads of another project's objects (not methods it wraps): ``target``
+    is ``"module:Class"``; ``names`` each an annotated field of the class body, an attribute set
+    on ``self`` in one of its methods, or a method or property."""
+
+    package: str
+    target: str
+    names: tuple[str, ...]
+    versions: tuple[tuple[int, ...], tuple[int, ...] | None]
+    why: str
+    optional: bool = False
+
+
+V2_READS = (
+    Reads(
+        "vllm",
+        "vllm.v1.worker.gpu.input_batch:InputBatch",
+        ("req_ids", "num_reqs", "query_start_loc_np", "positions"),
+        V2_VERSIONS,
+        "prepare_inputs' answer: the step's layout",
+    ),
+    Reads(
+        "vllm",
+        "vllm.v1.worker.cpu.input_batch:InputBatch",
+        ("req_ids", "num_reqs", "query_start_loc_np", "positions"),
+        ((0, 34), (0, 35)),
+        "the standalone CPU runner's prepare_inputs answer",
+        optional=True,
+    ),
+    Reads(
+        "vllm",
+        "vllm.v1.core.sched.output:SchedulerOutput",
+        ("scheduled_new_reqs", "finished_req_ids"),
+        V2_VERSIONS,
+        "the new and the finished requests of a step",
+    ),
+    Reads(
+        "vllm", "vllm.v1.core.sched.output:NewRequestData", ("req_id", "sampling_params"), V2_VERSIONS, "a new request"
+    ),
+    Reads(
+        "vllm",
+        f"{V2_MODULE}:GPUModelRunner",
+        (*V2_RUNNER_STATE, "get_model"),
+        V2_VERSIONS,
+        "the runner's model and configuration",
+    ),
+)
+"""What the V2 seam reads without wrapping it (checked against vLLM's sources by
+``scripts/check_vllm_runner.py``)."""
+
+
+def check_state(runner: Any, names: Iterable[str], patch: Patch) -> None:
+    """That a loaded runner has the state the taps read each step (``patch``: the seam's row the
+    error names)."""
+    missing = [name for name in names if not hasattr(runner, name)]
+    if missing:
+        raise patch._error(f"{type(runner).__qualname__} has no {', '.join(missing)}")
+
+
+def additional_config(runner: Any) -> dict[str, Any]:
+    """The engine's ``additional_config`` (empty if it is not a dict)."""
+    extra = getattr(runner.vllm_config, "additional_config", None)
+    return extra if isinstance(extra, dict) else {}
+
+
+def pipeline_buffers(runner: Any) -> None:
+    """Allocate the buffers a pipeline stage after the first receives the previous stage's
+    hidden states in (the V1 runner; V2 allocates them in ``load_model``). V1 allocates them in
+    its warm-up forward, which its CPU worker skips for an uncompiled model (``enforce_eager``):
+    the first step would then fail."""
+    if getattr(runner, "intermediate_tensors", True) is not None:
         return
-    for patch in RUNNER_PATCHES:
-        patch.check()
-    if not MODEL_FORWARD.in_range():
-        logger.warning(
-            "interp-engine: the model runner is patched for %s; the installed vllm is %s (its shape matches)",
-            MODEL_FORWARD.spelled,
-            _installed("vllm"),
-        )
-    original_forward = runner._model_forward
+    try:
+        from vllm.distributed import get_pp_group
 
-    @functools.wraps(original_forward)  # the shape checks see vLLM's signature through the wrapper
-    def _model_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
-        return forward(self, lambda *a, **k: original_forward(self, *a, **k), args, kwargs)
-
-    original_update = runner._update_states
-
-    @functools.wraps(original_update)
-    def _update_states(self: Any, scheduler_output: Any) -> Any:
-        done = getattr(scheduler_output, "finished_req_ids", None)
-        if done:
-            finished(self, done)
-        return original_update(self, scheduler_output)
-
-    runner._model_forward = _model_forward
-    runner._update_states = _update_states
-    for owner in dict.fromkeys(o for o in (LOAD_MODEL.check(), CPU_LOAD_MODEL.check()) if o is not None):
-        _wrap_load_model(owner, after_load)
-    setattr(runner, PATCHED, True)
-
-
-def _wrap_load_model(runner_class: Any, after_load: Callable[[Any], None]) -> None:
-    original = runner_class.__dict__["load_model"]
-
-    @functools.wraps(original)
-    def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(self, *args, **kwargs)
-        after_load(self)
-        return result
-
-    runner_class.load_model = load_model
-
-
-def runner_is_patched(runner: Any) -> bool:
-    """Whether this runner's class carries the wrappers of :func:`patch_runner`."""
-    return bool(getattr(type(runner), PATCHED, False))
+        first = get_pp_group().is_first_rank
+    except Exception:  # not distributed
+        return
+    make = getattr(runner.model, "make_empty_intermediate_tensors", None)
+    if first or make is None:
+        return
+    runner.intermediate_tensors = make(
+        batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device
+    )
 
 
 # -- vLLM's worker base -----------------------------------------------------------------------
@@ -312,88 +393,6 @@ def add_worker_methods(methods: Iterable[tuple[str, Callable[..., Any]]]) -> Non
         base = dataclasses.replace(WORKER_METHODS, target=f"{_WORKER_BASE}.{name}").check()
         function._interp_engine_rpc = True  # type: ignore[attr-defined]
         setattr(base, name, function)
-
-
-# -- the runner's state, read by the taps -------------------------------------------------------
-
-RUNNER_STATE = ("input_batch", "query_start_loc", "requests", "max_num_tokens", "model_config", "vllm_config")
-"""The attributes of a V1 runner instance the taps read."""
-
-
-def check_runner(runner: Any) -> None:
-    """That a loaded runner has the state the taps read each step."""
-    missing = [name for name in RUNNER_STATE if not hasattr(runner, name)]
-    if missing:
-        raise MODEL_FORWARD._error(f"{type(runner).__qualname__} has no {', '.join(missing)}")
-
-
-def batch_request_ids(runner: Any) -> list[str]:
-    """vLLM's ids of the requests in this step, in the order of the flattened batch (the order
-    changes between steps: never the scheduler's)."""
-    batch = runner.input_batch
-    return list(batch.req_ids[: int(batch.num_reqs)])
-
-
-def batch_starts(runner: Any, num_reqs: int) -> list[int]:
-    """Each request's first row in the step's flattened batch, and the number of rows."""
-    starts: list[int] = runner.query_start_loc.cpu[: num_reqs + 1].tolist()
-    return starts
-
-
-def request_params(runner: Any, req_id: str) -> Any:
-    """The ``SamplingParams`` of a live vLLM request (``None`` for an unknown one)."""
-    return getattr(runner.requests.get(req_id), "sampling_params", None)
-
-
-def additional_config(runner: Any) -> dict[str, Any]:
-    """The engine's ``additional_config`` (empty if it is not a dict)."""
-    extra = getattr(runner.vllm_config, "additional_config", None)
-    return extra if isinstance(extra, dict) else {}
-
-
-def pipeline_buffers(runner: Any) -> None:
-    """Allocate the buffers a pipeline stage after the first receives the previous stage's
-    hidden states in. vLLM allocates them in its warm-up forward, which its CPU worker skips
-    for an uncompiled model (``enforce_eager``): the first step would then fail."""
-    if getattr(runner, "intermediate_tensors", True) is not None:
-        return
-    try:
-        from vllm.distributed import get_pp_group
-
-        first = get_pp_group().is_first_rank
-    except Exception:  # not distributed
-        return
-    make = getattr(runner.model, "make_empty_intermediate_tensors", None)
-    if first or make is None:
-        return
-    runner.intermediate_tensors = make(
-        batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device
-    )
-
-
-__all__ = [
-    "CPU_LOAD_MODEL",
-    "INDUCTOR_MUTATION_ORDER",
-    "LOAD_MODEL",
-    "MODEL_FORWARD",
-    "RUNNER_ENV",
-    "RUNNER_PATCHES",
-    "UPDATE_STATES",
-    "WORKER_METHODS",
-    "IncompatibleDependency",
-    "Patch",
-    "add_worker_methods",
-    "additional_config",
-    "batch_request_ids",
-    "batch_starts",
-    "check_runner",
-    "inductor_has_upstream_fix",
-    "keep_inductor_mutation_order",
-    "patch_runner",
-    "pipeline_buffers",
-    "request_params",
-    "runner_is_patched",
-]
 
 
 # -- vLLM's OpenAI server (the endpoint plugin) -----------------------------------------------------

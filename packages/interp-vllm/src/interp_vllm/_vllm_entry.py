@@ -1,14 +1,15 @@
 """The ``vllm.general_plugins`` entry point: loaded in every vLLM process, workers included.
 
-It wraps the V1 model runner (:func:`._compat.patch_runner`) so each forward runs with the taps
-of the requests in that step, the taps learn which requests vLLM finished or aborted, and a
+It wraps vLLM's model runners through the runner seam (:func:`.worker._runner.install`: the V1
+and the V2 runner, whichever the installed vLLM has) so each forward runs with the taps of the
+requests in that step, the taps learn which requests vLLM finished or aborted, and a
 vllm-static engine gets its fixed taps right after the model is loaded (before vLLM compiles
 it); and it adds the RPC methods the front end calls through ``collective_rpc``, one per name of
 :data:`._wire.RPC_NAMES` (:data:`WORKER_RPCS`). In vLLM's own processes (its engine core and workers) it also skips the
 interpreter's final garbage collection at exit, which over a loaded engine's heap takes seconds
 (:func:`_skip_final_collection`). Safe to call more than once.
 
-A runner whose shape the patches do not expect is left unpatched (vLLM serves plain requests as
+A runner whose shape the seam does not expect is left unpatched (vLLM serves plain requests as
 ever); the workers' ping then carries the :class:`~interp_engine.IncompatibleDependency` message, which
 the front end raises.
 """
@@ -25,8 +26,6 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from interp_engine import IncompatibleDependency
-
 from . import _compat
 from . import _wire as wire
 from ._transport import sees
@@ -37,7 +36,8 @@ _SKIPPING: list[bool] = []
 """Whether this process skips its final collection (:func:`register`)."""
 
 _INCOMPATIBLE: list[str] = []
-"""Why this process's runner could not be patched (empty: it was, or it was never tried)."""
+"""Why a runner of this process's vLLM could not be patched (empty: every one was, or it was never
+tried); the ping reports it where the runner in use is one of them."""
 
 
 def _taps(runner: Any) -> Any:
@@ -49,37 +49,42 @@ def _taps(runner: Any) -> Any:
     return taps
 
 
-def _forward(runner: Any, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    return _taps(runner).run(forward, args, kwargs)
+class _Handlers:
+    """What the runner seam calls in this process: the taps of the runner it serves."""
+
+    def step(self, runner: Any, batch: Any) -> Any:
+        return _taps(runner).step(batch)
+
+    def finished(self, runner: Any, req_ids: Any) -> None:
+        _taps(runner).finished(req_ids)
+
+    def after_load(self, runner: Any) -> None:
+        """Install a vllm-static engine's taps right after the model is loaded (before compiling)."""
+        from .static._worker import StaticTapManager, static_config
+
+        config = static_config(runner)
+        if config is not None:
+            runner._interp_taps = StaticTapManager(runner, config)
 
 
-def _finished(runner: Any, req_ids: Any) -> None:
-    _taps(runner).finished(req_ids)
-
-
-def _after_load(runner: Any) -> None:
-    """Install a vllm-static engine's taps right after the model is loaded (before compiling)."""
-    from .static._worker import StaticTapManager, static_config
-
-    _compat.pipeline_buffers(runner)
-
-    config = static_config(runner)
-    if config is not None:
-        runner._interp_taps = StaticTapManager(runner, config)
+_HANDLERS = _Handlers()
 
 
 def interp_ping(self: Any, probe: str | None = None, issuer: str | None = None) -> Any:
     """Which runner serves this worker, whether it carries the taps, and whether it sees the
     front end's shared-memory ``probe`` file (a :class:`~._wire.Ping`). ``issuer``: the calling
     front end's secret; requests whose payload carries it are served from now on."""
+    from .worker._seam import seam_of
+
     runner = self.model_runner
-    if _INCOMPATIBLE or not _compat.runner_is_patched(runner):
+    seam = seam_of(runner)
+    if seam is None:
         return wire.to_wire(
             wire.Ping(
                 runner=type(runner).__qualname__,
                 patched=False,
                 v2_runner_env=os.environ.get("VLLM_USE_V2_MODEL_RUNNER"),
-                incompatible=_INCOMPATIBLE[0] if _INCOMPATIBLE else None,
+                incompatible="; ".join(_INCOMPATIBLE) if _INCOMPATIBLE else None,
             )
         )
     taps = _taps(runner)
@@ -88,6 +93,7 @@ def interp_ping(self: Any, probe: str | None = None, issuer: str | None = None) 
     return wire.to_wire(
         wire.Ping(
             runner=type(runner).__qualname__,
+            seam=seam.name,
             patched=True,
             static=_is_static(taps),
             rank=taps.rank,
@@ -203,19 +209,19 @@ def _skip_final_collection() -> None:
 
 
 def register() -> None:
-    """Patch vLLM's V1 model runner and add the RPC methods to its worker base (idempotent). In a
+    """Wrap vLLM's model runners and add the RPC methods to its worker base (idempotent). In a
     process vLLM started, the interpreter's final garbage collection is skipped: over the heap of
     a loaded engine it takes seconds, and vLLM's process manager kills an engine core that
     outlives its shutdown grace."""
     if multiprocessing.current_process().name.startswith(_VLLM_PROCESSES) and not _SKIPPING:
         atexit.register(_skip_final_collection)
         _SKIPPING.append(True)
-    try:
-        _compat.patch_runner(_forward, _finished, _after_load)
-    except IncompatibleDependency as exc:
-        if not _INCOMPATIBLE:
-            logger.error("interp-engine: the model runner is left unpatched: %s", exc)
-            _INCOMPATIBLE.append(str(exc))
+    from .worker._seam import install
+
+    for problem in install(_HANDLERS):
+        if problem not in _INCOMPATIBLE:
+            logger.error("interp-engine: a model runner is left unpatched: %s", problem)
+            _INCOMPATIBLE.append(problem)
     _compat.add_worker_methods(WORKER_RPCS.items())
 
 

@@ -146,6 +146,9 @@ class Ping(msgspec.Struct, frozen=True):
     sees_probe: bool = False
     """Whether the worker sees the front end's shared-memory probe file (``interp_ping``'s
     argument): then captured values travel through shared memory (:mod:`._transport`)."""
+    seam: str | None = None
+    """Which of vLLM's runners it is, as the taps' seam serves it (``"v1"`` or ``"v2"``; ``None``:
+    one the taps do not wrap)."""
 
 
 class FinalNorm(msgspec.Struct, frozen=True):

@@ -73,11 +73,12 @@ _CONTEXT = _EnvContext()
 
 def _get_mp_context() -> Any:
     """The front end's engine cores from the server; an engine core's workers by ``fork``.
-    An engine on the Ray test platform (``interp_testkit.ray_cpu``) is spawned as vLLM spawns
-    it: the server chose its vLLM platform once, at its imports, without that platform."""
-    from . import ray_cpu
+    An engine on the Ray test platform (``interp_testkit.ray_cpu``) or on the V2 runner's
+    harness (``interp_testkit.runners``) is spawned as vLLM spawns it: the server chose its vLLM
+    platform and imported vLLM's Triton check once, at its imports, without either."""
+    from . import ray_cpu, runners
 
-    if os.environ.get(ray_cpu.ENV) == "1":
+    if os.environ.get(ray_cpu.ENV) == "1" or runners.is_v2():
         return multiprocessing.get_context("spawn")
     if multiprocessing.parent_process() is None:
         return _CONTEXT

@@ -42,7 +42,6 @@ from interp_engine import (
 from interp_engine.backend import Adapter, TokenizerMixin, WeightInfo, check_weight_request
 
 from .. import _transport
-from .._compat import RUNNER_ENV
 from .._transport import Slab
 from .._wire import FetchedWire, Ping
 from ..model._resolve import resolve_without_weights
@@ -66,9 +65,6 @@ CPU_ENV_DEFAULTS = {
     # state than vLLM's default pinning
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
 }
-ENV_DEFAULTS = dict(RUNNER_ENV)
-"""The environment the engine is built with, unless the caller's says otherwise: the taps live
-in the V1 model runner (:data:`.._compat.RUNNER_ENV`)."""
 ENGINE_DEFAULTS: dict[str, Any] = {
     "enforce_eager": True,
     "dtype": "float32",
@@ -216,6 +212,8 @@ class EngineClient(TokenizerMixin, ModelBase):
         self._building: asyncio.Future[Any] | None = None
         self.tp_size = 1
         self.pp_size = 1
+        self.model_runner: str | None = None
+        """Which of vLLM's model runners the workers run (``"v1"`` or ``"v2"``), once started."""
         # per pipeline stage (in order): the layers it holds and its workers' indices in
         # collective_rpc's answers, by tensor-parallel rank (one stage without pipeline parallelism)
         self._stages: list[tuple[frozenset[int], list[int]]] = []
@@ -266,7 +264,7 @@ class EngineClient(TokenizerMixin, ModelBase):
 
         _spawn.check_not_bootstrapping()  # a spawned child importing an unguarded script starts nothing
         _spawn.clear()
-        for name, value in {**ENV_DEFAULTS, **(CPU_ENV_DEFAULTS if self._cpu else {})}.items():
+        for name, value in (CPU_ENV_DEFAULTS if self._cpu else {}).items():
             os.environ.setdefault(name, value)
         # vLLM must be able to sample one token after the prompt, so a prompt of exactly n_ctx
         # tokens needs max_model_len = n_ctx + 1. No position >= n_ctx is ever computed: the
@@ -343,6 +341,7 @@ class EngineClient(TokenizerMixin, ModelBase):
             atexit.register(_transport.sweep, prefix)
         self.tp_size = pings[0].tp_size
         self.pp_size = pings[0].pp_size
+        self.model_runner = pings[0].seam
         self._stages = _stages(pings)
         self._engine = engine
 
@@ -356,12 +355,17 @@ class EngineClient(TokenizerMixin, ModelBase):
             if ping.incompatible:
                 return ping.incompatible
         if not all(p.patched for p in pings):
-            runners = sorted({p.runner for p in pings})
-            seen = sorted({str(p.v2_runner_env) for p in pings if not p.patched})
+            runners = sorted({p.runner for p in pings if not p.patched})
             return (
-                f"vLLM is serving with a model runner the taps do not support ({', '.join(runners)}); "
-                "interp-vllm needs the V1 runner (VLLM_USE_V2_MODEL_RUNNER=0; those workers saw "
-                f"VLLM_USE_V2_MODEL_RUNNER={'/'.join(seen)}: on a Ray cluster a node's own value wins)"
+                f"vLLM is serving with a model runner the taps do not wrap ({', '.join(runners)}); "
+                "interp-vllm wraps vLLM's V1 and V2 model runners (vllm>=0.32,<0.35)"
+            )
+        seams = sorted({str(p.seam) for p in pings})
+        if len(seams) > 1:
+            seen = sorted({f"{p.seam} (VLLM_USE_V2_MODEL_RUNNER={p.v2_runner_env})" for p in pings})
+            return (
+                f"vLLM's workers run different model runners: {', '.join(seen)}; set VLLM_USE_V2_MODEL_RUNNER "
+                "the same way on every node (on a Ray cluster a node's own value wins)"
             )
         expected = sorted(self.family.lacks())
         for ping in pings:

@@ -67,6 +67,7 @@ from ..model._sites import (
 from ..sae._math import SaeLayout
 from ..worker._manager import TapManager
 from ..worker._request_taps import Hook, RequestTaps, Slice
+from ..worker._runner import Step, StepBatch
 from ._hooks import Names, Stage, input_hook, layer_in_hook, layer_out_hook, output_hook
 from ._saes import StaticSae, StaticTranscoder, StaticTranscoderOut
 from ._taps import StaticTap, StaticWrites, plan_writes
@@ -374,10 +375,10 @@ class StaticTapManager(TapManager):
             value[positions] = write.value
         return plans
 
-    def _run(self, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        slices = self._slices(kwargs.get("positions"))
+    def _step(self, batch: StepBatch | None) -> Step:
+        slices = self._slices(batch)
         self._fill_indices(slices)
-        output = self._timed_forward(forward, args, kwargs)
+        output = yield from self._forward()
         if slices:
             try:
                 self._read(slices, output)

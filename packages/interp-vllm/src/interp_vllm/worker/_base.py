@@ -13,15 +13,13 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from interp_engine import Address, BackendError, Sae
+from interp_engine import Address, BackendError, IncompatibleDependency, Sae
 
-from .. import _compat
 from .._transport import HostCopier, SlabWriter
 from ..hooks import attr_path, owned_layers, pp_position, tp_position
 from ..model._families import VllmFamily
@@ -29,6 +27,8 @@ from ..model._resolve import resolve
 from ..model._sites import SITES, HookKey, VllmSite
 from ..sae._math import SaeMath
 from ._request_taps import RequestTaps, Slice
+from ._runner import RunnerSeam, Step
+from ._seam import seam_of, seams
 
 logger = logging.getLogger("interp_vllm.worker._manager")
 
@@ -37,7 +37,14 @@ class TapBase:
     """The model runner's model and family, this worker's ranks, and the requests' states."""
 
     def __init__(self, runner: Any) -> None:
-        _compat.check_runner(runner)
+        seam = seam_of(runner)
+        if seam is None:
+            raise IncompatibleDependency(
+                f"interp-vllm does not wrap vLLM's model runner {type(runner).__qualname__} "
+                f"(it wraps {', '.join(s.name for s in seams())})"
+            )
+        seam.check(runner)
+        self.seam: RunnerSeam = seam
         self.runner = runner
         self.model: nn.Module = runner.get_model()
         self.family: VllmFamily = resolve(self.model, runner.model_config.hf_config)
@@ -115,10 +122,11 @@ class TapBase:
         """The gate activation module of ``layer``'s MLP (:attr:`VllmFamily.mlp_act`)."""
         return self.module(("output", "mlp_act", layer))
 
-    def _timed_forward(self, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _forward(self) -> Step:
+        """Where the forward runs inside a step: its output is what the step is sent."""
         began = time.perf_counter_ns()
         try:
-            return forward(*args, **kwargs)
+            return (yield)
         finally:
             self.timing["forward_ns"] += time.perf_counter_ns() - began
 

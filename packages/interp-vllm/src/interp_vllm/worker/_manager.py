@@ -1,11 +1,11 @@
 """The worker side: per-step taps inside vLLM's model runner.
 
-Runs in vLLM's worker process(es). Before each forward, the runner's own batch state says which
-requests are in the step and which rows of the flattened token batch are theirs
-(:func:`.._compat.batch_request_ids` and :func:`.._compat.batch_starts`); the positions tensor
-gives each token's absolute position. Requests that carry a :class:`~.._wire.RequestPayload` get
-hooks for exactly their addresses for that forward, placed by the site table (:mod:`..model._sites`):
-reads are copied out per request, writes change only that request's rows. Values wait in the
+Runs in vLLM's worker process(es). Before each forward, the runner seam (:mod:`._runner`: the
+V1 or the V2 runner, whichever vLLM runs) says which requests are in the step, which rows of the
+flattened token batch are theirs and each token's absolute position (a
+:class:`~._runner.StepBatch`). Requests that carry a :class:`~.._wire.RequestPayload` get hooks for
+exactly their addresses for that forward, placed by the site table (:mod:`..model._sites`): reads
+are copied out per request, writes change only that request's rows. Values wait in the
 worker until the front end fetches them (``interp_fetch_many``), once the request is done.
 
 :class:`TapManager` is this module's step loop over the parts, each a module of its own:
@@ -31,14 +31,12 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from interp_engine import Address, BackendError, IncompatibleDependency, UnsupportedArchitecture
 
-from .. import _compat
 from .._wire import RequestPayload
 from ..hooks import tp_position
 from ..model._sites import HookKey, hook_key
@@ -46,6 +44,7 @@ from ._fetch import FetchTaps
 from ._hooks import HookTaps
 from ._lens import LensTaps
 from ._request_taps import Hook, RequestTaps, Slice
+from ._runner import Step, StepBatch
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +73,8 @@ class UntappedRunner:
         self.rank, self.tp_size = tp_position()
         self.issuers: set[str] = set()  # a front end's ping registers its secret here too: nothing uses it
 
-    def run(self, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return forward(*args, **kwargs)
+    def step(self, batch: StepBatch | None) -> Step:
+        return (yield)
 
     def finished(self, req_ids: Any) -> None:
         return None
@@ -85,14 +84,13 @@ class UntappedRunner:
 
 
 class TapManager(HookTaps, LensTaps, FetchTaps):
-    """The taps of one model runner. ``run`` wraps each ``_model_forward`` call."""
+    """The taps of one model runner. :meth:`step` runs around each forward."""
 
     # -- the step's requests ------------------------------------------------------------
-    def _slices(self, positions: torch.Tensor | None) -> list[Slice]:
-        req_ids = _compat.batch_request_ids(self.runner)
-        num_reqs = len(req_ids)
-        if num_reqs == 0 or positions is None:
+    def _slices(self, batch: StepBatch | None) -> list[Slice]:
+        if batch is None or not batch.req_ids:
             return []
+        req_ids = batch.req_ids
         wanted: list[tuple[int, RequestTaps]] = []
         for index, req_id in enumerate(req_ids):
             params = self._params(req_id)
@@ -108,11 +106,11 @@ class TapManager(HookTaps, LensTaps, FetchTaps):
             wanted.append((index, taps))
         if not wanted:
             return []
-        starts = _compat.batch_starts(self.runner, num_reqs)
+        starts = batch.starts
         self.step_tokens = starts[-1]
 
         # a copy: the runner reuses its positions buffer every step
-        flat_positions = (positions if positions.dim() == 1 else positions[0])[: starts[-1]].to("cpu", copy=True)
+        flat_positions = batch.positions[: starts[-1]].to("cpu", copy=True)
         self.step_positions = flat_positions
         # each request's first and last position (one run when they are as far apart as its rows)
         present = [(index, taps) for index, taps in wanted if starts[index + 1] > starts[index]]
@@ -156,7 +154,7 @@ class TapManager(HookTaps, LensTaps, FetchTaps):
 
     def _params(self, req_id: str) -> Any:
         """The ``SamplingParams`` of a live vLLM request."""
-        return _compat.request_params(self.runner, req_id)
+        return self.seam.params(self.runner, req_id)
 
     def finished(self, req_ids: Any) -> None:
         """vLLM finished or aborted these requests (its own ids). A request that captured
@@ -175,19 +173,22 @@ class TapManager(HookTaps, LensTaps, FetchTaps):
         return RequestTaps(payload, self.saes, len(self.layers))
 
     # -- one forward ----------------------------------------------------------------------
-    def run(self, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def step(self, batch: StepBatch | None) -> Step:
+        """The taps of one forward over ``batch`` (a :data:`~._runner.Step`): the hooks of the
+        step's requests go in before it, its output is read (and written at ``final_norm``)
+        after it, and the hooks come out whatever happens."""
         began = time.perf_counter_ns()
         try:
-            return self._run(forward, args, kwargs)
+            return (yield from self._step(batch))
         finally:
             self.copier.step_done()
             self.timing["steps"] += 1
             self.timing["step_ns"] += time.perf_counter_ns() - began
 
-    def _run(self, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        slices = self._slices(kwargs.get("positions"))
+    def _step(self, batch: StepBatch | None) -> Step:
+        slices = self._slices(batch)
         if not slices:
-            return self._timed_forward(forward, args, kwargs)
+            return (yield from self._forward())
         hooks: dict[HookKey, Hook] = defaultdict(Hook)
         for sl in slices:
             for address, role in sl.taps.roles.items():
@@ -203,7 +204,7 @@ class TapManager(HookTaps, LensTaps, FetchTaps):
                         stash.stash_for.append(sl)
         handles = [self._install(key, hook) for key, hook in hooks.items() if key[0] != "model_out"]
         try:
-            output = self._timed_forward(forward, args, kwargs)
+            output = yield from self._forward()
         finally:
             for handle in handles:
                 handle.remove()

@@ -1,0 +1,81 @@
+"""Test-only: vLLM's V2 model runner on a CPU without a Triton CPU backend.
+
+Python imports this module at start-up in every process whose ``PYTHONPATH`` names this folder
+(:func:`interp_testkit.runners.engine_env` puts it there, for the engines the test kit starts on
+the V2 runner). It does nothing unless ``INTERP_V2_HARNESS=1``.
+
+vLLM's CPU build runs the V2 runner (``vllm/v1/worker/cpu/model_runner.py``) only where
+``vllm.triton_utils.importing`` finds a Triton backend named ``"cpu"``; the kernels V2 launches
+then run in Triton's interpreter (``TRITON_INTERPRET=1``), which executes them on CPU tensors.
+This adds a stand-in ``"cpu"`` entry to ``triton.backends.backends`` before that module runs and
+takes it out again right after: left in, torch's Inductor would take it for a real Triton driver
+and fail to compile anything.
+
+A test harness: the interpreter makes each step slower. On CUDA, V2 is vLLM's default.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+from typing import Any
+
+TARGET = "vllm.triton_utils.importing"
+
+
+def _stand_in() -> Any:
+    from triton.backends import Backend, backends
+    from triton.backends.compiler import BaseBackend
+    from triton.backends.driver import DriverBase
+
+    class _InterpreterDriver(DriverBase):  # type: ignore[misc]
+        @classmethod
+        def is_active(cls) -> bool:
+            return True
+
+        def map_python_to_cpp_type(self, ty: str) -> str:
+            return ty
+
+        def get_current_target(self) -> Any:
+            raise RuntimeError("Triton's interpreter stands in for a CPU backend: nothing is compiled")
+
+        def get_active_torch_device(self) -> Any:
+            import torch
+
+            return torch.device("cpu")
+
+        def get_benchmarker(self) -> Any:
+            raise RuntimeError("no benchmarker under Triton's interpreter")
+
+    backends["cpu"] = Backend(compiler=BaseBackend, driver=_InterpreterDriver)
+    return backends
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Wraps the loader of :data:`TARGET` so the stand-in leaves once that module has run."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != TARGET:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path, target)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        original = loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            backends = _stand_in()
+            try:
+                original(module)
+            finally:
+                backends.pop("cpu", None)
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+if os.environ.get("INTERP_V2_HARNESS") == "1" and TARGET not in sys.modules:
+    sys.meta_path.insert(0, _Finder())
