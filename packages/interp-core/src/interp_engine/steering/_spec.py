@@ -17,6 +17,7 @@ import torch
 from .._errors import InvalidSteering
 from ..addresses._address import Address, AddressLike, as_address
 from ..chat._spans import is_span_name, span_positions
+from ._ops import LayerSteeringSpec, OpSpec, op_spec
 from ._writes import OPS as OPS
 from ._writes import Op as Op
 from ._writes import OpArgs, apply_op, check_op_args, op_row
@@ -429,16 +430,131 @@ AnyWrite = Write | FeatureWrite
 @dataclass(frozen=True)
 class SteeringSpec:
     """A per-request list of writes (:class:`Write` and :class:`FeatureWrite`), applied in
-    order, only to the request that carries it."""
+    order, only to the request that carries it.
+
+    The public ``interp-engine`` package's spelling builds the same value: ``layers`` maps layer
+    indices to a :class:`LayerSteeringSpec` (or a list) of op objects (:class:`AddSpec`,
+    :class:`ProjectionCapSpec`, :class:`OrthogonalDecompSpec`, :class:`NormScaledAddSpec`,
+    :class:`AblateSpec`, :class:`SwapSpec`), each written at ``Address(point, layer)`` at every
+    position, layers in the mapping's order (``point`` defaults to ``"resid_post"``)::
+
+        SteeringSpec(layers={10: LayerSteeringSpec(operations=[AddSpec(vector=v, scale=4.0)])})
+        # is
+        SteeringSpec([Write("resid_post.10", v, op="add", scale=4.0)])
+
+    Writes given with ``layers`` come first. :meth:`at` builds a spec from an address and op
+    objects; :attr:`layers` and :attr:`point` read a spec back in that form where it has one.
+    ``stream`` (a residual stream of a hyper-connection trunk) must be ``None``: no family served
+    here has several residual streams.
+    """
 
     writes: tuple[AnyWrite, ...] = field(default_factory=tuple)
 
-    def __init__(self, writes: Iterable[AnyWrite] = ()) -> None:
-        items = tuple(writes)
+    def __init__(
+        self,
+        writes: Iterable[AnyWrite] | Mapping[int, Any] = (),
+        *,
+        layers: Mapping[int, Any] | None = None,
+        point: str | None = None,
+        stream: int | None = None,
+    ) -> None:
+        items: tuple[AnyWrite, ...] = ()
+        if isinstance(writes, Mapping):  # SteeringSpec({10: LayerSteeringSpec(...)}): the public package's layers
+            if layers is not None:
+                raise InvalidSteering("SteeringSpec got layers twice: as its first argument and as layers=")
+            layers = writes
+        else:
+            items = tuple(writes)
         for item in items:
             if not isinstance(item, (Write, FeatureWrite)):
                 raise InvalidSteering(f"a SteeringSpec holds Write and FeatureWrite values, got {type(item).__name__}")
+        if stream is not None:
+            raise InvalidSteering(
+                f"stream={stream!r} names one residual stream of a hyper-connection trunk; no family served here "
+                "has several (every model has one residual stream): leave stream=None"
+            )
+        if layers is not None:
+            items += _layer_writes(layers, "resid_post" if point is None else point)
+        elif point is not None:
+            raise InvalidSteering(
+                f"point={point!r} names where layers= writes; without layers= there is nothing to write there "
+                "(SteeringSpec.at(address, *ops) writes op objects at one address)"
+            )
         object.__setattr__(self, "writes", items)
+
+    @classmethod
+    def at(cls, address: AddressLike, *ops: OpSpec, positions: Any = "all") -> SteeringSpec:
+        """The op objects ``ops`` written at ``address`` in order, e.g. ``SteeringSpec.at("mlp_out.12",
+        ProjectionCapSpec(vector=v, max=2.0))``; ``positions`` as for :class:`Write`."""
+        where = as_address(address)
+        for item in ops:
+            if not isinstance(item, OpSpec):
+                raise InvalidSteering(
+                    f"SteeringSpec.at takes op objects after the address (AddSpec, ProjectionCapSpec, ...), "
+                    f"got {type(item).__name__}; a Write goes in SteeringSpec([...])"
+                )
+        return cls([Write(where, positions=positions, **item.write_args()) for item in ops])
+
+    @classmethod
+    def combine(cls, specs: Iterable[SteeringSpec | None]) -> SteeringSpec:
+        """One spec with every write of ``specs`` in list order (``None`` entries skipped): what a
+        list of specs means where one request takes one spec."""
+        writes: list[AnyWrite] = []
+        for i, spec in enumerate(specs):
+            if spec is None:
+                continue
+            if not isinstance(spec, SteeringSpec):
+                raise InvalidSteering(
+                    f"a list of steering specs holds SteeringSpec values; item {i} is a {type(spec).__name__}"
+                )
+            writes.extend(spec.writes)
+        return cls(writes)
+
+    def is_empty(self) -> bool:
+        """Whether the spec writes nothing."""
+        return not self.writes
+
+    @property
+    def point(self) -> str:
+        """The kind every write of this spec writes at (the public package's ``point``);
+        ``InvalidSteering`` when the writes are at several kinds or none."""
+        kinds = list(dict.fromkeys(w.address.kind for w in self.writes if w.address is not None))
+        if len(kinds) != 1 or len(self.writes) != sum(1 for w in self.writes if w.address is not None):
+            raise InvalidSteering(
+                f"this spec writes at {', '.join(kinds) or 'no address'}, not at one point; read spec.writes "
+                "(or split it into one spec per point)"
+            )
+        return kinds[0]
+
+    @property
+    def layers(self) -> dict[int, LayerSteeringSpec]:
+        """The writes as ``{layer: LayerSteeringSpec(operations=[op objects])}`` at :attr:`point`
+        (``SteeringSpec(layers=spec.layers, point=spec.point) == spec``). ``InvalidSteering`` for a
+        spec with no such form: writes at several kinds or a model-level one, an op with no op
+        object (``set``), a feature write, positions other than ``"all"``, heads, or one row per
+        position; its :attr:`writes` hold everything."""
+        self.point  # noqa: B018 (raises unless one point)
+        out: dict[int, list[OpSpec]] = {}
+        for write in self.writes:
+            if not isinstance(write, Write):
+                raise InvalidSteering(f"{write!r} is a feature write, which has no op object; read spec.writes")
+            reason = _no_op_object(write)
+            if reason:
+                raise InvalidSteering(f"{write!r} has no op-object form: {reason}; read spec.writes")
+            if write.address.layer is None:
+                raise InvalidSteering(f"{write!r} is at a model-level address, which has no layer; read spec.writes")
+            out.setdefault(write.address.layer, []).append(
+                op_spec(
+                    write.op,
+                    write.vector,
+                    scale=write.scale,
+                    target=write.target,
+                    lo=write.lo,
+                    hi=write.hi,
+                    max_fraction=write.max_fraction,
+                )
+            )
+        return {layer: LayerSteeringSpec(ops) for layer, ops in out.items()}
 
     def __iter__(self) -> Iterator[AnyWrite]:
         return iter(self.writes)
@@ -491,6 +607,42 @@ class SteeringSpec:
         return cls.from_dict(data)
 
 
+def _layer_writes(layers: Mapping[int, Any], point: str) -> tuple[Write, ...]:
+    """The writes of ``SteeringSpec(layers=..., point=...)``: each layer's op objects at
+    ``Address(point, layer)``, every position."""
+    if not isinstance(layers, Mapping):
+        raise InvalidSteering(
+            f"layers= maps layer indices to LayerSteeringSpec(operations=[...]), got {type(layers).__name__}"
+        )
+    if not isinstance(point, str):
+        raise InvalidSteering(f"point= is a kind such as 'resid_post', got {type(point).__name__}")
+    if "." in point:
+        raise InvalidSteering(
+            f"point= is a kind without a layer (such as 'resid_post'), got {point!r}; layers= gives the layers"
+        )
+    writes: list[Write] = []
+    for layer, ops in layers.items():
+        index = as_index(layer)
+        if index is None:
+            raise InvalidSteering(f"layers= is keyed by layer index (an int), got {short_repr(layer)}")
+        held = ops if isinstance(ops, LayerSteeringSpec) else LayerSteeringSpec(ops)
+        writes.extend(Write(Address(point, index), **item.write_args()) for item in held.operations)
+    return tuple(writes)
+
+
+def _no_op_object(write: Write) -> str:
+    """Why ``write`` has no op-object form (``""``: it has one)."""
+    if write.positions != "all":
+        return f"positions={write.positions!r} (op objects write every position)"
+    if write.heads is not None:
+        return "heads= (op objects write whole rows)"
+    if write.vector.dim() != 1 or (write.target is not None and write.target.dim() != 1):
+        return "one vector row per position or head (op objects hold one vector)"
+    if write.op == "set":
+        return "op='set' (no op object patches)"
+    return ""
+
+
 RowSpecs = SteeringSpec | Sequence[SteeringSpec | None] | None
 """What a batched call takes as ``steering_spec``: one spec for every row (or ``None``), or a list
 of one spec (or ``None``) per row."""
@@ -515,12 +667,32 @@ def row_specs(steering_spec: Any, n_rows: int) -> list[SteeringSpec | None]:
     for i, item in enumerate(specs):
         if item is not None and not isinstance(item, SteeringSpec):
             raise InvalidSteering(f"steering_spec[{i}] must be a SteeringSpec or None, got {type(item).__name__}")
+    if n_rows == 1 and len(specs) > 1 and all(isinstance(item, SteeringSpec) for item in specs):
+        return [SteeringSpec.combine(specs)]  # one prompt: the list is several specs for it, applied in order
     if len(specs) != n_rows:
         raise InvalidSteering(
             f"steering_spec lists {len(specs)} specs but the batch has {n_rows} rows; give one per row "
-            "(None for an unsteered row) or a single SteeringSpec for every row"
+            "(None for an unsteered row) or a single SteeringSpec for every row (several specs for every row: "
+            "SteeringSpec.combine([...]))"
         )
     return specs
+
+
+def one_spec(steering_spec: Any) -> SteeringSpec | None:
+    """What a one-prompt call takes as ``steering_spec``: a :class:`SteeringSpec`, ``None``, or a
+    list of specs applied in list order (:meth:`SteeringSpec.combine`)."""
+    if steering_spec is None or isinstance(steering_spec, SteeringSpec):
+        return steering_spec
+    if isinstance(steering_spec, (str, bytes, Mapping)) or not isinstance(steering_spec, Sequence):
+        raise InvalidSteering(
+            f"steering_spec must be a SteeringSpec, a list of them (applied in order) or None, "
+            f"got {type(steering_spec).__name__}"
+        )
+    if any(isinstance(item, (Write, FeatureWrite)) for item in steering_spec):
+        raise InvalidSteering(
+            "a list as steering_spec holds SteeringSpec values, not writes; wrap writes in SteeringSpec([...])"
+        )
+    return SteeringSpec.combine(steering_spec)
 
 
 def named_positions(spec: SteeringSpec | None) -> bool:
