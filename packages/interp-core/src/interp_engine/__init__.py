@@ -60,7 +60,14 @@ from ._shipped import (
     shipped_saes,
     tiny_model_path,
 )
-from .addresses._address import Address, LayerTypeError, PointInfo
+from .addresses._address import (
+    Address,
+    LayerTypeError,
+    PointInfo,
+    format_address,
+    parse_address,
+    to_address,
+)
 from .addresses._kinds import ALIASES, KINDS, KindInfo
 from .hookspecs import hookimpl
 
@@ -69,10 +76,11 @@ if TYPE_CHECKING:
         capture_attention,
         capture_generation,
         chat_tokens,
-        decode_residuals,
         generate_stream,
         run_with_cache,
     )
+    from ._padded import position_ids_from_mask
+    from ._public import capture, decode_residuals, steer, vllm_installed
     from ._sync import (
         SyncModel,
         sync_model,
@@ -98,6 +106,7 @@ if TYPE_CHECKING:
         weights,
     )
     from .chat._spans import ChatTokens, Span
+    from .chat._tokenize import Tokenize, TokenSpan
     from .circuits._attribute import attribution_graph
     from .circuits._formats import load_transcoders
     from .circuits._graph import AttributionGraph
@@ -117,6 +126,8 @@ if TYPE_CHECKING:
         WorkerStats,
     )
     from .protocol._requests import CheckedRequest, SamplingOptions
+    from .protocol._sampling import RecommendedSampling, SamplingSettings
+    from .results._attention import AttentionCache, AttentionPatterns
     from .results._cache import Cache
     from .results._labelled import Labelled
     from .results._lens import (
@@ -134,7 +145,21 @@ if TYPE_CHECKING:
         Sae,
         load_sae,
     )
+    from .steering._block import SteerMask
+    from .steering._ops import (
+        AblateSpec,
+        AddSpec,
+        LayerSteeringSpec,
+        NormScaledAddSpec,
+        OpSpec,
+        OrthogonalDecompSpec,
+        ProjectionCapSpec,
+        SwapSpec,
+    )
     from .steering._spec import FeatureWrite, SteeringSpec, Write
+
+NoChatTemplateError = NoChatTemplate
+"""The public ``interp-engine`` package's name for :class:`NoChatTemplate` (the same class)."""
 
 __version__ = "0.1.0"
 
@@ -142,7 +167,11 @@ _LAZY: dict[str, str] = {
     "capture_attention": "._api",
     "capture_generation": "._api",
     "chat_tokens": "._api",
-    "decode_residuals": "._api",
+    "decode_residuals": "._public",
+    "capture": "._public",
+    "steer": "._public",
+    "vllm_installed": "._public",
+    "position_ids_from_mask": "._padded",
     "generate_stream": "._api",
     "run_with_cache": "._api",
     "SyncModel": "._sync",
@@ -163,6 +192,8 @@ _LAZY: dict[str, str] = {
     "Weights": ".analysis._weights",
     "weights": ".analysis._weights",
     "ChatTokens": ".chat._spans",
+    "Tokenize": ".chat._tokenize",
+    "TokenSpan": ".chat._tokenize",
     "AttributionGraph": ".circuits._graph",
     "CrossLayerTranscoder": ".circuits._transcoders",
     "TranscoderSet": ".circuits._transcoders",
@@ -172,6 +203,8 @@ _LAZY: dict[str, str] = {
     "CheckedRequest": ".protocol._requests",
     "ModelBase": ".protocol._base",
     "SamplingOptions": ".protocol._requests",
+    "RecommendedSampling": ".protocol._sampling",
+    "SamplingSettings": ".protocol._sampling",
     "BatchCapture": ".protocol._protocol",
     "BlockingCapture": ".protocol._protocol",
     "Completion": ".protocol._protocol",
@@ -183,6 +216,8 @@ _LAZY: dict[str, str] = {
     "StaticTaps": ".protocol._protocol",
     "StreamStep": ".protocol._protocol",
     "WorkerStats": ".protocol._protocol",
+    "AttentionCache": ".results._attention",
+    "AttentionPatterns": ".results._attention",
     "Cache": ".results._cache",
     "Labelled": ".results._labelled",
     "LensRequest": ".results._lens",
@@ -194,6 +229,15 @@ _LAZY: dict[str, str] = {
     "Probe": ".sae._sae",
     "Sae": ".sae._sae",
     "load_sae": ".sae._sae",
+    "AblateSpec": ".steering._ops",
+    "AddSpec": ".steering._ops",
+    "LayerSteeringSpec": ".steering._ops",
+    "NormScaledAddSpec": ".steering._ops",
+    "OpSpec": ".steering._ops",
+    "OrthogonalDecompSpec": ".steering._ops",
+    "ProjectionCapSpec": ".steering._ops",
+    "SwapSpec": ".steering._ops",
+    "SteerMask": ".steering._block",
     "FeatureWrite": ".steering._spec",
     "SteeringSpec": ".steering._spec",
     "Write": ".steering._spec",
@@ -207,8 +251,12 @@ __all__ = [
     "ALIASES",
     "KINDS",
     "WEIGHT_NAMES",
+    "AblateSpec",
     "Adapter",
+    "AddSpec",
     "Address",
+    "AttentionCache",
+    "AttentionPatterns",
     "AttributionGraph",
     "BackendError",
     "BackendNotFound",
@@ -244,6 +292,7 @@ __all__ = [
     "KindNotInFamily",
     "Labelled",
     "LayerOutOfRange",
+    "LayerSteeringSpec",
     "LayerTypeError",
     "LensRequest",
     "LensResult",
@@ -254,18 +303,29 @@ __all__ = [
     "ModelInfo",
     "ModelLoadError",
     "NoChatTemplate",
+    "NoChatTemplateError",
+    "NormScaledAddSpec",
+    "OpSpec",
+    "OrthogonalDecompSpec",
     "PointInfo",
     "Probe",
+    "ProjectionCapSpec",
+    "RecommendedSampling",
     "Results",
     "RunningLoopError",
     "Sae",
     "SamplingOptions",
+    "SamplingSettings",
     "Span",
     "StaticConfigError",
     "StaticTaps",
+    "SteerMask",
     "SteeringSpec",
     "StreamStep",
+    "SwapSpec",
     "SyncModel",
+    "TokenSpan",
+    "Tokenize",
     "TranscoderSet",
     "UndeclaredAddress",
     "UnguardedScript",
@@ -285,12 +345,14 @@ __all__ = [
     "accumulated_resid",
     "attribution_graph",
     "attribution_patch",
+    "capture",
     "capture_attention",
     "capture_generation",
     "chat_tokens",
     "compare",
     "decode_residuals",
     "decompose_resid",
+    "format_address",
     "generate_stream",
     "hookimpl",
     "installed_backends",
@@ -299,12 +361,17 @@ __all__ = [
     "load_sae",
     "load_transcoders",
     "logit_attribution",
+    "parse_address",
+    "position_ids_from_mask",
     "run_with_cache",
     "run_with_gradients",
     "shipped_adapters",
     "shipped_models",
     "shipped_saes",
+    "steer",
     "sync_model",
     "tiny_model_path",
+    "to_address",
+    "vllm_installed",
     "weights",
 ]

@@ -8,11 +8,14 @@ from typing import Any
 
 import torch
 
-from ._errors import InvalidAddress, InvalidTokens
+from ._errors import InvalidAddress, InvalidOption, InvalidTokens
+from ._padded import repad, unpad
 from ._sync import SyncModel, sync_model
-from .addresses._address import Address, as_address
+from .addresses._address import Address, as_address, is_point_tuple
 from .chat._spans import ChatTokens, select_positions
+from .protocol._base import ModelBase
 from .protocol._protocol import BatchCapture, Completion, InterpModel, Points, Results, RowAdapters, StreamStep
+from .results._attention import AttentionCache
 from .results._cache import Cache, keep_positions
 from .results._lens import LensRequest, LensResult
 from .sae._readouts import FeatureReadout, Features, as_features, stack_readouts
@@ -63,7 +66,11 @@ def model_points(model: InterpModel, points: Points | Features) -> list[Address 
 
     ``"resid_post.-1"`` and ``"resid_post.3"`` are one point on a 4-layer model: the cache holds
     it once, under the absolute layer."""
-    if isinstance(points, (str, Address, Features)) or (isinstance(points, Mapping) and "sae" in points):
+    if (
+        isinstance(points, (str, Address, Features))
+        or is_point_tuple(points)
+        or (isinstance(points, Mapping) and "sae" in points)
+    ):
         items: list[Any] = [points]
     else:
         try:
@@ -199,8 +206,16 @@ def run_with_cache(
     steering_spec: RowSpecs = None,
     positions: Any = None,
     adapter: RowAdapters = None,
+    attention_mask: Any = None,
+    position_ids: Any = None,
 ) -> Cache:
     """Activations at ``points`` for one prompt or a batch, as a :class:`Cache` ``[batch, pos, width]``.
+
+    ``attention_mask`` (``[batch, seq]``, 1 at real tokens) takes a padded batch ``tokens``
+    (left or right padded): each row runs as its real tokens alone, counting positions from 0 at
+    its first real token (:func:`position_ids_from_mask`; ``position_ids`` may be given only if it
+    equals that), and the values come back in the padded layout, zeros (attention scores
+    ``-inf``) at masked positions; ``lengths`` is then ``None``.
 
     ``steering_spec`` is one :class:`SteeringSpec` for every row, or a list of one spec (or
     ``None``) per row: each row then equals its own run under its own spec (one forward on
@@ -215,6 +230,17 @@ def run_with_cache(
     back from each row's end); values are then ``[batch, n_kept, ...]`` and ``cache.positions``
     holds the absolute positions kept. Prompts given as :class:`ChatTokens` are ``cache.chat``."""
     facade = _facade(model)
+    if attention_mask is not None:
+        if positions is not None:
+            raise InvalidOption("positions= selects positions of unpadded rows; with attention_mask, index the result")
+        real, where, width = unpad(tokens, attention_mask, position_ids)
+        unpadded = run_with_cache(facade, real, points, steering_spec=steering_spec, adapter=adapter)
+        values = repad(dict(unpadded.items()), where, width)
+        return Cache(values, n_layers=facade.model.info.n_layers)
+    if position_ids is not None:
+        raise InvalidTokens(
+            "position_ids goes with attention_mask (a padded batch); unpadded rows count positions from 0 already"
+        )
     rows = token_rows(facade.model, tokens)
     resolved = model_points(facade.model, points)
     selected = None
@@ -248,9 +274,18 @@ def capture_attention(
     """Attention probabilities of ``layers`` (one layer or a list; negative ones count from
     the end) as a :class:`Cache` of ``[batch, heads, q, k]``, under ``steering_spec`` if given:
     the pattern of head 1.0 with head 0.0 zero-ablated is ``capture_attention(model, tokens, [1],
-    steering_spec=SteeringSpec([Write("attn_z.0", torch.zeros(d_head), op="set", heads=[0])]))``."""
-    points = [Address("attn_pattern", layer) for layer in ([layers] if isinstance(layers, int) else layers)]
-    return run_with_cache(model, tokens, points, steering_spec=steering_spec, adapter=adapter)
+    steering_spec=SteeringSpec([Write("attn_z.0", torch.zeros(d_head), op="set", heads=[0])]))``.
+
+    For one prompt, ``cache[L]`` (an int layer) is the public ``interp-engine`` package's
+    ``{"scores", "probs", "value"}`` for layer ``L``, without the batch axis (where the model
+    serves ``attn_scores`` and ``attn_v``)."""
+    listed = [layers] if isinstance(layers, int) else list(layers)
+    facade = _facade(model)
+    points = [Address("attn_pattern", layer) for layer in listed]
+    extras: list[Address] = facade.model._attention_extras(listed) if isinstance(facade.model, ModelBase) else []
+    cache = run_with_cache(facade, tokens, points + extras, steering_spec=steering_spec, adapter=adapter)
+    values = {a: v for a, v in cache.items() if isinstance(a, Address) and isinstance(v, torch.Tensor)}
+    return AttentionCache(values, lengths=cache.lengths, n_layers=cache.n_layers, chat=cache.chat)
 
 
 def _one_prompt(model: InterpModel, tokens: Tokens, what: str) -> Row:
@@ -344,21 +379,3 @@ def generate_stream(
     return facade.stream(
         row, max_tokens=max_tokens, n_logprobs=n_logprobs, steering_spec=steering_spec, **extra, **sampling
     )
-
-
-def decode_residuals(
-    model: InterpModel | SyncModel,
-    acts: torch.Tensor | Mapping[Address | str, torch.Tensor],
-) -> torch.Tensor | dict[Address, torch.Tensor]:
-    """The logit lens: residual-stream vectors ``[..., d_model]`` through the model's final norm
-    and unembedding, as logits ``[..., vocab]`` (float32, CPU), delegating to the model's
-    ``decode_residuals``. A mapping (a capture result, or a :class:`Cache` of residual kinds) is
-    decoded value by value into a dict keyed by :class:`Address`; every value is checked first.
-
-    ``decode_residuals(model, cache.stack("resid_post", include_embed=True))`` decodes the
-    embedding and every layer at once: ``[1 + n_layers, batch, pos, vocab]``."""
-    facade = _facade(model)
-    if isinstance(acts, Mapping):
-        keyed = {as_address(key): value for key, value in acts.items()}
-        return facade.decode_residuals(keyed)
-    return facade.decode_residuals(acts)

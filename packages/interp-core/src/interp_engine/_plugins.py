@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import threading
+import weakref
 from collections.abc import Mapping
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any
@@ -62,6 +64,18 @@ def installed_backends() -> list[str]:
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
 """What a Hugging Face hub id looks like: a name, or one ``owner/name``."""
+
+
+_sources: weakref.WeakKeyDictionary[Any, tuple[str, str]] = weakref.WeakKeyDictionary()
+"""Each model :func:`load_model` returned, mapped to the name it was given and the path it resolved to."""
+
+
+def loaded_from(model: object) -> tuple[str, str] | None:
+    """``(name as given, resolved path)`` of a model :func:`load_model` returned, else ``None``."""
+    try:
+        return _sources.get(model)
+    except TypeError:  # not weakly referenceable
+        return None
 
 
 def local_model(name_or_path: str | os.PathLike[str]) -> str:
@@ -130,6 +144,8 @@ def load_model(name_or_path: str | os.PathLike[str], backend: str | None = None,
     )
     if model is None:
         raise BackendNotFound(f"the plugins listing backend {chosen!r} did not load a model for it")
+    with contextlib.suppress(TypeError):  # a model that cannot be weakly referenced keeps no source
+        _sources[model] = (os.fspath(name_or_path), path)
     if saes:
         attach = getattr(model, "attach_sae", None)
         if attach is None:

@@ -14,7 +14,7 @@ import contextlib
 import sys
 import threading
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -189,7 +189,7 @@ class SyncModel:
     def capture_attention(
         self,
         token_ids: Sequence[int],
-        layers: Sequence[int],
+        layers: Iterable[int],
         *,
         steering_spec: SteeringSpec | None = None,
         adapter: str | None = None,
@@ -211,18 +211,62 @@ class SyncModel:
         max_tokens: int,
         n_logprobs: int = 0,
         steering_spec: SteeringSpec | None = None,
+        features: Iterable[Any] = (),
         lens: LensRequest | None = None,
         adapter: str | None = None,
         **sampling: Any,
     ) -> Iterator[StreamStep]:
         """Generated steps as a plain iterator (each step is produced on the background loop);
-        ``lens=LensRequest(...)``: each step's ``lens``, the logit lens where it was produced."""
-        refuse_inside_running_loop("this sync model call")
+        ``features=[Features(...)]``: each step's readouts; ``lens=LensRequest(...)``: each
+        step's ``lens``, the logit lens where it was produced."""
         extra: dict[str, Any] = {"lens": lens} if lens is not None else {}  # a backend without the lens streams
         extra.update(_adapter(adapter))
-        steps: AsyncIterator[StreamStep] = self.model.stream(
-            token_ids, max_tokens=max_tokens, n_logprobs=n_logprobs, steering_spec=steering_spec, **extra, **sampling
+        if features:  # a backend without readouts still streams
+            extra["features"] = features
+        return self._iterate(
+            lambda: self.model.stream(
+                token_ids,
+                max_tokens=max_tokens,
+                n_logprobs=n_logprobs,
+                steering_spec=steering_spec,
+                **extra,
+                **sampling,
+            )
         )
+
+    def generate_text(self, token_ids: Sequence[int], **kwargs: Any) -> str:
+        """The model's ``generate_text`` (the completion's text, sampling from the checkpoint's
+        recommendation where a knob is left unset)."""
+        method = self._method("generate_text")
+        result: str = self.run(lambda: method(token_ids, **kwargs))
+        return result
+
+    def generate_stream(self, token_ids: Sequence[int], **kwargs: Any) -> Iterator[str]:
+        """The model's ``generate_stream`` as a plain iterator of text deltas."""
+        method = self._method("generate_stream")
+        return self._iterate(lambda: method(token_ids, **kwargs))
+
+    def capture_generation_stream(
+        self, token_ids: Sequence[int], points: Points, **kwargs: Any
+    ) -> Iterator[tuple[Results, list[int]]]:
+        """The model's ``capture_generation_stream`` as a plain iterator of ``(new_rows, token_ids)``."""
+        method = self._method("capture_generation_stream")
+        return self._iterate(lambda: method(token_ids, points, **kwargs))
+
+    def _method(self, name: str) -> Any:
+        method = getattr(self.model, name, None)
+        if method is None:
+            raise UnsupportedOperation(
+                f"the {self.model.backend} backend's model has no {name}; the built-in backends' models "
+                "(interp_engine.ModelBase) have it"
+            )
+        return method
+
+    def _iterate(self, make: Callable[[], AsyncIterator[T]]) -> Iterator[T]:
+        """The async iterator ``make()`` as a plain iterator, each item produced on the
+        background loop; closed there when the caller stops early."""
+        refuse_inside_running_loop("this sync model call")
+        steps = make()
         finished = False
         try:
             while True:

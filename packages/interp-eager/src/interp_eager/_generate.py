@@ -6,6 +6,8 @@ The options themselves (names, ranges, the ``InvalidOption`` for a bad one) are 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from interp_engine import BackendError, InvalidSteering, SamplingOptions
@@ -21,10 +23,16 @@ def generator_for(options: SamplingOptions, device: torch.device) -> torch.Gener
 
 
 def choose(
-    options: SamplingOptions, logits: torch.Tensor, generator: torch.Generator | None, *, steered: bool = False
+    options: SamplingOptions,
+    logits: torch.Tensor,
+    generator: torch.Generator | None,
+    *,
+    steered: bool = False,
+    generated: Sequence[int] = (),
 ) -> int:
-    """The next token from one row of logits ``[vocab]``; NaN or ``+inf`` logits are a typed error
-    (``InvalidSteering`` when the forward was steered: a write that overflows makes them)."""
+    """The next token from one row of logits ``[vocab]``, after the presence penalty on the tokens
+    ``generated`` so far; NaN or ``+inf`` logits are a typed error (``InvalidSteering`` when the
+    forward was steered: a write that overflows makes them)."""
     if bool(torch.isnan(logits).any() or torch.isposinf(logits).any()):
         if steered:
             raise InvalidSteering(
@@ -32,6 +40,11 @@ def choose(
                 "a write's scale or vector overflows the model's dtype; use a smaller one"
             )
         raise BackendError("the model produced NaN or infinite logits, so no token can be chosen")
+    if options.presence_penalty and generated:
+        seen = torch.tensor(sorted(set(generated)), dtype=torch.long, device=logits.device)
+        logits = logits.float().index_add(
+            0, seen, torch.full(seen.shape, -options.presence_penalty, device=logits.device)
+        )
     if options.greedy:
         return int(logits.argmax())
     scores = logits.float() / options.temperature

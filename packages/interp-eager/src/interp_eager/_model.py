@@ -127,6 +127,11 @@ class EagerModel(TokenizerMixin, ModelBase):
         self._weight_info: WeightInfo | None = None
         self._peft = PeftAdapters(hf_model)
 
+    def _model_source(self) -> str | None:
+        """The Hugging Face model's own ``name_or_path`` (a model wrapped with :meth:`from_hf`)."""
+        name = getattr(self.hf_model.config, "_name_or_path", None)
+        return name if isinstance(name, str) and name else None
+
     @classmethod
     def from_hf(cls, hf_model: nn.Module, tokenizer: Any) -> EagerModel:
         """Wrap an already loaded HF model and tokenizer (no copy is made)."""
@@ -445,9 +450,11 @@ class EagerModel(TokenizerMixin, ModelBase):
             return logits
 
         ids, offset = prompt, 0
+        chosen: list[int] = []
         for index in range(max_tokens):
             logits = await self._run(lambda ids=ids, offset=offset: step(ids, offset))  # type: ignore[misc]
-            token = choose(sampling, logits, generator, steered=plan.steered)
+            token = choose(sampling, logits, generator, steered=plan.steered, generated=chosen)
+            chosen.append(token)
             last = index == max_tokens - 1 or self._stops(token, sampling)
             if last and plan.wanted:
                 after = offset + len(ids)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeGuard
 
 from .._errors import InvalidAddress, LayerOutOfRange, UnknownKind
 from ._kinds import ALIASES, KINDS, KindInfo
@@ -50,11 +50,27 @@ class Address:
     layers count from the end and are resolved against a model with :meth:`resolve`. The string
     form ``"resid_post.5"`` round-trips through :meth:`parse`, but an ``Address`` is never equal
     to its string: keys stay typed. :meth:`parse` also reads TransformerLens hook names
-    (``"blocks.5.hook_resid_post"``).
+    (``"blocks.5.hook_resid_post"``). ``name=`` is accepted for ``kind`` (the public package's
+    field name; :attr:`name` reads it back).
     """
 
     kind: str
     layer: int | None = None
+
+    def __init__(self, kind: str | None = None, layer: int | None = None, *, name: str | None = None) -> None:
+        if name is not None:  # the public interp-engine package's field name for the kind
+            if kind is not None:
+                raise InvalidAddress(
+                    f"Address got both kind={kind!r} and name={name!r}; they are the same field (give one)",
+                    address=name,
+                    valid=("Address(kind, layer)", "Address(name=kind, layer=layer)"),
+                )
+            kind = name
+        if kind is None:
+            raise InvalidAddress("an Address needs a kind, e.g. Address('resid_post', 5)", address=None)
+        object.__setattr__(self, "kind", kind)
+        object.__setattr__(self, "layer", layer)
+        self.__post_init__()
 
     def __post_init__(self) -> None:
         if isinstance(self.kind, str) and self.kind in ALIASES:
@@ -95,6 +111,11 @@ class Address:
             return f"Address({self.kind!r})"
         return f"Address({self.kind!r}, {self.layer})"
 
+    @property
+    def name(self) -> str:
+        """The kind (the public ``interp-engine`` package's field name for it)."""
+        return self.kind
+
     @classmethod
     def parse(cls, text: str | Address) -> Address:
         """Read ``"kind.layer"`` or ``"kind"`` (an ``Address`` is returned unchanged).
@@ -102,12 +123,14 @@ class Address:
         TransformerLens hook names are read too: ``"blocks.5.hook_resid_post"`` is
         ``Address("resid_post", 5)``, ``"ln_final.hook_normalized"`` is ``Address("final_norm")``;
         one without an exact counterpart raises ``UnknownKind`` naming what to use instead.
+        (A ``(kind, layer)`` tuple is read by :func:`to_address` and wherever points are taken.)
         """
         if isinstance(text, Address):
             return text
         if not isinstance(text, str):
+            tuple_hint = "; a (kind, layer) tuple is read by to_address" if isinstance(text, tuple) else ""
             raise InvalidAddress(
-                f"an address is an Address or a string like 'resid_post.5', got {type(text).__name__}",
+                f"an address is an Address or a string like 'resid_post.5', got {type(text).__name__}{tuple_hint}",
                 address=text,
                 valid=("kind", "kind.layer"),
             )
@@ -175,9 +198,48 @@ def _parse_text(text: str) -> Address:
     return Address._from_text(text)
 
 
-AddressLike = Address | str
+AddressLike = Address | str | tuple[str, int | None]
+"""An :class:`Address`, its string form, or a ``(kind, layer)`` tuple."""
+
+
+def is_point_tuple(value: object) -> TypeGuard[tuple[str, int | None]]:
+    """Whether ``value`` is one point as a ``(kind, layer)`` tuple (a kind string, then an int
+    layer or ``None``), not a list of points."""
+    return (
+        isinstance(value, tuple)
+        and len(value) == 2
+        and isinstance(value[0], str)
+        and (value[1] is None or (isinstance(value[1], int) and not isinstance(value[1], bool)))
+    )
 
 
 def as_address(point: AddressLike) -> Address:
-    """An ``Address`` from an ``Address`` or its string form."""
+    """An ``Address`` from an ``Address``, its string form or a ``(kind, layer)`` tuple."""
+    if is_point_tuple(point):
+        return Address(point[0], point[1])
+    if isinstance(point, tuple):
+        raise InvalidAddress(
+            f"a point as a tuple is (kind, layer) with a kind string and an int layer, got {point!r:.80}",
+            address=point,
+            valid=("(kind, layer)",),
+        )
     return Address.parse(point)
+
+
+def parse_address(text: str | Address) -> Address:
+    """``Address.parse(text)``: ``parse_address("resid_post.10")`` is ``Address("resid_post", 10)``
+    (the public ``interp-engine`` package's name for it)."""
+    return Address.parse(text)
+
+
+def to_address(point: AddressLike) -> Address:
+    """Any accepted spelling of a point as an :class:`Address`: an ``Address``, its string, or a
+    ``(kind, layer)`` tuple (``to_address(("mlp_out", 3))`` is ``Address("mlp_out", 3)``). Use it to
+    look up a plain result dict, which is keyed by ``Address``."""
+    return as_address(point)
+
+
+def format_address(address: AddressLike) -> str:
+    """The canonical string form of a point (``format_address(Address("resid_post", 10))`` is
+    ``"resid_post.10"``); aliases and TransformerLens names print as our kind."""
+    return str(as_address(address))

@@ -276,7 +276,8 @@ ALIASES: dict[str, str] = {
 }
 """The public ``interp-engine`` package's point names that differ from ours, read as our kinds
 (its other names -- ``attn_in``, ``mlp_pre``, ``q_norm_out``, ``attn_out_post``, ... -- are ours too,
-with the same meaning)."""
+with the same meaning). ``z`` holds the same values as our ``attn_z`` with the head axis kept
+(``[n, heads, d_head]``; the public package flattens it to ``[n, heads * d_head]``)."""
 
 
 def requirements(kind: str) -> tuple[Need, ...]:

@@ -61,7 +61,6 @@ from .._errors import (
     InvalidAddress,
     InvalidFeatures,
     InvalidOption,
-    InvalidSteering,
     InvalidTokens,
     KindNotInFamily,
     UnknownAdapter,
@@ -69,15 +68,19 @@ from .._errors import (
     UnsupportedAddress,
     UnsupportedOperation,
 )
+from .._plugins import loaded_from
 from ..adapters._adapter import Adapter, check_adapter, is_adapter_folder, refuse_adapted_unembedding
-from ..addresses._address import Address, AddressLike, PointInfo
+from ..addresses._address import Address, AddressLike, PointInfo, is_point_tuple
 from ..addresses._kinds import KINDS, missing_reason
 from ..chat._render import build_chat_tokens
 from ..chat._spans import ChatTokens
+from ..chat._tokenize import Tokenize
+from ..results._attention import AttentionPatterns, attention_extras
 from ..results._lens import LensRequest
 from ..sae._readouts import Features, check_readout, check_sae_name
 from ..sae._sae import Sae, load_sae
-from ..steering._spec import AnyWrite, RowSpecs, SteeringSpec, resolve_named_positions, row_specs
+from ..steering._block import with_blocks
+from ..steering._spec import AnyWrite, RowSpecs, SteeringSpec, one_spec, resolve_named_positions, row_specs
 from ..steering._values import short_repr
 from ._checks import (
     check_max_tokens,
@@ -91,8 +94,9 @@ from ._checks import (
 from ._features import check_sae_fits, resolve_feature_writes, split_points
 from ._lens_checks import check_lens
 from ._lifecycle import ModelLifecycle
-from ._protocol import Activations, Completion, ModelInfo, Results, StreamStep
+from ._protocol import Activations, Completion, ModelInfo, Results, StaticTaps, StreamStep
 from ._requests import SAMPLING_OPTIONS, CheckedLens, CheckedRequest, SamplingOptions
+from ._sampling import RecommendedSampling, SamplingSettings, resolve_sampling
 
 
 class ModelBase(ModelLifecycle, abc.ABC):
@@ -125,6 +129,156 @@ class ModelBase(ModelLifecycle, abc.ABC):
         super().__init__()
         self._saes: dict[str, Sae] = {}
         self._adapters: dict[str, Adapter] = {}
+
+    # -- the public interp-engine package's names ----------------------------------------------
+    @property
+    def n_layers(self) -> int:
+        """``info.n_layers``: the number of decoder layers."""
+        return self.info.n_layers
+
+    @property
+    def d_model(self) -> int:
+        """``info.d_model``: the residual stream's width."""
+        return self.info.d_model
+
+    @property
+    def n_heads(self) -> int:
+        """``info.n_heads``: attention (query) heads per layer."""
+        return self.info.n_heads
+
+    @property
+    def hf_model_id(self) -> str | None:
+        """The name or path the model was loaded from (``load_model``'s first argument as given;
+        else what the backend knows, or ``None``)."""
+        source = loaded_from(self)
+        return source[0] if source is not None else self._model_source()
+
+    def _model_source(self) -> str | None:
+        """Where a model built without ``load_model`` came from (a backend that knows says)."""
+        return None
+
+    def _model_folder(self) -> str | None:
+        """The local folder of the checkpoint (``None``: a hub id, or unknown)."""
+        source = loaded_from(self)
+        folder = source[1] if source is not None else self._model_source()
+        return folder if folder is not None and os.path.isdir(folder) else None
+
+    @property
+    def tok(self) -> Tokenize:
+        """Tokenization and chat rendering with this model's own tokenizer (:class:`Tokenize`)."""
+        return Tokenize(self)
+
+    @property
+    def recommended_sampling(self) -> RecommendedSampling:
+        """The sampling the checkpoint's ``generation_config.json`` recommends (fields ``None``
+        where it states nothing)."""
+        return self._recommended_sampling()
+
+    def _recommended_sampling(self) -> RecommendedSampling:
+        """The checkpoint's recommendation: its folder's ``generation_config.json`` (a backend
+        that holds the loaded generation config overrides this)."""
+        return RecommendedSampling.read(self._model_folder())
+
+    def sampling_settings(
+        self,
+        *,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        presence_penalty: float | None = None,
+    ) -> SamplingSettings:
+        """What :meth:`generate_text`, :meth:`generate_stream` and
+        :meth:`capture_generation_stream` run with for these arguments: each knob as passed,
+        else :attr:`recommended_sampling`'s, else neutral (temperature 1, no filtering, no
+        penalty). ``generate``, ``stream`` and ``capture_generation`` stay greedy unless told."""
+        return resolve_sampling(
+            self.recommended_sampling,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            presence_penalty=presence_penalty,
+        )
+
+    async def generate_text(
+        self,
+        token_ids: Sequence[int],
+        *,
+        max_tokens: int = 200,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        presence_penalty: float | None = None,
+        steering_spec: Any = None,
+        **options: Any,
+    ) -> str:
+        """The completion's text (no prompt), sampled as :meth:`sampling_settings` decides;
+        ``options``: ``seed``, ``ignore_eos``, ``adapter``. Equal to the concatenation of
+        :meth:`generate_stream`'s deltas for the same arguments."""
+        pieces = [
+            piece
+            async for piece in self.generate_stream(
+                token_ids,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                presence_penalty=presence_penalty,
+                steering_spec=steering_spec,
+                **options,
+            )
+        ]
+        return "".join(pieces)
+
+    async def generate_stream(
+        self,
+        token_ids: Sequence[int],
+        *,
+        max_tokens: int = 200,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        presence_penalty: float | None = None,
+        steering_spec: Any = None,
+        **options: Any,
+    ) -> AsyncIterator[str]:
+        """The completion's text as it is produced, one delta per generated token (a delta may be
+        empty while a character is incomplete), sampled as :meth:`sampling_settings` decides;
+        :meth:`stream` has the richer per-token steps."""
+        settings = self.sampling_settings(
+            temperature=temperature, top_k=top_k, top_p=top_p, presence_penalty=presence_penalty
+        )
+        steps = self.stream(
+            token_ids, max_tokens=max_tokens, steering_spec=steering_spec, **settings.options(), **options
+        )
+        async with contextlib.aclosing(steps) as running:  # type: ignore[type-var]  # stream() is an async generator
+            async for step in running:
+                yield step.text
+
+    async def capture_generation_stream(
+        self,
+        token_ids: Sequence[int],
+        points: Iterable[AddressLike],
+        *,
+        max_tokens: int = 8,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        presence_penalty: float | None = None,
+        steering_spec: Any = None,
+        **options: Any,
+    ) -> AsyncIterator[tuple[Results, list[int]]]:
+        """:meth:`capture_generation` as a stream of ``(new_rows, token_ids)``: the rows captured
+        since the last yield and every id generated so far. Concatenating the rows gives
+        :meth:`capture_generation`'s values (prompt + every generated token), the last ids its
+        completion. Every built-in backend yields once, at the end; sampling as
+        :meth:`sampling_settings` decides."""
+        settings = self.sampling_settings(
+            temperature=temperature, top_k=top_k, top_p=top_p, presence_penalty=presence_penalty
+        )
+        completion, values = await self.capture_generation(
+            token_ids, points, max_tokens=max_tokens, steering_spec=steering_spec, **settings.options(), **options
+        )
+        yield values, list(completion.token_ids)
 
     # -- the end of a sequence --------------------------------------------------------------------
     @staticmethod
@@ -401,7 +555,7 @@ class ModelBase(ModelLifecycle, abc.ABC):
         return SamplingOptions.from_kwargs(sampling, self.sampling_options)
 
     def _check_points(self, points: Iterable[AddressLike], *, required: bool) -> dict[Address, Address]:
-        if isinstance(points, (str, Address)):
+        if isinstance(points, (str, Address)) or is_point_tuple(points):
             points = [points]
         try:
             listed = list(points)
@@ -418,10 +572,9 @@ class ModelBase(ModelLifecycle, abc.ABC):
         return mapping
 
     def _check_writes(self, steering_spec: SteeringSpec | None) -> tuple[list[AnyWrite], dict[str, Sae]]:
+        steering_spec = one_spec(steering_spec)
         if steering_spec is None:
             return [], {}
-        if not isinstance(steering_spec, SteeringSpec):
-            raise InvalidSteering(f"steering_spec must be a SteeringSpec, got {type(steering_spec).__name__}")
         writes, used = self._resolve_feature_writes(steering_spec.writes)
         self._check_served(w.address.resolve(self.info.n_layers) for w in writes if w.address is not None)
         return check_spec(SteeringSpec(writes), self.info, self._writable_kinds()), used
@@ -429,8 +582,9 @@ class ModelBase(ModelLifecycle, abc.ABC):
     def _check_capture(
         self, token_ids: Any, points: Iterable[Any], steering_spec: SteeringSpec | None, adapter: Any = None
     ) -> CheckedRequest:
-        """The checks at the top of a capture over the prompt (at least one point)."""
-        return self._check_capture_batch([token_ids], points, steering_spec, adapter)[0]
+        """The checks at the top of a capture over the prompt (at least one point);
+        ``steering_spec`` may be a list of specs, applied in order."""
+        return self._check_capture_batch([token_ids], points, one_spec(steering_spec), adapter)[0]
 
     def _check_capture_batch(
         self, rows: Iterable[Any], points: Iterable[Any], steering_spec: RowSpecs, adapter: Any = None
@@ -446,8 +600,8 @@ class ModelBase(ModelLifecycle, abc.ABC):
         addresses, readouts = self._split_points(points)
         mapping = self._check_points(addresses, required=not readouts)
         saes = self._check_readouts(readouts)
-        specs = [  # chat span names resolved per row, against that row's ChatTokens
-            resolve_named_positions(spec, row, len(ids))
+        specs = [  # chat span names resolved per row, against that row's ChatTokens; open steer() blocks added
+            with_blocks(self, resolve_named_positions(spec, row, len(ids)), row, ids, 0, self._special_ids)
             for spec, row, ids in zip(row_specs(steering_spec, len(checked)), given, checked, strict=True)
         ]
         resolved: dict[int, tuple[list[AnyWrite], dict[str, Sae]]] = {}
@@ -472,7 +626,7 @@ class ModelBase(ModelLifecycle, abc.ABC):
         points: Iterable[Any],
         *,
         max_tokens: Any,
-        steering_spec: SteeringSpec | None,
+        steering_spec: SteeringSpec | Sequence[SteeringSpec] | None,
         sampling: Mapping[str, Any],
         n_logprobs: Any = 0,
         lens: LensRequest | None = None,
@@ -488,7 +642,8 @@ class ModelBase(ModelLifecycle, abc.ABC):
         addresses, readouts = self._split_points(points)
         mapping = self._check_points(addresses, required=False)
         saes = self._check_readouts(readouts)
-        writes, written = self._check_writes(resolve_named_positions(steering_spec, token_ids, len(ids)))
+        spec = resolve_named_positions(one_spec(steering_spec), token_ids, len(ids))
+        writes, written = self._check_writes(with_blocks(self, spec, token_ids, ids, max_tokens, self._special_ids))
         check_write_shapes(writes, len(ids), len(ids) + max_tokens)
         request = CheckedRequest(
             ids,
@@ -544,6 +699,12 @@ class ModelBase(ModelLifecycle, abc.ABC):
             **template_kwargs,
         )
 
+    def _special_ids(self) -> frozenset[int]:
+        """The tokenizer's special tokens (what ``steer(..., position_mask=SteerMask.SPECIAL_TOKENS)``
+        leaves unsteered)."""
+        ids = getattr(self._chat_tokenizer(), "all_special_ids", None) or ()
+        return frozenset(int(i) for i in ids)
+
     def _chat_tokenizer(self) -> Any:
         """The Hugging Face tokenizer whose ``apply_chat_template`` renders chats (a backend
         serving one returns it; :class:`~interp_engine.tokens.TokenizerMixin` does)."""
@@ -590,8 +751,8 @@ class ModelBase(ModelLifecycle, abc.ABC):
         token_ids: Sequence[int],
         points: Iterable[AddressLike],
         *,
-        max_tokens: int,
-        steering_spec: SteeringSpec | None = None,
+        max_tokens: int = 8,
+        steering_spec: SteeringSpec | Sequence[SteeringSpec] | None = None,
         lens: LensRequest | None = None,
         adapter: str | None = None,
         **sampling: Any,
@@ -664,18 +825,35 @@ class ModelBase(ModelLifecycle, abc.ABC):
         adapter: str | None = None,
     ) -> Activations:
         """Attention probabilities ``[heads, q, k]`` keyed by ``Address("attn_pattern", L)``,
-        under ``steering_spec`` and ``adapter`` if given."""
+        under ``steering_spec`` and ``adapter`` if given. The dict also answers ``result[L]``
+        (an int layer) with the public ``interp-engine`` package's ``{"scores", "probs",
+        "value"}`` (:class:`~interp_engine.results._attention.AttentionPatterns`), where this
+        model serves ``attn_scores`` and ``attn_v``."""
         self._check_open()
         if isinstance(layers, int):
             layers = [layers]
-        points = [Address("attn_pattern", layer) for layer in layers]
+        listed = list(layers)
+        points = [Address("attn_pattern", layer) for layer in listed]
         if not points:
             raise UnsupportedAddress(
                 "capture_attention needs at least one layer", address=None, valid=f"0..{self.info.n_layers - 1}"
             )
         extra: dict[str, Any] = {} if adapter is None else {"adapter": adapter}  # a backend before adapters
-        values = await self.capture(token_ids, points, steering_spec=steering_spec, **extra)
-        return {a: v for a, v in values.items() if isinstance(a, Address) and isinstance(v, torch.Tensor)}
+        wanted = points + self._attention_extras(listed)
+        values = await self.capture(token_ids, wanted, steering_spec=steering_spec, **extra)
+        return AttentionPatterns(
+            {a: v for a, v in values.items() if isinstance(a, Address) and isinstance(v, torch.Tensor)}
+        )
+
+    def _attention_extras(self, layers: list[int]) -> list[Address]:
+        """The scores and values ``capture_attention`` reads beside the patterns, for the public
+        package's ``result[layer]``: the kinds of the two this model serves (a backend whose taps
+        are fixed in advance narrows it to what it declared)."""
+        extras = attention_extras(layers, self._served_kinds())
+        if isinstance(self, StaticTaps):
+            declared = set(self.static_points)
+            extras = [a for a in extras if a.resolve(self.info.n_layers) in declared]
+        return extras
 
     async def decode_residuals(
         self, acts: torch.Tensor | Mapping[Address, torch.Tensor]

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .._errors import ContextTooLong, InvalidActivations, InvalidSteering, InvalidTokens, UnsupportedAddress
-from ..addresses._address import Address, AddressLike, as_address
+from ..addresses._address import Address, AddressLike, as_address, is_point_tuple
 from ..addresses._kinds import KINDS
 from ..steering._spec import AnyWrite, FeatureWrite, SteeringSpec, Write
 from ._protocol import ModelInfo
@@ -70,7 +70,7 @@ def requested_points(
     form (negative layers made absolute), checked against the model. Results are keyed by the
     requested addresses, so ``acts[Address("resid_post", -1)]`` finds what was asked for. A kind
     outside ``supported`` raises ``UnsupportedAddress``."""
-    if isinstance(points, (str, Address)):
+    if isinstance(points, (str, Address)) or is_point_tuple(points):
         points = [points]
     mapping: dict[Address, Address] = {}
     for point in points:

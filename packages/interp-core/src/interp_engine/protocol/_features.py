@@ -10,7 +10,7 @@ from .._errors import (
     InvalidAddress,
     InvalidFeatures,
 )
-from ..addresses._address import Address
+from ..addresses._address import Address, is_point_tuple
 from ..sae._readouts import Features, as_features
 from ..sae._sae import Sae
 from ..steering._spec import AnyWrite, FeatureWrite, Write
@@ -56,7 +56,7 @@ def check_sae_fits(
 
 def split_points(points: Iterable[Any]) -> tuple[list[Any], tuple[Features, ...]]:
     """Addresses apart from feature readouts (``Features``, ``"features:..."``, ``{"sae": ...}``)."""
-    if isinstance(points, (str, Address, Features)):
+    if isinstance(points, (str, Address, Features)) or is_point_tuple(points):
         points = [points]
     try:
         listed = list(points)

@@ -94,6 +94,11 @@ class StreamStep:
     prompt_lens: LensResult | None = None
     """On the first step only, with ``LensRequest(positions=...)``: the lens at those prompt positions."""
 
+    @property
+    def token_str(self) -> str:
+        """:attr:`text` (the public ``interp-engine`` package's name for a step's text piece)."""
+        return self.text
+
 
 Points = Iterable[AddressLike | Features | str]
 RowAdapters = str | Sequence[str | None] | None

@@ -22,7 +22,7 @@ from ..steering._spec import AnyWrite
 from ..steering._values import finite_float, short_repr
 from ._protocol import Results
 
-SAMPLING_OPTIONS = ("ignore_eos", "seed", "temperature", "top_k", "top_p")
+SAMPLING_OPTIONS = ("ignore_eos", "presence_penalty", "seed", "temperature", "top_k", "top_p")
 """The generation options every built-in backend takes (vLLM's names)."""
 
 
@@ -48,6 +48,9 @@ class SamplingOptions:
     """Seed of this request's sampling (``None``: unseeded)."""
     ignore_eos: bool = False
     """``True``: generate exactly ``max_tokens``, past any end-of-sequence token."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token the generation has produced so far, before the
+    temperature and before a greedy argmax (vLLM's rule); ``0``: none. From -2 to 2."""
 
     @classmethod
     def from_kwargs(cls, kwargs: Mapping[str, Any], allowed: Collection[str] = SAMPLING_OPTIONS) -> SamplingOptions:
@@ -78,6 +81,11 @@ class SamplingOptions:
             or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]
         ):
             raise InvalidOption(f"seed must be an int from 0 to 2**64 - 1, or None; got {short_repr(seed)}")
+        penalty = finite_float(options.presence_penalty)
+        if penalty is None or not -2 <= penalty <= 2:
+            raise InvalidOption(
+                f"presence_penalty must be a number from -2 to 2 (0 = none), got {short_repr(options.presence_penalty)}"
+            )
         if not isinstance(options.ignore_eos, bool):
             raise InvalidOption(f"ignore_eos must be True or False, got {short_repr(options.ignore_eos)}")
         if 0 < temperature < MIN_TEMPERATURE:
@@ -88,6 +96,7 @@ class SamplingOptions:
             top_k=int(top_k),
             top_p=top_p,
             seed=None if seed is None else int(seed),
+            presence_penalty=penalty,
         )
 
     @property
