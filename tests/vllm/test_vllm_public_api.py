@@ -18,6 +18,7 @@ from interp_engine import (
     OrthogonalDecompSpec,
     ProjectionCapSpec,
     SteeringSpec,
+    SteerMask,
     Write,
     capture,
     capture_attention,
@@ -158,6 +159,27 @@ def test_steer_block_on_vllm(engine: Any) -> None:
     )
     assert masked_completion.token_ids == reference_completion.token_ids
     assert rel_diff(masked[Address("resid_post", 2)], reference[Address("resid_post", 2)]) <= 1e-5
+
+
+def test_steer_leaves_special_tokens_alone_on_vllm(engine: Any) -> None:
+    model = engine.model
+    vector = _unit(model.d_model, 4)
+    spec = SteeringSpec.at("resid_post.1", AddSpec(vector=vector, scale=4.0))
+    special = sorted(model.tokenizer.all_special_ids)
+    ids = [special[0], *model.to_tokens(PROMPT)[0].tolist()]  # a special token at position 0
+    with steer(engine, spec, position_mask=SteerMask.SPECIAL_TOKENS):
+        completion, acts = engine.capture_generation(ids, ["resid_post.2"], max_tokens=4, ignore_eos=True)
+    reference_spec = SteeringSpec(
+        [
+            Write("resid_post.1", vector, scale=4.0, positions=list(range(1, len(ids)))),
+            Write("resid_post.1", vector, scale=4.0, positions="generated"),
+        ]
+    )
+    reference_completion, reference = engine.capture_generation(
+        ids, ["resid_post.2"], max_tokens=4, steering_spec=reference_spec, ignore_eos=True
+    )
+    assert completion.token_ids == reference_completion.token_ids
+    assert rel_diff(acts[Address("resid_post", 2)], reference[Address("resid_post", 2)]) <= 1e-5
 
 
 def test_capture_attention_by_layer(engine: Any, twin: Any) -> None:
