@@ -24,9 +24,9 @@ FAMILY = "qwen2"
 
 
 def _engine_processes(model: Any) -> list[Any]:
-    from interp_vllm.frontend._engine import _engine_processes
+    from interp_vllm._compat import engine_processes
 
-    return _engine_processes(model._engine)
+    return engine_processes(model._engine)
 
 
 @pytest.mark.parametrize("backend", ["vllm", "vllm-static"])

@@ -282,3 +282,80 @@ def test_the_skip_freezes_the_heap_and_closes_stderr() -> None:
     assert out.returncode == 0
     assert out.stdout.split() == ["out", "frozen", "True"]
     assert out.stderr.split() == ["err"]
+
+
+# -- what the front end, the workers and the model build read, outside the runner ---------------
+
+READ_PATCHES = [_compat.ENGINE_GENERATE, _compat.LOGITS, *_compat.ONEDNN_MM, _compat.HF_CLASS_BASES]
+READS = [*_compat.ENGINE_PROCESSES, _compat.DYNAMO_COUNTERS]
+
+
+@pytest.mark.parametrize("patch", READ_PATCHES, ids=lambda p: p.target)
+def test_every_target_read_outside_the_runner_has_the_shape_its_row_expects(patch: Patch) -> None:
+    assert patch.in_range(), f"{patch.package} {_compat._installed(patch.package)} is outside {patch.spelled}"
+    assert patch.check() is not None
+
+
+@pytest.mark.parametrize("reads", READS, ids=lambda r: f"{r.target}:{','.join(r.names)}")
+def test_every_attribute_read_is_declared_where_its_row_says(reads: _compat.Reads) -> None:
+    assert reads.in_range(), f"{reads.package} {_compat._installed(reads.package)} is outside {reads.spelled}"
+    assert reads.check() is not None
+
+
+def test_a_read_that_moved_is_a_typed_error_naming_the_versions() -> None:
+    gone = dataclasses.replace(_compat.ENGINE_PROCESSES[1], names=("resources", "no_such_field"))
+    with pytest.raises(IncompatibleDependency, match=r"vllm>=0\.32.*MPClient has no no_such_field"):
+        gone.check()
+    missing = dataclasses.replace(_compat.DYNAMO_COUNTERS, names=("no_such_counters",))
+    with pytest.raises(IncompatibleDependency, match=r"torch>=2\.0"):
+        missing.check()
+    module_function = dataclasses.replace(_compat.ONEDNN_MM[0], parameters=("weight", "no_such_argument"))
+    with pytest.raises(IncompatibleDependency, match="no_such_argument"):
+        module_function.check()
+
+
+def test_the_engine_processes_are_read_along_the_rows_path() -> None:
+    from types import SimpleNamespace
+
+    processes = [object()]
+    manager = SimpleNamespace(processes=processes)
+    engine = SimpleNamespace(engine_core=SimpleNamespace(resources=SimpleNamespace(engine_manager=manager)))
+    assert _compat.engine_processes(engine) == processes
+    assert _compat.engine_processes(SimpleNamespace()) == []  # an engine with none: nothing to join
+
+
+def test_dynamo_counters_are_counts() -> None:
+    counts = _compat.dynamo_counters()
+    assert set(counts) == {"dynamo_unique_graphs", "dynamo_calls_captured"}
+    assert all(isinstance(v, int) and v >= 0 for v in counts.values())
+
+
+def test_vllms_onednn_matmul_is_the_product_where_the_build_has_it() -> None:
+    weight = torch.randn(8, 4)
+    made = _compat.onednn_matmul(weight)
+    import vllm._custom_ops as ops
+
+    if not getattr(ops, "_supports_onednn", False):
+        assert made is None
+        return
+    assert made is not None
+    module, handler = made
+    x, bias = torch.randn(3, 8), torch.randn(4)
+    torch.testing.assert_close(module.onednn_mm(handler, x, bias), x @ weight + bias, rtol=1e-5, atol=1e-5)
+
+
+def test_hf_classes_get_their_bases_and_attributes_back() -> None:
+    """What vLLM's Transformers backend does to an HF class (a base appended, an attribute set)
+    is undone when the build leaves (``_compat.hf_classes_kept``)."""
+    from transformers import GPT2Config
+    from transformers.models.gpt2 import modeling_gpt2
+
+    class Wrapper:
+        pass
+
+    cls = modeling_gpt2.GPT2Model
+    bases = cls.__bases__
+    with _compat.hf_classes_kept(GPT2Config(n_layer=1, n_embd=8, n_head=2)):
+        cls.__bases__ = (*cls.__bases__, Wrapper)
+        cls.interp_added = True  # type: ignore[attr-defined]
+    assert cls.__bases__ == bases and "interp_added" not in vars(cls)

@@ -18,6 +18,11 @@ moved), so a new vLLM or torch breaks this file with a clear error, not a worker
   (:func:`add_worker_methods`);
 - the pipeline buffers V1 allocates only in a warm-up its CPU worker skips (:func:`pipeline_buffers`);
 - :data:`ENGINE_GENERATE`, :data:`PROMPT_COMPONENTS` -- what the ``vllm serve`` plugin wraps and reads.
+- :data:`ENGINE_PROCESSES`, :data:`LOGITS`, :data:`ONEDNN_MM`, :data:`DYNAMO_COUNTERS`,
+  :data:`HF_CLASS_BASES` -- what the front end, the workers and the model build without weights
+  read of vLLM's, torch's and transformers' internals (:func:`engine_processes`,
+  :func:`bare_logits`, :func:`onednn_matmul`, :func:`dynamo_counters`, :func:`hf_classes_kept`),
+  and the ``vllm serve`` plugin's wrapper of ``AsyncLLM.generate`` (:func:`wrap_engine_generate`).
 
 ``tests/vllm/test_vllm_compat.py`` checks every shape against the installed versions and fails once a
 patch is no longer needed; ``scripts/check_vllm_runner.py`` checks the seam's targets against the
@@ -26,12 +31,13 @@ sources of vLLM releases that are not installed (0.33 and 0.34, read from their 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
 import logging
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +72,10 @@ def _installed(package: str) -> str:
         import torch
 
         return str(torch.__version__)
+    if package == "transformers":
+        import transformers
+
+        return str(transformers.__version__)
     import vllm
 
     return str(getattr(vllm, "__version__", "unknown"))
@@ -75,11 +85,11 @@ def _installed(package: str) -> str:
 class Patch:
     """One patched (or extended) attribute of another project.
 
-    ``target`` is ``"module:Class.attribute"``; ``versions`` the ``(lowest, first excluded)``
-    releases of ``package`` it is written for (``None``: no upper bound known); ``parameters``
-    the names the target's signature must have (``None``: the attribute must not exist yet, for
-    a method this package adds); ``optional`` where a missing class is not an error (the CPU
-    runner on a CUDA build)."""
+    ``target`` is ``"module:Class.attribute"`` or ``"module:function"``; ``versions`` the
+    ``(lowest, first excluded)`` releases of ``package`` it is written for (``None``: no upper
+    bound known); ``parameters`` the names the target's signature must have (``None``: the
+    attribute must not exist yet, for a method this package adds); ``optional`` where a missing
+    class is not an error (the CPU runner on a CUDA build)."""
 
     package: str
     target: str
@@ -99,12 +109,13 @@ class Patch:
         return found >= low and (high is None or found < high)
 
     def owner(self) -> Any:
-        """The class holding the target (``None`` for a missing optional one)."""
+        """The class holding the target, or the module of a module-level function (``None`` for a
+        missing optional one)."""
         module_name, _, path = self.target.partition(":")
         cls_name = path.rpartition(".")[0]
         try:
-            module = __import__(module_name, fromlist=[cls_name])
-            return getattr(module, cls_name)
+            module = __import__(module_name, fromlist=[cls_name or path])
+            return getattr(module, cls_name) if cls_name else module
         except (ImportError, AttributeError) as exc:
             if self.optional:
                 return None
@@ -116,7 +127,7 @@ class Patch:
         owner = self.owner()
         if owner is None:
             return None
-        attr = self.target.rpartition(".")[2]
+        attr = self.target.partition(":")[2].rpartition(".")[2]
         found = inspect.getattr_static(owner, attr, None)
         if self.parameters is None:  # a method this package adds
             if found is not None and not getattr(found, "_interp_engine_rpc", False):
@@ -139,6 +150,73 @@ class Patch:
             f"interp-vllm patches {self.target} ({self.why}) for {self.spelled}; the installed "
             f"{self.package} is {_installed(self.package)}, where {what}. Install a {self.spelled} release."
         )
+
+
+@dataclass(frozen=True)
+class Reads:
+    """Attributes read of another project's objects (not methods wrapped): ``target`` is
+    ``"module:Class"``, ``names`` each an annotated field of the class body, an attribute set on
+    ``self`` in one of its methods, or a method or property; or ``target`` is a module (outside
+    vLLM) and ``names`` its module-level objects."""
+
+    package: str
+    target: str
+    names: tuple[str, ...]
+    versions: tuple[tuple[int, ...], tuple[int, ...] | None]
+    why: str
+    optional: bool = False
+
+    @property
+    def spelled(self) -> str:
+        return f"{self.package}{_spell(self.versions)}"
+
+    def in_range(self, version: str | None = None) -> bool:
+        """Whether ``version`` (the installed one by default) is one the reads are written for."""
+        found = release(version or _installed(self.package))
+        low, high = self.versions
+        return found >= low and (high is None or found < high)
+
+    def check(self) -> Any:
+        """The class (or module) holding the names, after checking each is there in the installed
+        release (``None`` for a missing optional class). Raises :class:`IncompatibleDependency` if
+        one is not."""
+        module_name, _, cls_name = self.target.partition(":")
+        try:
+            module = __import__(module_name, fromlist=[cls_name or "_"])
+            owner = getattr(module, cls_name) if cls_name else module
+        except (ImportError, AttributeError) as exc:
+            if self.optional:
+                return None
+            raise self._error(f"{self.target} does not exist ({exc})") from exc
+        missing = [name for name in self.names if not _declares(owner, name)]
+        if missing:
+            raise self._error(f"{self.target} has no {', '.join(missing)}")
+        return owner
+
+    def _error(self, what: str) -> IncompatibleDependency:
+        return IncompatibleDependency(
+            f"interp-vllm reads {', '.join(self.names)} of {self.target} ({self.why}) for {self.spelled}; the "
+            f"installed {self.package} is {_installed(self.package)}, where {what}. Install a {self.spelled} release."
+        )
+
+
+def _declares(owner: Any, name: str) -> bool:
+    """Whether a module has ``name``, or a class (or one of its bases) defines it, annotates it or
+    assigns it on ``self`` in one of its methods."""
+    if inspect.getattr_static(owner, name, None) is not None:
+        return True
+    if not isinstance(owner, type):  # a module
+        return False
+    for cls in owner.__mro__:
+        if name in vars(cls).get("__annotations__", {}):
+            return True
+        try:
+            source = inspect.getsource(cls)
+        except (OSError, TypeError):  # a builtin base
+            continue
+        if re.search(rf"\bself\.{re.escape(name)}\s*(:[^=]*)?=(?!=)", source):
+            return True
+    return False
 
 
 # -- Inductor ---------------------------------------------------------------------------------
@@ -285,20 +363,6 @@ V2_RUNNER_STATE = ("model", "max_num_tokens", "model_config", "vllm_config", "de
 """The attributes of a V2 runner instance the seam and the taps read (after ``load_model``)."""
 
 
-@dataclass(frozen=True)
-class Reads:
-    """Attributes the seam reads of another project's objects (not methods it wraps): ``target``
-    is ``"module:Class"``; ``names`` each an annotated field of the class body, an attribute set
-    on ``self`` in one of its methods, or a method or property."""
-
-    package: str
-    target: str
-    names: tuple[str, ...]
-    versions: tuple[tuple[int, ...], tuple[int, ...] | None]
-    why: str
-    optional: bool = False
-
-
 V2_READS = (
     Reads(
         "vllm",
@@ -431,3 +495,158 @@ def prompt_token_ids(engine: Any, prompt: Any) -> list[int] | None:
 
     ids = extract_prompt_components(engine.model_config, prompt).token_ids
     return None if ids is None else list(ids)
+
+
+def wrap_engine_generate(engine: Any, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Route one engine client's ``generate`` (:data:`ENGINE_GENERATE`) through ``wrap(original)``:
+    set on the instance, so it shadows ``AsyncLLM.generate`` for this engine only."""
+    engine.generate = wrap(engine.generate)
+
+
+# -- what the front end, the workers and the model build read of vLLM's, torch's and HF's internals
+
+ENGINE_PROCESSES = (
+    Reads("vllm", "vllm.v1.engine.async_llm:AsyncLLM", ("engine_core",), VLLM_VERSIONS, "its engine core client"),
+    Reads("vllm", "vllm.v1.engine.core_client:MPClient", ("resources",), VLLM_VERSIONS, "what the client started"),
+    Reads(
+        "vllm",
+        "vllm.v1.engine.core_client:BackgroundResources",
+        ("engine_manager",),
+        VLLM_VERSIONS,
+        "the manager of the engine core processes",
+    ),
+    Reads("vllm", "vllm.v1.engine.utils:CoreEngineProcManager", ("processes",), VLLM_VERSIONS, "the processes"),
+)
+"""The way from an ``AsyncLLM`` to the engine core processes it started (:func:`engine_processes`)."""
+
+
+def engine_processes(engine: Any) -> list[Any]:
+    """The engine core processes an ``AsyncLLM`` started (:data:`ENGINE_PROCESSES`), which the front
+    end joins after ``shutdown()`` (vLLM kills a slow engine core but does not reap it); empty where
+    vLLM keeps none there."""
+    resources = getattr(getattr(engine, "engine_core", None), "resources", None)
+    manager = getattr(resources, "engine_manager", None)
+    return list(getattr(manager, "processes", None) or [])
+
+
+LOGITS = Patch(
+    "vllm",
+    "vllm.model_executor.layers.logits_processor:LogitsProcessor._get_logits",
+    VLLM_VERSIONS,
+    "logits_raw is the bare unembedding, before the soft-cap and scale compute_logits folds in",
+    parameters=("self", "hidden_states", "lm_head", "embedding_bias"),
+)
+
+
+def bare_logits(processor: Any, hidden: Any, head: Any, bias: Any) -> Any:
+    """What vLLM's logits ``processor`` computes of final-norm outputs ``hidden`` through the
+    unembedding ``head`` (and ``bias``) before its soft-cap and scaling: gathered over
+    tensor-parallel ranks, vocabulary padding removed (:data:`LOGITS`)."""
+    get_logits = getattr(processor, "_get_logits", None)
+    if get_logits is None:  # pragma: no cover - a vLLM without it
+        raise RuntimeError("this vLLM model's logits processor has no _get_logits")
+    return get_logits(hidden, head, bias)
+
+
+ONEDNN_VERSIONS = ((0, 32), (0, 34))
+"""The releases whose ``vllm._custom_ops`` holds vLLM's CPU oneDNN GEMM (0.34 moved it to
+``vllm._cpu_ops``; there :func:`onednn_matmul` finds none and the encoder runs on torch's matmul)."""
+
+ONEDNN_MM = (
+    Patch(
+        "vllm",
+        "vllm._custom_ops:create_onednn_mm",
+        ONEDNN_VERSIONS,
+        "an SAE's encoder on a CPU runs through vLLM's own oneDNN GEMM, its weight prepacked once "
+        "(where vllm._custom_ops._supports_onednn says the build has it)",
+        parameters=("weight", "primitive_cache_size"),
+    ),
+    Patch(
+        "vllm",
+        "vllm._custom_ops:onednn_mm",
+        ONEDNN_VERSIONS,
+        "the encoder's product through the prepacked weight",
+        parameters=("dnnl_handler", "x", "bias"),
+    ),
+)
+
+
+def onednn_matmul(weight: Any) -> tuple[Any, Any] | None:
+    """vLLM's oneDNN matmul for ``x @ weight`` (``weight`` ``[k, n]``, kept alive by the caller):
+    vLLM's ops module and the prepacked handler, for ``ops.onednn_mm(handler, x, bias)``
+    (:data:`ONEDNN_MM`); ``None`` where vLLM's CPU build lacks it."""
+    try:
+        import vllm._custom_ops as ops
+
+        if not getattr(ops, "_supports_onednn", False):
+            return None
+        return ops, ops.create_onednn_mm(weight, 32)
+    except Exception:  # no vLLM, a GPU build, or oneDNN refused the shape
+        return None
+
+
+DYNAMO_COUNTERS = Reads(
+    "torch",
+    "torch._dynamo.utils",
+    ("counters",),
+    ((2, 0), None),
+    "the workers' stats count the graphs Dynamo compiled and the calls it captured (recompilation checks)",
+)
+
+
+def dynamo_counters() -> dict[str, int]:
+    """How many graphs Dynamo compiled in this process and how many calls it captured
+    (:data:`DYNAMO_COUNTERS`)."""
+    from torch._dynamo.utils import counters
+
+    return {
+        "dynamo_unique_graphs": int(counters["stats"]["unique_graphs"]),
+        "dynamo_calls_captured": int(counters["stats"]["calls_captured"]),
+    }
+
+
+HF_CLASS_BASES = Patch(
+    "vllm",
+    "vllm.compilation.decorators:_support_torch_compile",
+    VLLM_VERSIONS,
+    "building a model through vLLM's Transformers modeling backend decorates HF's classes for "
+    "torch.compile (a base appended to their __bases__, attributes set) for the process's life",
+    parameters=("cls", "dynamic_arg_dims"),
+)
+
+
+@contextlib.contextmanager
+def hf_classes_kept(config: Any) -> Iterator[None]:
+    """Undo, on leaving, what building a model through vLLM's Transformers modeling backend does
+    to HF's classes (:data:`HF_CLASS_BASES`): each class of the model's ``transformers.models``
+    modules gets back its ``__bases__`` and its own attributes, so the caller's own
+    ``transformers`` models stay plain."""
+    import sys
+
+    import torch
+    from torch import nn
+    from transformers import AutoModel
+
+    try:  # import the model's HF modules now, so their classes are seen before any change
+        with torch.device("meta"):
+            AutoModel.from_config(config)  # type: ignore[no-untyped-call]
+    except Exception:  # not an HF architecture (or not buildable): nothing of HF's to keep
+        pass
+    kept: dict[type, tuple[tuple[type, ...], dict[str, Any]]] = {}
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("transformers.models.") or module is None:
+            continue
+        for value in list(vars(module).values()):
+            if isinstance(value, type) and issubclass(value, nn.Module) and value.__module__ == name:
+                kept[value] = (value.__bases__, dict(vars(value)))
+    try:
+        yield
+    finally:
+        for cls, (bases, attrs) in kept.items():
+            if cls.__bases__ != bases:
+                cls.__bases__ = bases
+            for key in [k for k in vars(cls) if k not in attrs]:
+                delattr(cls, key)
+            for key, value in attrs.items():
+                if vars(cls).get(key) is not value and key not in ("__dict__", "__weakref__"):
+                    setattr(cls, key, value)

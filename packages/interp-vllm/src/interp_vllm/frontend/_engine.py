@@ -41,7 +41,7 @@ from interp_engine import (
 )
 from interp_engine.backend import Adapter, TokenizerMixin, WeightInfo, check_weight_request
 
-from .. import _transport
+from .. import _compat, _transport
 from .._transport import Slab
 from .._wire import FetchedWire, Ping
 from ..model._resolve import resolve_without_weights
@@ -639,7 +639,7 @@ class EngineClient(TokenizerMixin, ModelBase):
         if engine is not None and self._owns_engine:
             _fail_in_flight(engine, self._loop)
             _stop_output_handler(engine, self._loop)
-            processes = _engine_processes(engine)
+            processes = _compat.engine_processes(engine)
             engine.shutdown()
             for process in processes:  # vLLM kills a slow engine core but does not reap it
                 process.join(timeout=10)
@@ -666,12 +666,6 @@ def is_engine_dead(exc: BaseException) -> bool:
     from vllm.v1.engine.exceptions import EngineDeadError
 
     return isinstance(exc, EngineDeadError)
-
-
-def _engine_processes(engine: Any) -> list[Any]:
-    resources = getattr(getattr(engine, "engine_core", None), "resources", None)
-    manager = getattr(resources, "engine_manager", None)
-    return list(getattr(manager, "processes", None) or [])
 
 
 def _fail_in_flight(engine: Any, loop: asyncio.AbstractEventLoop | None) -> None:

@@ -4,7 +4,7 @@ what :func:`~._resolve.resolve_without_weights` resolves before any engine start
 A model whose structure cannot be built on the meta device (a value computed at init, such as
 ALiBi slopes) is built on the CPU when it is small (:data:`SMALL_MODEL_BYTES`). Building through
 vLLM's Transformers modeling backend changes HF's classes for the process's life; the build
-undoes that on leaving (:func:`_hf_classes_kept`), so the caller's own ``transformers`` models
+undoes that on leaving (:func:`.._compat.hf_classes_kept`), so the caller's own ``transformers`` models
 stay plain.
 """
 
@@ -17,6 +17,8 @@ from typing import Any
 from torch import nn
 
 from interp_engine import InvalidOption, UnsupportedArchitecture
+
+from .. import _compat
 
 SMALL_MODEL_BYTES = 2**31
 """A model whose structure cannot be built on the meta device is built on the CPU up to this size."""
@@ -33,41 +35,6 @@ def _parameter_bytes(config: Any) -> int | None:
     except Exception:
         return None
     return int(4 * sum(p.numel() for p in model.parameters()))
-
-
-@contextlib.contextmanager
-def _hf_classes_kept(config: Any) -> Iterator[None]:
-    """Undo, on leaving, what building a model through vLLM's Transformers modeling backend does
-    to HF's classes (it decorates the decoder class for ``torch.compile``, for the process's
-    life): the caller's own ``transformers`` models stay plain."""
-    import sys
-
-    import torch
-    from transformers import AutoModel
-
-    try:  # import the model's HF modules now, so their classes are seen before any change
-        with torch.device("meta"):
-            AutoModel.from_config(config)  # type: ignore[no-untyped-call]
-    except Exception:  # not an HF architecture (or not buildable): nothing of HF's to keep
-        pass
-    kept: dict[type, tuple[tuple[type, ...], dict[str, Any]]] = {}
-    for name, module in list(sys.modules.items()):
-        if not name.startswith("transformers.models.") or module is None:
-            continue
-        for value in list(vars(module).values()):
-            if isinstance(value, type) and issubclass(value, nn.Module) and value.__module__ == name:
-                kept[value] = (value.__bases__, dict(vars(value)))
-    try:
-        yield
-    finally:
-        for cls, (bases, attrs) in kept.items():
-            if cls.__bases__ != bases:
-                cls.__bases__ = bases
-            for key in [k for k in vars(cls) if k not in attrs]:
-                delattr(cls, key)
-            for key, value in attrs.items():
-                if vars(cls).get(key) is not value and key not in ("__dict__", "__weakref__"):
-                    setattr(cls, key, value)
 
 
 @contextlib.contextmanager
@@ -101,7 +68,7 @@ def built_without_weights(path: str, engine_options: dict[str, Any]) -> Iterator
     # (unless this process already has one: vLLM in-process)
     owned = not (dist.is_initialized() or parallel_state.model_parallel_is_initialized())  # type: ignore[no-untyped-call]
     try:
-        with set_current_vllm_config(config), _hf_classes_kept(config.model_config.hf_config):
+        with set_current_vllm_config(config), _compat.hf_classes_kept(config.model_config.hf_config):
             if owned:
                 with socket.socket() as sock:
                     sock.bind(("127.0.0.1", 0))

@@ -20,6 +20,8 @@ from torch import nn
 from interp_engine import FeatureReadout, Features, InvalidFeatures, Sae
 from interp_engine.backend import select_features
 
+from .. import _compat
+
 
 @dataclass(frozen=True)
 class SaeLayout:
@@ -86,19 +88,6 @@ class Encoded:
     denorm: tuple[Any, Any, Any]  # (mul, div, add) of the output de-normalisation
 
 
-def _onednn_matmul(weight: torch.Tensor) -> tuple[Any, Any] | None:
-    """vLLM's oneDNN matmul for ``x @ weight`` (``weight`` ``[k, n]``, kept alive by the
-    caller), or ``None`` where vLLM's CPU build lacks it."""
-    try:
-        import vllm._custom_ops as ops
-
-        if not getattr(ops, "_supports_onednn", False):
-            return None
-        return ops, ops.create_onednn_mm(weight, 32)
-    except Exception:  # no vLLM, a GPU build, or oneDNN refused the shape
-        return None
-
-
 class SaeMath(nn.Module):
     """An SAE's encoder, reconstruction error and feature clamp as batched tensor work, equal to
     :class:`~interp_engine.Sae`'s (:func:`~interp_engine.sae._readouts.read_features`,
@@ -151,14 +140,14 @@ class SaeMath(nn.Module):
             keep("dec_norm", sae.W_dec.float().norm(dim=-1))
         self._onednn: tuple[Any, Any] | None = None  # (vLLM's ops module, the prepacked W_enc)
         if onednn and torch.device(device).type == "cpu":
-            self._onednn = _onednn_matmul(self.W_enc)
+            self._onednn = _compat.onednn_matmul(self.W_enc)
         self.sample = 0
         """How many features (the first ones) a TopK clamp's membership pre-check encodes; 0: none."""
         if self.k is not None and max(2 * self.k, self.d_sae // SAMPLE_FRACTION) < self.d_sae:
             self.sample = max(2 * self.k, self.d_sae // SAMPLE_FRACTION)
             keep("W_sample", self.W_enc[:, : self.sample])
             keep("b_sample", self.b_enc[: self.sample])
-        self._onednn_sample = _onednn_matmul(self.W_sample) if self._onednn is not None and self.sample else None
+        self._onednn_sample = _compat.onednn_matmul(self.W_sample) if self._onednn is not None and self.sample else None
 
     def kept(self, width: int) -> int:
         """How many features :meth:`encode` keeps per row when asked for ``width``."""

@@ -36,18 +36,29 @@ if TYPE_CHECKING:
 
 def wrap_generate(endpoints: InterpEndpoints, engine: Any) -> None:
     """Route ``engine.generate`` through the steering of the call its route handler set."""
-    original = engine.generate
 
-    def generate(prompt: Any, sampling_params: Any, request_id: str, *args: Any, **kwargs: Any) -> Any:
-        call = CALL.get()
-        if call is None or not hasattr(sampling_params, "extra_args"):
-            return original(prompt, sampling_params, request_id, *args, **kwargs)
-        prompt, checked, selected = check(endpoints, call, prompt, sampling_params)
-        return steer(
-            endpoints.model, original, call.steps, checked, selected, prompt, sampling_params, request_id, args, kwargs
-        )
+    def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+        def generate(prompt: Any, sampling_params: Any, request_id: str, *args: Any, **kwargs: Any) -> Any:
+            call = CALL.get()
+            if call is None or not hasattr(sampling_params, "extra_args"):
+                return original(prompt, sampling_params, request_id, *args, **kwargs)
+            prompt, checked, selected = check(endpoints, call, prompt, sampling_params)
+            return steer(
+                endpoints.model,
+                original,
+                call.steps,
+                checked,
+                selected,
+                prompt,
+                sampling_params,
+                request_id,
+                args,
+                kwargs,
+            )
 
-    engine.generate = generate
+        return generate
+
+    _compat.wrap_engine_generate(engine, wrap)
 
 
 def check(endpoints: InterpEndpoints, call: Call, prompt: Any, params: Any) -> tuple[Any, Any, list[int]]:

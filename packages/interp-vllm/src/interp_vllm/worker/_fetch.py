@@ -9,6 +9,7 @@ import torch
 
 from interp_engine import Address
 
+from .. import _compat
 from .._transport import covered
 from .._wire import Fetched, merge_lens
 from ..hooks import attr_path
@@ -92,10 +93,7 @@ class FetchTaps(TapBase):
             out.update({f"vllm_{k}": int(v) for k, v in vars(compilation_counter).items() if isinstance(v, int)})
         except ImportError:  # pragma: no cover - vLLM without the compilation package
             pass
-        from torch._dynamo.utils import counters
-
-        out["dynamo_unique_graphs"] = int(counters["stats"]["unique_graphs"])
-        out["dynamo_calls_captured"] = int(counters["stats"]["calls_captured"])
+        out.update(_compat.dynamo_counters())
         return out
 
     def decode(self, residuals: torch.Tensor) -> torch.Tensor | None:

@@ -10,6 +10,7 @@ import torch
 
 from interp_engine import Address
 
+from .. import _compat
 from ..hooks import attr_path, copy_rows
 from ..model._sites import SITES
 from ._capture import CaptureTaps
@@ -104,9 +105,8 @@ class RecomputeTaps(CaptureTaps):
         before its soft-cap and scaling (gathered over ranks, vocabulary padding removed)."""
         processor = getattr(self.model, "logits_processor", None)
         head = attr_path(self.model, self.family.unembed)
-        get_logits = getattr(processor, "_get_logits", None)
-        if get_logits is None:  # pragma: no cover - a vLLM without it
-            raise RuntimeError("this vLLM model's logits processor has no _get_logits")
         bias = getattr(head, "bias", None)  # a biased unembedding (GPT-J, Phi): part of the bare logits
-        logits: torch.Tensor = get_logits(hidden, head, bias if isinstance(bias, torch.Tensor) else None)
+        logits: torch.Tensor = _compat.bare_logits(
+            processor, hidden, head, bias if isinstance(bias, torch.Tensor) else None
+        )
         return logits
