@@ -42,6 +42,7 @@ from interp_engine import (
     decode_residuals,
     format_address,
     generate_stream,
+    installed_backends,
     load_model,
     parse_address,
     position_ids_from_mask,
@@ -143,8 +144,7 @@ def test_generate_text_is_the_concatenated_stream(model: Any) -> None:
 
     text, deltas = asyncio.run(generate())
     assert "".join(deltas) == text
-    assert len(deltas) == 12 or text == asyncio.run(model.generate(token_ids, max_tokens=12)).text
-    assert text == asyncio.run(model.generate(token_ids, max_tokens=12)).text
+    assert text == asyncio.run(model.generate(token_ids, max_tokens=12)).text  # greedy, as temperature=0.0 asks
 
 
 def test_sampling_defaults_come_from_generation_config(model: Any, tmp_path: Path) -> None:
@@ -487,4 +487,5 @@ def test_sync_model_mirrors_the_new_methods(model: Any) -> None:
 def test_capabilities_that_differ_say_what_to_call(model: Any) -> None:
     with pytest.raises(UnsupportedOperation, match="run_with_gradients"):
         capture(model, model.to_tokens(PROMPT), ["resid_post.1"], detach=False)
-    assert isinstance(vllm_installed(), bool)
+    # this environment installs vLLM exactly where it installs interp-vllm's backends
+    assert vllm_installed() == ("vllm" in installed_backends())
