@@ -11,20 +11,31 @@ import hmac
 import json
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from fastapi import HTTPException, Request
 
-from interp_engine import InterpError, InvalidOption, InvalidSteering, load_sae
+from interp_engine import InterpError, InvalidOption, InvalidSteering, SteeringSpec, load_sae
 
 from ._answers import with_steps
-from ._requests import CALL, Refused
-
-if TYPE_CHECKING:
-    from ._endpoints import InterpEndpoints
+from ._requests import CALL, Call, Refused
 
 
-def steered(endpoints: InterpEndpoints, endpoint: Callable[..., Any]) -> Callable[..., Any]:
+class Plugin(Protocol):
+    """What the routes use of the plugin: its API keys, its presets and how it reads a request's
+    ``interp`` fields."""
+
+    api_keys: tuple[str, ...]
+    presets: dict[str, SteeringSpec]
+
+    def set_preset(self, name: str, spec: Any) -> None: ...
+
+    def drop_preset(self, name: str) -> bool: ...
+
+    def _call_of(self, request: Any) -> Call | None: ...
+
+
+def steered(endpoints: Plugin, endpoint: Callable[..., Any]) -> Callable[..., Any]:
     """vLLM's route handler ``endpoint``, with the request's ``interp`` fields read first and its
     answer carrying what they asked for."""
 
@@ -51,7 +62,7 @@ def steered(endpoints: InterpEndpoints, endpoint: Callable[..., Any]) -> Callabl
     return steered
 
 
-def models_route(endpoints: InterpEndpoints, endpoint: Callable[..., Any]) -> Callable[..., Any]:
+def models_route(endpoints: Plugin, endpoint: Callable[..., Any]) -> Callable[..., Any]:
     """vLLM's ``GET /v1/models`` handler ``endpoint``, with the presets listed as models."""
 
     async def models(raw_request: Request) -> Any:
@@ -72,7 +83,7 @@ def models_route(endpoints: InterpEndpoints, endpoint: Callable[..., Any]) -> Ca
     return models
 
 
-def interp_app(endpoints: InterpEndpoints, model: Any) -> Any:
+def interp_app(endpoints: Plugin, model: Any) -> Any:
     """interp serve's app over ``model``, with the preset and SAE routes of this server."""
     from interp_engine.server import create_app
 

@@ -11,7 +11,7 @@ import copy
 import secrets
 import uuid
 from collections.abc import AsyncGenerator, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from interp_engine import (
     Address,
@@ -30,11 +30,16 @@ from ..frontend._lens_assembly import keyed, with_lens
 from ._answers import Steps, points_answer, step
 from ._requests import CALL, FIELD, Call, LimitExceeded, Refused
 
-if TYPE_CHECKING:
-    from ._endpoints import InterpEndpoints
+
+class Served(Protocol):
+    """What steering reads of the plugin at each request: the model it serves and its bound on the
+    numbers an answer's points hold."""
+
+    model: Any
+    points_max_values: int
 
 
-def wrap_generate(endpoints: InterpEndpoints, engine: Any) -> None:
+def wrap_generate(endpoints: Served, engine: Any) -> None:
     """Route ``engine.generate`` through the steering of the call its route handler set."""
 
     def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -61,7 +66,7 @@ def wrap_generate(endpoints: InterpEndpoints, engine: Any) -> None:
     _compat.wrap_engine_generate(engine, wrap)
 
 
-def check(endpoints: InterpEndpoints, call: Call, prompt: Any, params: Any) -> tuple[Any, Any, list[int]]:
+def check(endpoints: Served, call: Call, prompt: Any, params: Any) -> tuple[Any, Any, list[int]]:
     """The prompt (with a cache salt of its own), the request's checked steering, readouts and
     points, and the positions its points are read at."""
     model = endpoints.model
@@ -115,10 +120,10 @@ def _addresses(model: Any, points: tuple[str, ...], n: int, max_tokens: int) -> 
     return out
 
 
-def _positions(endpoints: InterpEndpoints, call: Call, tokens: Any, checked: Any, max_tokens: int) -> list[int]:
+def _positions(endpoints: Served, call: Call, tokens: Any, checked: Any, max_tokens: int) -> list[int]:
     """The positions ``interp.positions`` selects, each one the engine runs (the prompt's and
     every generated token's but the last, which vLLM samples and never runs), and the answer
-    within :attr:`~._endpoints.InterpEndpoints.points_max_values` and the capture memory."""
+    within :attr:`Served.points_max_values` and the capture memory."""
     n = len(checked.token_ids)
     runs = n + max_tokens - 1
     field = f"{FIELD}.positions"
