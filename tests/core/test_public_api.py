@@ -399,6 +399,14 @@ def test_steer_can_leave_the_special_tokens_alone(model: Any) -> None:
 def test_steer_refuses_the_eager_only_steerspec_list(model: Any) -> None:
     with pytest.raises(InvalidSteering, match=r"SteeringSpec.at\(f'resid_post"), steer(model, [object()]):  # type: ignore[list-item]
         pass
+    spec = SteeringSpec.at("resid_post.1", AddSpec(vector=_unit(model), scale=1.0))
+    with (
+        pytest.raises(InvalidSteering, match="prompt_token_ids are token ids"),
+        steer(model, spec, prompt_token_ids=[1.5]),
+    ):
+        pass
+    with pytest.raises(InvalidSteering, match="position_mask"), steer(model, spec, position_mask="special"):  # type: ignore[arg-type]
+        pass
 
 
 # -- the unembed, without an event loop, padded batches -------------------------------------------

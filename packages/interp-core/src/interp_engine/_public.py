@@ -83,12 +83,10 @@ def steer(
     combined = _block_spec(spec)
     if not isinstance(generated, bool):
         raise InvalidSteering(f"generated is True or False, got {short_repr(generated)}")
-    if prompt_token_ids is not None and (
-        isinstance(prompt_token_ids, (str, bytes))
-        or not isinstance(prompt_token_ids, (Sequence, torch.Tensor))
-        or any(as_index(t) is None for t in torch.as_tensor(prompt_token_ids).reshape(-1).tolist())
-    ):
-        raise InvalidSteering(f"prompt_token_ids are token ids (ints), got {short_repr(prompt_token_ids)}")
+    if prompt_token_ids is not None:
+        ids = prompt_token_ids.reshape(-1).tolist() if isinstance(prompt_token_ids, torch.Tensor) else prompt_token_ids
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence) or any(as_index(t) is None for t in ids):
+            raise InvalidSteering(f"prompt_token_ids are token ids (ints), got {short_repr(prompt_token_ids)}")
     with open_block(Block(inner, combined, mask_positions(position_mask), generated)):
         yield
 
