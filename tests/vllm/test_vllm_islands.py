@@ -15,6 +15,7 @@ eager forward with the same taps registered as ordinary torch hooks.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import pathlib
 import subprocess
@@ -28,6 +29,8 @@ import pytest
 import torch
 from torch import nn
 
+from interp_engine import IncompatibleDependency
+from interp_vllm import _compat
 from interp_vllm.model import _sites
 from interp_vllm.worker import _islands
 from interp_vllm.worker._islands import Breakable, IslandError, IslandSet, layer_sites
@@ -557,7 +560,7 @@ def test_undeclared_sites_are_handed_back_and_missed_under_replay() -> None:
         IslandSet([("model_out", None, 0)], lambda key: rig.model, rig.breakable)
 
 
-def test_vllms_breakable_capture_is_found_and_matches_the_rows() -> None:
+def test_vllms_breakable_capture_is_found_and_matches_the_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("vllm")
     import vllm
 
@@ -569,6 +572,14 @@ def test_vllms_breakable_capture_is_found_and_matches_the_rows() -> None:
     site = tree_source(pathlib.Path(vllm.__file__).resolve().parents[1])
     assert check_reads(_islands.BREAKABLE_CAPTURE, site) is None
     assert check_patch(_islands.WEAK_REF_TENSOR, site) is None
+    # a vLLM the rows are not written for, or one where the capture moved: a typed error
+    moved = dataclasses.replace(_islands.BREAKABLE_CAPTURE, names=("current", "add_eager", "no_such_field"))
+    monkeypatch.setattr(_islands, "BREAKABLE_CAPTURE", moved)
+    with pytest.raises(IncompatibleDependency, match="no_such_field"):
+        _islands.vllm_breakable()
+    monkeypatch.setattr(_compat, "_installed", lambda package: "0.35.0")
+    with pytest.raises(IncompatibleDependency, match=r"vllm>=0\.32,<0\.35"):
+        _islands.vllm_breakable()
 
 
 def test_whether_vllm_breaks_its_graphs_is_its_config_then_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:

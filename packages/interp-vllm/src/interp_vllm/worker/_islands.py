@@ -123,8 +123,6 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from interp_engine import IncompatibleDependency
-
 from .. import _compat
 from ..hooks import forward_pre_hook
 from ..model._sites import HookKey
@@ -217,32 +215,15 @@ def breakable_enabled(vllm_config: Any) -> bool:
     return os.environ.get("VLLM_USE_BREAKABLE_CUDAGRAPH", "0") == "1"
 
 
-def _incompatible(what: str) -> IncompatibleDependency:
-    spelled = ">=" + ".".join(map(str, BREAKABLE_VERSIONS[0])) + ",<" + ".".join(map(str, BREAKABLE_VERSIONS[1]))
-    return IncompatibleDependency(
-        f"interp-vllm reads {BREAKABLE_CAPTURE.target} and {WEAK_REF_TENSOR.target} ({BREAKABLE_CAPTURE.why}) "
-        f"for vllm{spelled}; the installed vllm is {_compat._installed('vllm')}, where {what}."
-    )
-
-
 def vllm_breakable() -> Breakable:
-    """vLLM's breakable capture and weak tensor references, for the releases the rows above are
-    written for. Raises :class:`IncompatibleDependency` elsewhere, or where they moved."""
-    found = _compat.release(_compat._installed("vllm"))
-    low, high = BREAKABLE_VERSIONS
-    if not low <= found < high:
-        raise _incompatible("the islands are not written for it")
-    try:
-        from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture
-        from vllm.utils.torch_utils import weak_ref_tensor
-    except ImportError as exc:
-        raise _incompatible(f"they cannot be imported ({exc})") from exc
-    missing = [
-        name for name in ("current", "add_eager") if not callable(getattr(BreakableCUDAGraphCapture, name, None))
-    ]
-    if missing:
-        raise _incompatible(f"the capture class has no {', '.join(missing)}")
-    return Breakable(api=BreakableCUDAGraphCapture, weak=weak_ref_tensor, plain_capturing=_cuda_capturing)
+    """vLLM's breakable capture and weak tensor references, checked against the rows above.
+    Raises :class:`IncompatibleDependency` for a vLLM they are not written for, or where they moved."""
+    for row in (BREAKABLE_CAPTURE, WEAK_REF_TENSOR):
+        if not row.in_range():
+            raise row._error("the islands are not written for it")
+    capture = BREAKABLE_CAPTURE.check()
+    weak = getattr(WEAK_REF_TENSOR.check(), "weak_ref_tensor")  # noqa: B009 - the row names it
+    return Breakable(api=capture, weak=weak, plain_capturing=_cuda_capturing)
 
 
 # -- the sites ------------------------------------------------------------------------------------
