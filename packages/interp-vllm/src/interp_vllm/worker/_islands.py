@@ -53,9 +53,11 @@ Sites and islands
     graph launch each break adds: ``n`` islands make ``n + 1`` segments). The sites are fixed
     before capture because an island exists only where the capture met it; which of them a
     step uses is free. :func:`layer_sites` declares every layer's input and output (the residual
-    stream kinds: ``embed``, ``resid_pre``, ``resid_post``, and the ``resid_pre`` stash that
-    ``resid_mid`` needs); finer sites (``attn_z``, ``mlp_post``, the attention kernel's inputs)
-    are declared by key as vllm-static declares its points. Islands at every layer's input and
+    stream kinds: ``embed``, ``resid_pre``, ``resid_post``); the sites inside a layer are
+    declared by key as vllm-static declares its points (``("input", "attn_o_proj", L)`` for
+    ``attn_z``, ``("output", "attn", L)`` for ``attn_out`` and ``resid_mid``, whose stash of
+    ``resid_pre`` the layer's input island takes, ``("input", "mlp_down", L)`` for
+    ``mlp_post``, the attention kernel's inputs). Islands at every layer's input and
     output are ``2 * layers`` breaks, half of them around an empty segment (nothing runs between
     a layer's output and the next layer's input); ``bench/gpu_breakable_taps.py`` measures what
     that costs against one full graph. An island at an ``input`` site writes into the tensor the
