@@ -39,10 +39,10 @@ def test_a_ping_crosses_as_plain_data() -> None:
 def test_a_worker_without_taps_answers_its_ping_with_the_reason() -> None:
     """A model the worker cannot resolve still pings (vLLM's own requests keep being served): the
     answer says why it has no taps instead of raising."""
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
     from interp_vllm import _compat, _vllm_entry
     from interp_vllm.worker._manager import UntappedRunner
-
-    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
     class Runner(GPUModelRunner):  # a V2 runner (not built: that takes a whole engine)
         _interp_taps = UntappedRunner("its layers cannot be found")

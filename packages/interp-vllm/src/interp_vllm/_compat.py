@@ -382,7 +382,7 @@ V2_READS = (
     Reads(
         "vllm",
         "vllm.v1.core.sched.output:SchedulerOutput",
-        ("scheduled_new_reqs", "finished_req_ids"),
+        ("scheduled_new_reqs", "finished_req_ids", "preempted_req_ids"),
         V2_VERSIONS,
         "the new and the finished requests of a step",
     ),

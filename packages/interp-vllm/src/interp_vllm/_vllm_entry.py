@@ -58,6 +58,9 @@ class _Handlers:
     def finished(self, runner: Any, req_ids: Any) -> None:
         _taps(runner).finished(req_ids)
 
+    def preempted(self, runner: Any, req_ids: Any) -> None:
+        _taps(runner).preempted(req_ids)
+
     def after_load(self, runner: Any) -> None:
         """Install a vllm-static engine's taps right after the model is loaded (before compiling)."""
         from .static._worker import StaticTapManager, static_config

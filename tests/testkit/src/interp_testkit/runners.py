@@ -66,10 +66,34 @@ def check_engine(model: Any, runner: str) -> None:
         raise AssertionError(f"the engine was started for vLLM's {runner} model runner but its workers run {found}")
 
 
+TRITON_FLAGS = ("vllm.config.vllm",)
+"""Where vLLM's front end reads ``HAS_TRITON`` before it starts an engine: its config's check
+that V2 has Triton (only there: modules that decide how to build their kernels by the same flag
+keep it, since this process runs no kernel and has no stand-in Triton backend)."""
+
+
+@contextlib.contextmanager
+def _front_end_sees_triton() -> Iterator[None]:
+    """vLLM's front end in this process takes Triton for present inside the block. It computed
+    ``HAS_TRITON`` when it was first imported, without the stand-in (that runs only in the
+    engines' processes, from :data:`HARNESS`); it runs no kernel, it only checks the flag."""
+    import importlib
+
+    modules = [importlib.import_module(name) for name in TRITON_FLAGS]
+    saved = [getattr(module, "HAS_TRITON") for module in modules]  # noqa: B009
+    try:
+        for module in modules:
+            setattr(module, "HAS_TRITON", True)  # noqa: B010
+        yield
+    finally:
+        for module, value in zip(modules, saved, strict=True):
+            setattr(module, "HAS_TRITON", value)  # noqa: B010
+
+
 @contextlib.contextmanager
 def using(runner: str) -> Iterator[None]:
     """This process's environment is :func:`engine_env` of ``runner`` inside the block, then as
-    it was."""
+    it was (and for ``"v2"``, vLLM's front end here takes Triton for present)."""
     changes = engine_env(runner)
     if runner == "v1":  # what a V2 block leaves nothing of
         changes = {**changes, "TRITON_INTERPRET": "", "INTERP_V2_HARNESS": ""}
@@ -80,7 +104,8 @@ def using(runner: str) -> Iterator[None]:
                 os.environ[name] = value
             else:
                 os.environ.pop(name, None)
-        yield
+        with _front_end_sees_triton() if runner == "v2" else contextlib.nullcontext():
+            yield
     finally:
         for name, old in saved.items():
             if old is None:

@@ -73,7 +73,7 @@ class TapBase:
         # where the worker's time goes (nanoseconds), reported by stats(): the whole of each
         # forward call with taps, the forward alone (in it: the hooks, hook_ns; their copies of
         # captured rows into the requests' buffers, copy_ns; SAE readouts and feature clamps,
-        # sae_ns; the lens, lens_ns), and answering fetches
+        # sae_ns; the lens, lens_ns), and answering fetches; and the requests vLLM preempted
         self.timing = {
             "steps": 0,
             "step_ns": 0,
@@ -84,6 +84,7 @@ class TapBase:
             "fetches": 0,
             "hook_ns": 0,
             "copy_ns": 0,
+            "preempted": 0,
         }
         # requests whose taps raised in this worker: the error, reported at their fetch (the
         # hook gave the forward its values back unchanged, so the engine and the rest of the

@@ -79,6 +79,9 @@ class UntappedRunner:
     def finished(self, req_ids: Any) -> None:
         return None
 
+    def preempted(self, req_ids: Any) -> None:
+        return None
+
     def __getattr__(self, name: str) -> Any:
         raise BackendError(f"this vLLM worker has no taps: {self.unsupported}")
 
@@ -165,6 +168,11 @@ class TapManager(HookTaps, LensTaps, FetchTaps):
             taps = self.requests.get(rid) if rid is not None else None
             if taps is not None and not taps.awaits_fetch:
                 self.release(taps.rid)
+
+    def preempted(self, req_ids: Any) -> None:
+        """vLLM preempted these requests (counted in the stats as ``preempted``): a request's
+        taps stay, and the positions it recomputes are read and written again."""
+        self.timing["preempted"] += len(req_ids)
 
     def _admit(self, payload: RequestPayload) -> RequestTaps:
         """The state of a request seen for the first time."""

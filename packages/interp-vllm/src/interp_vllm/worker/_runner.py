@@ -60,6 +60,11 @@ class TapsHandlers(Protocol):
         """vLLM finished or aborted these requests (its own ids)."""
         ...
 
+    def preempted(self, runner: Any, req_ids: Any) -> None:
+        """vLLM preempted these requests: their KV cache is freed and they will be recomputed
+        from where its prefix cache still holds them (their taps stay)."""
+        ...
+
     def after_load(self, runner: Any) -> None:
         """The runner has loaded its model (not compiled yet)."""
         ...

@@ -9,7 +9,8 @@ V1 keeps its batch state between steps, so the seam reads it where it is (every 
   ``input_batch.req_ids`` in the batch's order, their rows ``query_start_loc``, their positions
   the forward's ``positions``;
 - ``requests[req_id].sampling_params``: each live request's ``SamplingParams``;
-- ``_update_states(scheduler_output)``: its ``finished_req_ids``, heard before V1 drops them;
+- ``_update_states(scheduler_output)``: its ``finished_req_ids``, heard before V1 drops them, and
+  its ``preempted_req_ids``;
 - ``load_model``: the model before vLLM compiles it (the CPU runner overrides it without calling
   the GPU runner's, so both are wrapped).
 """
@@ -54,6 +55,9 @@ class _V1:
             done = getattr(scheduler_output, "finished_req_ids", None)
             if done:
                 handlers.finished(self, done)
+            preempted = getattr(scheduler_output, "preempted_req_ids", None)
+            if preempted:
+                handlers.preempted(self, preempted)
             return original_update(self, scheduler_output)
 
         runner._model_forward = _model_forward
@@ -64,7 +68,10 @@ class _V1:
         setattr(runner, _compat.PATCHED, True)
 
     def serves(self, runner: Any) -> bool:
-        owner = _compat.V1_MODEL_FORWARD.owner()
+        try:
+            owner = _compat.V1_MODEL_FORWARD.owner()
+        except Exception:  # no V1 runner in this vLLM
+            return False
         return isinstance(runner, owner) and bool(owner.__dict__.get(_compat.PATCHED, False))
 
     def check(self, runner: Any) -> None:

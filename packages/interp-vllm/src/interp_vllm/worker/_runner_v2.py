@@ -7,7 +7,8 @@ alone, so the seam takes each piece where V2 has it (every target in :mod:`inter
 - ``add_requests(scheduler_output)``: each new request's ``SamplingParams``, kept by vLLM's id
   until the request finishes (a preempted request comes back here when it resumes);
 - ``finish_requests(scheduler_output)``: the finished and aborted requests (its
-  ``finished_req_ids``; preempted ones are not finished), heard before V2 drops them;
+  ``finished_req_ids``; preempted ones, its ``preempted_req_ids``, are not finished: V2 drops
+  their state and adds them again when they resume), heard before V2 drops them;
 - ``prepare_inputs(...) -> InputBatch``: the step's layout (``req_ids`` in the batch's order,
   sorted by V2 and never the scheduler's; ``query_start_loc_np``; ``positions``);
 - the forward: a pre-hook and a hook on the runner's model, added right after ``load_model``,
@@ -69,9 +70,12 @@ class _V2:
                 setattr(cls, _compat.PATCHED, True)
 
     def serves(self, runner: Any) -> bool:
-        return bool(getattr(type(runner), _compat.PATCHED, False)) and any(
-            isinstance(runner, cls) for cls in self.runner_classes()
-        )
+        if not getattr(type(runner), _compat.PATCHED, False):
+            return False
+        try:
+            return any(isinstance(runner, cls) for cls in self.runner_classes())
+        except Exception:  # a runner whose shape moved is one this seam did not wrap
+            return False
 
     def check(self, runner: Any) -> None:
         _compat.check_state(runner, _compat.V2_RUNNER_STATE, _compat.V2_EXECUTE_MODEL)
@@ -102,6 +106,9 @@ def _wrap(cls: Any, handlers: TapsHandlers) -> None:
         done = scheduler_output.finished_req_ids
         if done:
             handlers.finished(self, done)
+        preempted = getattr(scheduler_output, "preempted_req_ids", None)
+        if preempted:
+            handlers.preempted(self, preempted)
         try:
             return finish_requests(self, scheduler_output, *args, **kwargs)
         finally:

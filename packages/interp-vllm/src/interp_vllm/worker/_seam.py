@@ -29,6 +29,8 @@ def install(handlers: TapsHandlers) -> list[str]:
             seam.install(handlers)
         except IncompatibleDependency as exc:
             problems.append(str(exc))
+        except Exception as exc:  # importing the runner failed: vLLM runs on, unwrapped by this seam
+            problems.append(f"vLLM's {seam.name} model runner could not be wrapped: {type(exc).__name__}: {exc}")
     return problems
 
 
