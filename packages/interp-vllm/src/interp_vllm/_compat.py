@@ -357,6 +357,24 @@ V2_STANDALONE_CPU_RUNNER = _v2_patches(
 )
 """vLLM 0.34's CPU runner that does not subclass the GPU one (the same methods)."""
 V2_RUNNERS = (V2_GPU_RUNNER, V2_STANDALONE_CPU_RUNNER)
+V2_RUN_FULLGRAPH = Patch(
+    "vllm",
+    "vllm.v1.worker.gpu.cudagraph_utils:ModelCudaGraphManager.run_fullgraph",
+    V2_VERSIONS,
+    "a step replayed from a full CUDA graph calls no model: the taps' step opens around the replay",
+    parameters=("self", "desc"),
+)
+V2_RUN_PW_GRAPH = Patch(
+    "vllm",
+    "vllm.v1.worker.gpu.cudagraph_utils:CudaGraphManager.run_pw_graph",
+    V2_VERSIONS,
+    "a step replayed from piecewise or breakable CUDA graphs: the taps' step opens around the replay",
+    parameters=("self", "model", "model_inputs"),
+)
+V2_GRAPH_RUNS = (V2_RUN_FULLGRAPH, V2_RUN_PW_GRAPH)
+"""V2's graph replays, wrapped so a step served from CUDA graphs runs its taps' step too (the taps
+then run as eager islands of a breakable graph, :mod:`interp_vllm.worker._islands`, or report
+what did not run)."""
 V2_EXECUTE_MODEL = V2_GPU_RUNNER[3]
 
 V2_RUNNER_STATE = ("model", "max_num_tokens", "model_config", "vllm_config", "device")

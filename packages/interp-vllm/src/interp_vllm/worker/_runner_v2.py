@@ -15,7 +15,12 @@ alone, so the seam takes each piece where V2 has it (every target in :mod:`inter
   start the step's taps with the batch ``prepare_inputs`` laid out and end them with the model's
   output (a forward with no batch before it, a warm-up or profile run, runs the taps of no
   request); ``execute_model`` closes a step its forward left open (it raised);
-- ``load_model``: the model before vLLM compiles it (vllm-static's taps).
+- ``load_model``: the model before vLLM compiles it (vllm-static's taps);
+- ``ModelCudaGraphManager.run_fullgraph`` and ``CudaGraphManager.run_pw_graph``: a step served
+  from CUDA graphs replays them without calling the model (its hooks do not run), so the step of
+  the taps opens around the replay instead, for the runner whose ``execute_model`` is running on
+  this thread (there, the taps run as eager islands of a breakable graph,
+  :mod:`._islands`, and what cannot run is reported by the step).
 
 The CPU build's runners are covered too: ``vllm/v1/worker/cpu/model_runner.py``'s
 ``CPUModelRunner`` subclasses the V2 runner, and vLLM 0.34's ``StandaloneCPUModelRunner``
@@ -26,15 +31,25 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import threading
 from typing import Any
 
 from .. import _compat
-from ._runner import StepBatch, TapsHandlers
+from ._runner import StepBatch, TapsHandlers, drive
 
 _PARAMS = "_interp_params"
 _BATCH = "_interp_batch"
 _STEP = "_interp_step"
 _HOOKED = "_interp_hooked_model"
+_GRAPH = "_interp_graph_step"
+
+
+class _Executing(threading.local):
+    runner: Any = None
+
+
+_EXECUTING = _Executing()
+"""The runner whose ``execute_model`` runs on this thread (graph replays find their runner here)."""
 
 
 def _step_of(runner: Any) -> Any:
@@ -64,10 +79,16 @@ class _V2:
         return classes
 
     def install(self, handlers: TapsHandlers) -> None:
-        for cls in self.runner_classes():  # every target is checked before any is wrapped
+        classes = self.runner_classes()  # every target is checked before any is wrapped
+        graphs = [patch.check() for patch in _compat.V2_GRAPH_RUNS]
+        for cls in classes:
             if not cls.__dict__.get(_compat.PATCHED, False):
                 _wrap(cls, handlers)
                 setattr(cls, _compat.PATCHED, True)
+        for owner, patch in zip(graphs, _compat.V2_GRAPH_RUNS, strict=True):
+            name = patch.target.rpartition(".")[2]
+            if not getattr(owner.__dict__[name], "_interp_graph_step", False):
+                setattr(owner, name, _graph_step(owner.__dict__[name], handlers))
 
     def serves(self, runner: Any) -> bool:
         if not getattr(type(runner), _compat.PATCHED, False):
@@ -130,9 +151,11 @@ def _wrap(cls: Any, handlers: TapsHandlers) -> None:
 
     @functools.wraps(execute_model)
     def _execute_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        outer, _EXECUTING.runner = _EXECUTING.runner, self
         try:
             return execute_model(self, *args, **kwargs)
         finally:
+            _EXECUTING.runner = outer
             self.__dict__[_BATCH] = None
             step = self.__dict__.pop(_STEP, None)
             if step is not None:  # the forward raised: its hooks come out
@@ -159,7 +182,7 @@ def _hook_model(runner: Any, handlers: TapsHandlers) -> None:
         return
 
     def before(module: Any, args: Any, kwargs: Any) -> None:
-        if _step_of(runner) is not None:  # a nested call of the model: the step is running
+        if _step_of(runner) is not None or runner.__dict__.get(_GRAPH):  # the step is running
             return
         batch = runner.__dict__.get(_BATCH)
         runner.__dict__[_BATCH] = None
@@ -180,6 +203,28 @@ def _hook_model(runner: Any, handlers: TapsHandlers) -> None:
     model.register_forward_pre_hook(before, with_kwargs=True)
     model.register_forward_hook(after, with_kwargs=True)
     setattr(model, _HOOKED, True)
+
+
+def _graph_step(replay: Any, handlers: TapsHandlers) -> Any:
+    """``replay`` (a graph manager's method) inside the step of the runner executing on this
+    thread, where no step is open yet (outside ``execute_model``, e.g. while vLLM captures its
+    graphs, it runs as it is)."""
+
+    @functools.wraps(replay)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        runner = _EXECUTING.runner
+        if runner is None or _step_of(runner) is not None or runner.__dict__.get(_GRAPH):
+            return replay(self, *args, **kwargs)
+        batch = runner.__dict__.get(_BATCH)
+        runner.__dict__[_BATCH] = None
+        runner.__dict__[_GRAPH] = True
+        try:
+            return drive(handlers.step(runner, batch), lambda: replay(self, *args, **kwargs))
+        finally:
+            runner.__dict__.pop(_GRAPH, None)
+
+    run._interp_graph_step = True  # type: ignore[attr-defined]
+    return run
 
 
 __all__ = ["V2"]
