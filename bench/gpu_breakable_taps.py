@@ -263,7 +263,7 @@ class Request:
 
 
 def layer_out_tap(layer: int, members: list[Request], steer_at: int) -> Callable[..., Any]:
-    """As ``HookTaps._layer_out`` + ``_guarded``: writes on the stream, then row copies; ``(stream, 0)`` back."""
+    """As ``Hooks._layer_out`` + ``_guarded``: writes on the stream, then row copies; ``(stream, 0)`` back."""
     writers = [r for r in members if r.steer is not None and layer == steer_at]
 
     def post(module: nn.Module, args: Any, output: Any) -> Any:

@@ -19,7 +19,8 @@ import torch
 from interp_engine import Address, CaptureMemoryExceeded, ModelInfo
 from interp_vllm._transport import HostCopier, Region, Slab, SlabWriter, covered, new_prefix, sweep
 from interp_vllm.frontend._capture_memory import CaptureMemory, needed_bytes, slab_shape
-from interp_vllm.worker._capture import CaptureTaps
+from interp_vllm.model._sites import VllmSite
+from interp_vllm.worker._capture import Captures
 from interp_vllm.worker._request_taps import Slice
 
 INFO = ModelInfo(
@@ -53,15 +54,25 @@ class _Taps:
         self.spans: dict[Address, list[tuple[int, int]]] = defaultdict(list)
 
 
-class _Worker(CaptureTaps):
-    def __init__(self, rank: int = 0, tp_size: int = 1, copier: HostCopier | None = None) -> None:
+class _State:
+    """What the capture part reads of the taps' shared state."""
+
+    def __init__(self, rank: int, tp_size: int, copier: HostCopier | None) -> None:
         self.rank, self.tp_size, self.d_head = rank, tp_size, INFO.d_head
         self.n_heads, self.n_kv_heads = INFO.n_heads, INFO.n_kv_heads
         self.writer = SlabWriter(copier or HostCopier(torch.device("cpu")))
         self.timing: dict[str, int] = defaultdict(int)
+        self.step_positions = torch.zeros(0, dtype=torch.long)
+
+    def total_heads(self, site: VllmSite) -> int:
+        return self.n_kv_heads if site.shard == "kv_heads" else self.n_heads
 
 
-def _step(worker: _Worker, parts: list[tuple[_Taps, int, int]]) -> list[Slice]:
+def _captures(rank: int = 0, tp_size: int = 1, copier: HostCopier | None = None) -> Captures:
+    return Captures(_State(rank, tp_size, copier))  # type: ignore[arg-type]
+
+
+def _step(worker: Captures, parts: list[tuple[_Taps, int, int]]) -> list[Slice]:
     """A step whose rows are ``parts``' positions ``[p0, p1)``, request after request."""
     slices, row, flat = [], 0, []
     for taps, p0, p1 in parts:
@@ -69,19 +80,19 @@ def _step(worker: _Worker, parts: list[tuple[_Taps, int, int]]) -> list[Slice]:
         slices.append(Slice(taps, row, row + p1 - p0, positions, span=(p0, p1)))  # type: ignore[arg-type]
         row += p1 - p0
         flat.append(positions)
-    worker.step_positions = torch.cat(flat)
+    worker.state.step_positions = torch.cat(flat)
     return slices
 
 
 def test_rows_land_at_their_positions_for_every_request_at_once(slab: Slab) -> None:
     address = Address("resid_post", 1)
     a, b = (_Taps(dict(zip([address], slab.allocate([(n, [64])]), strict=True))) for n in (7, 5))
-    worker = _Worker()
+    worker = _captures()
     values = torch.randn(20, 64)
     # a prefill chunk of both, then a decode step, then a recomputed position of b
-    worker._capture(address, values[:7], _step(worker, [(a, 0, 4), (b, 0, 3)]))
-    worker._capture(address, values[7:9], _step(worker, [(a, 4, 5), (b, 3, 4)]))
-    worker._capture(address, values[9:10], _step(worker, [(b, 3, 4)]))
+    worker.capture(address, values[:7], _step(worker, [(a, 0, 4), (b, 0, 3)]))
+    worker.capture(address, values[7:9], _step(worker, [(a, 4, 5), (b, 3, 4)]))
+    worker.capture(address, values[9:10], _step(worker, [(b, 3, 4)]))
     assert covered(a.spans[address]) == 5 and covered(b.spans[address]) == 4
     got_a = slab.read(a.regions[address], 5)
     got_b = slab.read(b.regions[address], 4)
@@ -93,10 +104,10 @@ def test_rows_land_at_their_positions_for_every_request_at_once(slab: Slab) -> N
 def test_rows_that_are_not_one_run_are_gathered(slab: Slab) -> None:
     address = Address("resid_post", 0)
     a, c = (_Taps(dict(zip([address], slab.allocate([(4, [64])]), strict=True))) for _ in range(2))
-    worker = _Worker()
+    worker = _captures()
     values = torch.randn(6, 64)
     slices = _step(worker, [(a, 0, 2), (_Taps({}), 0, 2), (c, 0, 2)])
-    worker._capture(address, values, [slices[0], slices[2]])  # the middle request does not capture
+    worker.capture(address, values, [slices[0], slices[2]])  # the middle request does not capture
     assert torch.equal(slab.read(a.regions[address], 2), values[0:2])
     assert torch.equal(slab.read(c.regions[address], 2), values[4:6])
 
@@ -104,9 +115,9 @@ def test_rows_that_are_not_one_run_are_gathered(slab: Slab) -> None:
 def test_without_a_region_rows_are_kept_as_chunks() -> None:
     address = Address("resid_post", 0)
     taps = _Taps({})
-    worker = _Worker()
+    worker = _captures()
     values = torch.randn(3, 64, dtype=torch.float64)
-    worker._capture(address, values, _step(worker, [(taps, 0, 3)]))
+    worker.capture(address, values, _step(worker, [(taps, 0, 3)]))
     positions, chunk = taps.values[address][0]
     assert torch.equal(positions, torch.arange(3)) and chunk.dtype == torch.float32
 
@@ -114,9 +125,9 @@ def test_without_a_region_rows_are_kept_as_chunks() -> None:
 def test_a_position_past_the_region_is_refused(slab: Slab) -> None:
     address = Address("resid_post", 0)
     taps = _Taps(dict(zip([address], slab.allocate([(2, [64])]), strict=True)))
-    worker = _Worker()
+    worker = _captures()
     with pytest.raises(Exception, match="past the end"):
-        worker._capture(address, torch.randn(3, 64), _step(worker, [(taps, 0, 3)]))
+        worker.capture(address, torch.randn(3, 64), _step(worker, [(taps, 0, 3)]))
 
 
 def test_each_tensor_parallel_rank_writes_its_heads_and_rank_0_the_replicated_values(slab: Slab) -> None:
@@ -126,9 +137,9 @@ def test_each_tensor_parallel_rank_writes_its_heads_and_rank_0_the_replicated_va
     stream = torch.randn(3, 64)
     for rank in (0, 1):
         taps = _Taps(regions)
-        worker = _Worker(rank=rank, tp_size=2)
-        worker._capture(heads, whole[:, 2 * rank : 2 * rank + 2], _step(worker, [(taps, 0, 3)]))
-        worker._capture(resid, stream if rank == 0 else torch.zeros(3, 64), _step(worker, [(taps, 0, 3)]))
+        worker = _captures(rank=rank, tp_size=2)
+        worker.capture(heads, whole[:, 2 * rank : 2 * rank + 2], _step(worker, [(taps, 0, 3)]))
+        worker.capture(resid, stream if rank == 0 else torch.zeros(3, 64), _step(worker, [(taps, 0, 3)]))
         assert (resid in taps.spans) == (rank == 0)
     assert torch.equal(slab.read(regions[heads], 3), whole)
     assert torch.equal(slab.read(regions[resid], 3), stream)
@@ -265,10 +276,10 @@ def test_on_a_gpu_rows_are_staged_on_a_side_stream_and_written_once_per_step(sla
     copier = HostCopier(torch.device("cuda"), cuda=cuda)  # type: ignore[arg-type]
     address = Address("resid_post", 2)
     taps = _Taps(dict(zip([address], slab.allocate([(4, [64])]), strict=True)))
-    worker = _Worker(copier=copier)
+    worker = _captures(copier=copier)
     values = torch.randn(4, 64)
-    worker._capture(address, values[:2], _step(worker, [(taps, 0, 2)]))
-    worker._capture(address, values[2:], _step(worker, [(taps, 2, 4)]))
+    worker.capture(address, values[:2], _step(worker, [(taps, 0, 2)]))
+    worker.capture(address, values[2:], _step(worker, [(taps, 2, 4)]))
     assert cuda.log == [
         "stream",
         "pinned",
@@ -331,13 +342,13 @@ def test_long_runs_are_copied_whole_beside_the_indexed_short_rows(slab: Slab) ->
     address = Address("resid_post", 3)
     n = LONG_RUN + 4
     a, b, c = (_Taps(dict(zip([address], slab.allocate([(n + 2, [64])]), strict=True))) for _ in range(3))
-    worker = _Worker()
+    worker = _captures()
     values = torch.randn(n + 1 + n, 64)
     # a's prefill chunk (a long run), b's decode row, c's prefill chunk from position 2 on
     slices = _step(worker, [(a, 0, n), (b, 5, 6), (c, 2, n + 2)])
     rows = worker.step_rows(slices, 0)
     assert [k for k, *_ in rows.runs] == [0, 2] and rows.rest == [1]
-    worker._capture(address, values, slices)
+    worker.capture(address, values, slices)
     assert torch.equal(slab.read(a.regions[address], n), values[:n])
     assert torch.equal(slab.read(b.regions[address], 6)[5], values[n])
     assert torch.equal(slab.read(c.regions[address], n + 2)[2:], values[n + 1 :])
@@ -353,8 +364,8 @@ def test_a_long_run_on_a_tensor_parallel_rank_writes_its_heads_only(slab: Slab) 
     whole = torch.randn(n, 4, 16)
     for rank in (0, 1):
         taps = _Taps({heads: region})
-        worker = _Worker(rank=rank, tp_size=2)
-        worker._capture(heads, whole[:, 2 * rank : 2 * rank + 2], _step(worker, [(taps, 0, n)]))
+        worker = _captures(rank=rank, tp_size=2)
+        worker.capture(heads, whole[:, 2 * rank : 2 * rank + 2], _step(worker, [(taps, 0, n)]))
     assert torch.equal(slab.read(region, n), whole)
 
 
@@ -366,9 +377,9 @@ def test_on_a_gpu_a_long_run_is_staged_and_written_as_one_block(slab: Slab) -> N
     address = Address("resid_post", 0)
     n = LONG_RUN + 1
     a, b = (_Taps(dict(zip([address], slab.allocate([(n + 1, [64])]), strict=True))) for _ in range(2))
-    worker = _Worker(copier=copier)
+    worker = _captures(copier=copier)
     values = torch.randn(n + 1, 64)
-    worker._capture(address, values, _step(worker, [(a, 1, n + 1), (b, 0, 1)]))
+    worker.capture(address, values, _step(worker, [(a, 1, n + 1), (b, 0, 1)]))
     assert cuda.log.count("pinned") == 2  # the short row's indexed copy and the long run's block
     assert not torch.equal(slab.read(a.regions[address], n + 1)[1:], values[:n])  # not before the step ends
     copier.step_done()

@@ -241,7 +241,7 @@ def layer_in(key: HookKey, reqs: list[Req]) -> Callable[..., Any]:
 
 
 def guarded(reqs: list[Req], tap: Callable[..., Any]) -> Callable[..., Any]:
-    """As ``HookTaps._guarded``: a tap that raises marks its requests failed and changes nothing."""
+    """As ``Hooks._guarded``: a tap that raises marks its requests failed and changes nothing."""
 
     def run(*args: Any) -> Any:
         try:

@@ -156,7 +156,7 @@ def interp_weight_info(self: Any) -> Any:
     """What this worker's pipeline stage holds of the weights (a :class:`~._wire.WeightsHeld`)."""
     from .worker._weights import worker_info
 
-    return wire.to_wire(worker_info(_taps(self.model_runner)))
+    return wire.to_wire(worker_info(_taps(self.model_runner).state))
 
 
 def interp_weight(self: Any, name: str, layer: int | None, vocab: list[int] | None) -> bytes:
@@ -164,7 +164,7 @@ def interp_weight(self: Any, name: str, layer: int | None, vocab: list[int] | No
     its stage does not hold it)."""
     from .worker._weights import worker_weight
 
-    return wire.pack(worker_weight(_taps(self.model_runner), name, layer, vocab))
+    return wire.pack(worker_weight(_taps(self.model_runner).state, name, layer, vocab))
 
 
 def interp_stats(self: Any) -> dict[str, int]:

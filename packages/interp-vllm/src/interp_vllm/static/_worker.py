@@ -82,7 +82,15 @@ def static_config(runner: Any) -> StaticDeclaration | None:
 
 
 class StaticTapManager(TapManager):
-    """The fixed taps of one model runner, and their per-step host work."""
+    """The fixed taps of one model runner, and their per-step host work.
+
+    A :class:`~..worker._manager.TapManager` whose own methods it replaces: admission
+    (``_admit``: write slots and clamp plans), the step loop (``_step``: fill the indices, run
+    the compiled forward, read the buffers) and the front end's ``fetch``, ``release`` and
+    ``stats`` (which free a request's slots, or add the compiled-in counts, around the parts'
+    answers). The parts are the dynamic manager's, used as they are: its reads go through
+    ``captures``, ``recompute`` and ``lens``; the shared ``state`` holds the model and the
+    requests."""
 
     def __init__(self, runner: Any, config: StaticDeclaration) -> None:
         super().__init__(runner)
@@ -92,25 +100,24 @@ class StaticTapManager(TapManager):
         self.points += [a for a in dict.fromkeys(routed) if a not in self.points]
         self.slots = config.slots
         self.max_tokens = int(runner.max_num_tokens)
-        param = next(self.model.parameters())
+        param = next(self.state.model.parameters())
         self.dtype, self.device = param.dtype, param.device
         self.d_model = int(runner.model_config.hf_config.hidden_size)
         self.taps: dict[Address, StaticTap] = {}
         self.tables: dict[Address, StaticWrites] = {}
         self.qk: dict[int, tuple[StaticTap, StaticTap]] = {}
         self.held: dict[str, dict[Address, tuple[list[int], torch.Tensor, torch.Tensor]]] = {}
-        self.failed: dict[str, str] = {}
         # SAEs compiled in: loaded from the folders the front end wrote, one StaticSae each
         self.sae_top_k = config.sae_top_k
         self.sae_dense_max = config.sae_dense_max
         self.sae_modules: dict[str, StaticSae] = {}
         self.sae_names: dict[Address, list[str]] = defaultdict(list)
-        n_layers = len(self.layers)
+        n_layers = len(self.state.layers)
         # transcoders also get a step at their output address, where their clamps are added
         self.sae_outs: dict[Address, list[str]] = defaultdict(list)
         for name, entry in config.saes.items():
             sae = load_sae(entry.path).to(device=self.device)
-            self.saes[name] = sae
+            self.state.saes[name] = sae
             self.sae_names[sae.address.resolve(n_layers)].append(name)
             if self._transcoder_clamps(sae):
                 self.sae_outs[sae.address_out.resolve(n_layers)].append(name)
@@ -125,16 +132,16 @@ class StaticTapManager(TapManager):
         for address in dict.fromkeys([*self.points, *self.write_addresses, *self.sae_names, *self.sae_outs]):
             if SITES[address.kind].where == "model_out" or SITES[address.kind].routed is not None:
                 continue
-            if not self.owns(address):  # a layer of another pipeline stage
+            if not self.state.owns(address):  # a layer of another pipeline stage
                 continue
-            hooks[hook_key(address, self.family)].append(address)
+            hooks[hook_key(address, self.state.family)].append(address)
             if address.kind == "resid_mid":  # its resid_pre is stashed at the layer's input
                 hooks[("layer_in", None, address.layer or 0)]
         order = {kind: i for i, kind in enumerate(SITES)}
         for key in sorted(hooks, key=lambda k: (k[2], min((order[a.kind] for a in hooks[k]), default=0))):
             addresses = sorted(hooks[key], key=lambda a: order[a.kind])
             where, attr, layer = key
-            module = self.module(key)
+            module = self.state.module(key)
             if where == "layer_in":
                 module.register_forward_pre_hook(self._layer_in_hook(module, layer, addresses), with_kwargs=True)
             elif where == "layer_out":
@@ -142,10 +149,10 @@ class StaticTapManager(TapManager):
             elif where == "input" and attr == "attn_kernel":  # called as kernel.forward(...) by some models
                 forward_pre_hook(module, self._input_hook(module, layer, addresses))
             elif where == "input":
-                hook = self._input_hook(module, layer, addresses, self.family.batched)
+                hook = self._input_hook(module, layer, addresses, self.state.family.batched)
                 module.register_forward_pre_hook(hook, with_kwargs=True)
             else:
-                module.register_forward_hook(self._output_hook(module, layer, addresses, self.family.batched))
+                module.register_forward_hook(self._output_hook(module, layer, addresses, self.state.family.batched))
 
     def _new_tap(self, module: nn.Module, name: str, width: int) -> StaticTap:
         tap = StaticTap(self.max_tokens, width, dtype=self.dtype, device=self.device)
@@ -154,22 +161,22 @@ class StaticTapManager(TapManager):
 
     def _local_heads(self, site: VllmSite) -> int:
         return (
-            len(owned_heads(self.rank, self.tp_size, self.total_heads(site)))
-            if self.tp_size > 1
-            else (self.total_heads(site))
+            len(owned_heads(self.state.rank, self.state.tp_size, self.state.total_heads(site)))
+            if self.state.tp_size > 1
+            else (self.state.total_heads(site))
         )
 
     def _width(self, module: nn.Module, site: VllmSite) -> int:
         """Values per token at a site on this rank."""
         if site.per_head:
-            return self._local_heads(site) * self.d_head
+            return self._local_heads(site) * self.state.d_head
         if site.kind == ROUTER_KIND:
-            return self.family.n_experts
+            return self.state.family.n_experts
         if site.shard == "last" and site.where == "input":  # mlp_post: the down projection's (sharded) input
             return int(getattr(module, "input_size_per_partition", 0) or getattr(module, "weight").shape[1])  # noqa: B009
         if site.shard == "last":  # mlp_pre(_linear): (a half of) the up projection's (sharded) output
             width = int(getattr(module, "output_size_per_partition", 0) or getattr(module, "weight").shape[0])  # noqa: B009
-            cols = columns(site, self.family)
+            cols = columns(site, self.state.family)
             return width // cols[1] if cols is not None else width
         return self.d_model
 
@@ -188,7 +195,7 @@ class StaticTapManager(TapManager):
             if module_.clamps and not isinstance(module_, StaticTranscoder):  # a transcoder writes elsewhere
                 clamps.append(attr)
         for name in self.sae_outs.get(address, ()):  # a transcoder's clamps, added at its output
-            transcoder = self._sae_module(name, SITES[self.saes[name].address.kind])
+            transcoder = self._sae_module(name, SITES[self.state.saes[name].address.kind])
             if not isinstance(transcoder, StaticTranscoder):  # pragma: no cover - sae_outs holds transcoders
                 raise TypeError(f"{name!r} is not a compiled-in transcoder")
             attr = f"interp_tco_{len(saes)}_{address.kind}"
@@ -199,7 +206,7 @@ class StaticTapManager(TapManager):
             write = f"interp_w_{address.kind}"
             if site.per_head:  # one row per (token, head), d_head wide
                 rows = self.max_tokens * self._local_heads(site)
-                table = StaticWrites(self.slots, self.d_head, rows, dtype=self.dtype, device=self.device)
+                table = StaticWrites(self.slots, self.state.d_head, rows, dtype=self.dtype, device=self.device)
             else:
                 table = StaticWrites(
                     self.slots,
@@ -221,10 +228,10 @@ class StaticTapManager(TapManager):
         in the graph, whole rows, on this pipeline stage with its input."""
         if not (sae.is_transcoder and sae.has_decoder):
             return False
-        n_layers = len(self.layers)
+        n_layers = len(self.state.layers)
         source, out = sae.address.resolve(n_layers), sae.address_out.resolve(n_layers)
         site = SITES[out.kind]
-        return site.static_write and site.shard is None and self.owns(source) and self.owns(out)
+        return site.static_write and site.shard is None and self.state.owns(source) and self.state.owns(out)
 
     def _sae_module(self, name: str, site: VllmSite) -> StaticSae:
         """The compiled-in module of SAE ``name`` at ``site`` (its input address), built once: a
@@ -234,7 +241,7 @@ class StaticTapManager(TapManager):
         held = self.sae_modules.get(name)
         if held is not None:
             return held
-        sae = self.saes[name]
+        sae = self.state.saes[name]
         layout = SaeLayout.of(sae, self.sae_top_k, self.sae_dense_max)
         module: StaticSae
         if sae.is_transcoder and sae.has_decoder:
@@ -249,22 +256,22 @@ class StaticTapManager(TapManager):
     # -- the hooks: tensor work only, traced into the compiled graph ------------------------
     def _layer_in_hook(self, block: nn.Module, layer: int, addresses: list[Address]) -> Callable[..., Any]:
         names = [self._names(block, a) for a in addresses]
-        attn_path = self.family.attn_contrib  # resid_mid is formed at this module's output
+        attn_path = self.state.family.attn_contrib  # resid_mid is formed at this module's output
         mid = Address("resid_mid", layer)
         stash = mid in self.points or mid in self.write_addresses
         if stash:
             self._new_tap(attr_path(block, attn_path), "interp_stash", self.d_model)
         return layer_in_hook(
             names,
-            hidden_at=self.family.hidden_arg,
-            residual_at=self.family.residual_arg,
+            hidden_at=self.state.family.hidden_arg,
+            residual_at=self.state.family.residual_arg,
             stash_at=attn_path if stash else None,
-            batched=self.family.batched,
+            batched=self.state.family.batched,
         )
 
     def _layer_out_hook(self, block: nn.Module, addresses: list[Address]) -> Callable[..., Any]:
         names = [self._names(block, a) for a in addresses]
-        return layer_out_hook(names, deferred=self.family.deferred_residual, batched=self.family.batched)
+        return layer_out_hook(names, deferred=self.state.family.deferred_residual, batched=self.state.family.batched)
 
     def _input_hook(
         self, module: nn.Module, layer: int, addresses: list[Address], batched: bool = False
@@ -275,8 +282,8 @@ class StaticTapManager(TapManager):
             site = SITES[address.kind]
             if site.derived:  # attn_scores / attn_pattern: computed on the host from q and k
                 if layer not in self.qk:
-                    q = self._new_tap(module, "interp_q", int(getattr(module, "num_heads")) * self.d_head)  # noqa: B009
-                    k = self._new_tap(module, "interp_k", int(getattr(module, "num_kv_heads")) * self.d_head)  # noqa: B009
+                    q = self._new_tap(module, "interp_q", int(getattr(module, "num_heads")) * self.state.d_head)  # noqa: B009
+                    k = self._new_tap(module, "interp_k", int(getattr(module, "num_kv_heads")) * self.state.d_head)  # noqa: B009
                     self.qk[layer] = (q, k)
                 qk = True
             else:
@@ -294,16 +301,16 @@ class StaticTapManager(TapManager):
             if site.activated:
                 activated.append(self._names(module, a))
             elif not site.derived:
-                key = (columns(site, self.family), added_scale(site, self.family))
+                key = (columns(site, self.state.family), added_scale(site, self.state.family))
                 parts.setdefault(key, []).append(self._names(module, a))
-        act = self.gate_act(layer) if activated else None
+        act = self.state.gate_act(layer) if activated else None
         mid_names = [self._names(module, a) for a in addresses if SITES[a.kind].derived]  # resid_mid
         # scale: what the layer multiplies attention's contribution by
-        return output_hook(parts, activated, act, mid_names, scale=self.family.attn_scale, batched=batched)
+        return output_hook(parts, activated, act, mid_names, scale=self.state.family.attn_scale, batched=batched)
 
     # -- host side ---------------------------------------------------------------------------
     def heads_of(self, address: Address) -> int:
-        return self.total_heads(SITES[address.kind])
+        return self.state.total_heads(SITES[address.kind])
 
     def _admit(self, payload: RequestPayload) -> RequestTaps:
         from interp_engine import InvalidSteering
@@ -311,24 +318,28 @@ class StaticTapManager(TapManager):
         rid = payload.rid
         try:
             if payload.buffers:
-                self.writer.forget_gone()
-            taps = RequestTaps(payload, self.saes, len(self.layers))
+                self.state.writer.forget_gone()
+            taps = RequestTaps(payload, self.state.saes, len(self.state.layers))
         except Exception as exc:  # an SAE this engine was not built with: reported at the fetch
-            self.failed[rid] = f"this request cannot be served by this vllm-static engine: {type(exc).__name__}: {exc}"
+            self.state.failed[rid] = (
+                f"this request cannot be served by this vllm-static engine: {type(exc).__name__}: {exc}"
+            )
             logger.warning("interp-engine: request %s refused in the worker: %s", rid, exc)
             taps = RequestTaps(dataclasses.replace(payload, writes=(), readouts=()))
             self.held[rid] = {}
             return taps
         held: dict[Address, tuple[list[int], torch.Tensor, torch.Tensor]] = {}
         # the writes at this pipeline stage's layers (every write without pipeline parallelism)
-        plain = [w for w in payload.writes if isinstance(w, Write) and w.address is not None and self.owns(w.address)]
+        plain = [
+            w for w in payload.writes if isinstance(w, Write) and w.address is not None and self.state.owns(w.address)
+        ]
         try:
             self.clamps[rid] = self._clamp_plan(payload, taps)
             for address, plan in plan_writes(plain, taps.n_prompt, taps.n_total, self.heads_of).items():
                 table = self.tables[address]
                 part = None
                 if table.width != plan.ops[0].width:  # a tensor-parallel shard (mlp_post)
-                    part = slice(self.rank * table.width, (self.rank + 1) * table.width)
+                    part = slice(self.state.rank * table.width, (self.state.rank + 1) * table.width)
                     if any(bool(op.direction.any()) or op.capped or op.grows for op in plan.ops):
                         raise InvalidSteering(f"only add and set can be applied per shard at {address}")
                 slots = table.allocate(len(plan.ops))
@@ -337,7 +348,9 @@ class StaticTapManager(TapManager):
                 slot_of = torch.tensor([0, *slots], dtype=torch.long)
                 combo = plan.combo
                 if address.info.per_head:  # [positions, this rank's heads]
-                    owned = owned_heads(self.rank, self.tp_size, plan.heads) if self.tp_size > 1 else None
+                    owned = (
+                        owned_heads(self.state.rank, self.state.tp_size, plan.heads) if self.state.tp_size > 1 else None
+                    )
                     combo = combo.view(taps.n_total, plan.heads)
                     if owned is not None:
                         combo = combo[:, owned]
@@ -347,7 +360,9 @@ class StaticTapManager(TapManager):
                 self.tables[address].release(slots)
             held = {}
             self.clamps.pop(rid, None)
-            self.failed[rid] = f"this request could not be steered in the compiled graph: {type(exc).__name__}: {exc}"
+            self.state.failed[rid] = (
+                f"this request could not be steered in the compiled graph: {type(exc).__name__}: {exc}"
+            )
             logger.warning("interp-engine: request %s cannot be steered in-graph: %s", rid, exc)
         self.held[rid] = held
         return taps
@@ -358,7 +373,9 @@ class StaticTapManager(TapManager):
 
         plans: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for write in payload.writes:
-            if not isinstance(write, FeatureWrite) or (write.address is not None and not self.owns(write.address)):
+            if not isinstance(write, FeatureWrite) or (
+                write.address is not None and not self.state.owns(write.address)
+            ):
                 continue  # a clamp at a layer of another pipeline stage is applied there
             module = self.sae_modules.get(write.sae)
             if module is None or not module.clamps:
@@ -378,27 +395,29 @@ class StaticTapManager(TapManager):
     def _step(self, batch: StepBatch | None) -> Step:
         slices = self._slices(batch)
         self._fill_indices(slices)
-        output = yield from self._forward()
+        output = yield from self.state.forward()
         if slices:
             try:
                 self._read(slices, output)
             except Exception as exc:  # reported at the fetch; the engine goes on
-                self._fail(slices, exc)
+                self.state.fail(slices, exc)
             self._lens_rows(slices)
-            self._lens(slices)
+            self.lens.run(slices)
         return output
 
     def _lens_rows(self, slices: list[Slice]) -> None:
         """The lens layers' rows out of their ``resid_post`` taps (the front end serves the lens
         only at declared ``resid_post`` points): a layer without a tap is decoded as zeros and
-        the request fails (see :meth:`~..worker._lens.LensTaps._lens`)."""
+        the request fails (see :meth:`~..worker._lens.Lens.run`)."""
         for sl in slices:
             if sl.lens_keep is None:
                 continue
             for address, index in sl.taps.lens_at.items():
                 tap = self.taps.get(address)
                 if tap is None:
-                    self.failed.setdefault(sl.taps.rid, f"{address} is not a capture point of this vllm-static engine")
+                    self.state.failed.setdefault(
+                        sl.taps.rid, f"{address} is not a capture point of this vllm-static engine"
+                    )
                     continue
                 rows = tap.buffer[sl.start : sl.end]
                 sl.lens_rows[index] = rows[sl.lens_keep.to(rows.device)]
@@ -408,7 +427,7 @@ class StaticTapManager(TapManager):
         for sl in slices:
             for address, (_, slot_of, combo) in self.held.get(sl.taps.rid, {}).items():
                 steering.setdefault(address, []).append((sl, slot_of, combo))
-        n = self.step_tokens
+        n = self.state.step_tokens
         for address, table in self.tables.items():
             members = steering.get(address)
             if not members:
@@ -445,24 +464,24 @@ class StaticTapManager(TapManager):
 
     def _read(self, slices: list[Slice], output: Any) -> None:
         hook = Hook()
-        if self.rank == 0:  # the SAEs' rows are whole on every rank
+        if self.state.rank == 0:  # the SAEs' rows are whole on every rank
             self._readouts(slices)
         tapped: dict[Address, list[Slice]] = defaultdict(list)
         for sl in slices:
             for address in sl.taps.points:
-                if not self.owns(address):  # another pipeline stage reads it
+                if not self.state.owns(address):  # another pipeline stage reads it
                     continue
                 site = SITES[address.kind]
                 if site.where == "model_out":
                     hook.add(address, sl)
                 elif site.derived and site.where == "input":  # attn_scores / attn_pattern
                     q, k = self.qk[address.layer or 0]
-                    self._attention(sl, address, q.buffer[sl.start : sl.end], k.buffer[sl.start : sl.end])
+                    self.recompute.attention(sl, address, q.buffer[sl.start : sl.end], k.buffer[sl.start : sl.end])
                 elif site.routed is not None:  # vLLM's routing of the tapped (possibly written) logits
                     tap = self.taps[Address(ROUTER_KIND, address.layer)]
                     logits = tap.buffer[sl.start : sl.end]
-                    self._record_routing(
-                        self.route(address.layer or 0, logits, logits),
+                    self.recompute.record_routing(
+                        self.recompute.route(address.layer or 0, logits, logits),
                         [Slice(sl.taps, 0, sl.end - sl.start, sl.positions)],
                         address,
                     )
@@ -471,10 +490,10 @@ class StaticTapManager(TapManager):
         for address, members in tapped.items():  # every capturing request's rows at once
             buffer = self.taps[address].buffer
             if SITES[address.kind].per_head:
-                buffer = buffer.view(buffer.shape[0], -1, self.d_head)
-            self._capture(address, buffer, members)
+                buffer = buffer.view(buffer.shape[0], -1, self.state.d_head)
+            self.captures.capture(address, buffer, members)
         if hook.members:
-            self._read_output(output, hook)
+            self.recompute.read_output(output, hook)
 
     def _readouts(self, slices: list[Slice]) -> None:
         """This step's readouts, out of the SAEs' buffers: per SAE, one read of every reading
@@ -515,7 +534,7 @@ class StaticTapManager(TapManager):
 
     def fetch(self, rid: str) -> Fetched:
         # an error (reported to the caller, not raised here: vLLM would log it as a crash)
-        # stays in self.failed for the base class's fetch
+        # stays in self.state.failed for the base class's fetch
         self._forget(rid)
         return super().fetch(rid)
 

@@ -1,7 +1,7 @@
 """Captured rows, written where they go: a request's region of the front end's slab
 (:mod:`.._transport`), or, without one, a float32 CPU chunk kept until the fetch.
 
-Per hook and address, :meth:`CaptureTaps._capture` writes the rows of every request capturing
+Per hook and address, :meth:`Captures.capture` writes the rows of every request capturing
 there into the slab: a request with a long run of rows in the step (a prefill chunk) is one
 plain copy into its region; the other requests' rows (decode steps, short chunks) go in one
 indexed copy per slab segment, whose slab rows are each request's first row plus the absolute
@@ -19,11 +19,10 @@ import torch
 
 from interp_engine import Address, BackendError
 
-from .._transport import SlabWriter
 from ..hooks import copy_rows
 from ..model._sites import SITES, VllmSite, owned_heads
-from ._base import TapBase
 from ._request_taps import Slice
+from ._state import TapState
 
 LONG_RUN = 16
 """A request with at least this many rows in a step, at consecutive positions, is copied as one
@@ -53,18 +52,21 @@ class StepRows:
     spans: list[list[tuple[int, int]]]
 
 
-class CaptureTaps(TapBase):
-    """Where captured rows are written."""
+class Captures:
+    """The part of the taps that writes captured rows where they go (the slab writer of the
+    shared :class:`~._state.TapState`, or chunks kept on the request), with the step's row
+    layout per group of requests."""
 
-    writer: SlabWriter
-    _rows_of: torch.Tensor | None = None  # the step positions ``_rows`` was filled for
-    _rows: dict[tuple[int, ...], StepRows]
+    def __init__(self, state: TapState) -> None:
+        self.state = state
+        self._rows_of: torch.Tensor | None = None  # the step positions ``_rows`` was filled for
+        self._rows: dict[tuple[int, ...], StepRows] = {}
 
-    def _capture(self, address: Address, value: torch.Tensor, members: list[Slice], base: int = 0) -> None:
+    def capture(self, address: Address, value: torch.Tensor, members: list[Slice], base: int = 0) -> None:
         """Record ``members``' rows of ``value`` at ``address``. Row ``r`` of ``value`` is row
         ``r + base`` of the step's batch (``base``: a value computed for one request's rows)."""
         site = SITES[address.kind]
-        writes_here = site.shard is not None or self.rank == 0  # a replicated value: rank 0 writes it
+        writes_here = site.shard is not None or self.state.rank == 0  # a replicated value: rank 0 writes it
         to_slab: dict[str, list[Slice]] = {}
         for sl in members:
             region = sl.taps.regions.get(address)
@@ -79,13 +81,13 @@ class CaptureTaps(TapBase):
         began = time.perf_counter_ns()
         for group in to_slab.values():
             self._write(address, site, value, group, base)
-        self.timing["copy_ns"] += time.perf_counter_ns() - began
+        self.state.timing["copy_ns"] += time.perf_counter_ns() - began
 
     def step_rows(self, group: list[Slice], base: int) -> StepRows:
         """The rows of ``group`` in this step (cached for the step: every address the group
         captures shares them)."""
-        if self._rows_of is not self.step_positions:
-            self._rows_of, self._rows = self.step_positions, {}
+        if self._rows_of is not self.state.step_positions:
+            self._rows_of, self._rows = self.state.step_positions, {}
         key = (base, *map(id, group))
         rows = self._rows.get(key)
         if rows is None:
@@ -112,10 +114,10 @@ class CaptureTaps(TapBase):
         lo, hi = (starts[0], starts[-1] + lengths[-1]) if rest else (0, 0)
         if all(starts[i] + lengths[i] == starts[i + 1] for i in range(len(rest) - 1)):
             gather = None
-            at = self.step_positions[lo + base : hi + base]
+            at = self.state.step_positions[lo + base : hi + base]
         else:
             gather = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths, strict=True)])
-            at = self.step_positions[gather + base]
+            at = self.state.step_positions[gather + base]
         owner = torch.repeat_interleave(torch.arange(len(rest)), torch.tensor(lengths, dtype=torch.long))
         return StepRows(runs, rest, lo, hi, gather, at, owner, ends, spans)
 
@@ -146,22 +148,22 @@ class CaptureTaps(TapBase):
             else:
                 firsts = torch.tensor([group[k].taps.first_rows[address] for k in rows.rest])
                 index = rows.at + firsts.index_select(0, rows.owner)
-            self.writer.write(region, index, src, block)
+            self.state.writer.write(region, index, src, block)
         for k, lo, hi, first in rows.runs:
-            self.writer.write(region, group[k].taps.first_rows[address] + first, value[lo:hi], block)
+            self.state.writer.write(region, group[k].taps.first_rows[address] + first, value[lo:hi], block)
         for sl, spans in zip(group, rows.spans, strict=True):
             sl.taps.spans[address].extend(spans)
 
     def _block(self, site: VllmSite, local: tuple[int, ...], whole: tuple[int, ...]) -> tuple[int, int] | None:
         """The heads (per-head values) or columns this rank holds of a row of shape ``whole``
         (``None``: the row is not split, or ``local`` does not fit it)."""
-        if self.tp_size == 1 or site.shard is None or len(local) != len(whole):
+        if self.state.tp_size == 1 or site.shard is None or len(local) != len(whole):
             return None
         if site.per_head:
-            owned = owned_heads(self.rank, self.tp_size, self.total_heads(site))
+            owned = owned_heads(self.state.rank, self.state.tp_size, self.state.total_heads(site))
             block = (owned[0], owned[-1] + 1)
         else:
             width = local[0]
-            block = (self.rank * width, (self.rank + 1) * width)
+            block = (self.state.rank * width, (self.state.rank + 1) * width)
         fits = block[1] - block[0] == local[0] and block[1] <= whole[0] and local[1:] == whole[1:]
         return block if fits else None

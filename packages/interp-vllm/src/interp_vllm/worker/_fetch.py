@@ -13,12 +13,16 @@ from .. import _compat
 from .._transport import covered
 from .._wire import Fetched, merge_lens
 from ..hooks import attr_path
-from ._base import TapBase
 from ._request_taps import merged_readouts
+from ._state import TapState
 
 
-class FetchTaps(TapBase):
-    """Answers to the front end's fetch, drain, release, stats and decode."""
+class Fetch:
+    """The part of the taps that answers the front end's fetch, drain, release, stats and decode
+    from the shared state."""
+
+    def __init__(self, state: TapState) -> None:
+        self.state = state
 
     # -- after the request ------------------------------------------------------------------
     def fetch(self, rid: str) -> Fetched:
@@ -26,17 +30,17 @@ class FetchTaps(TapBase):
         value); then forget it."""
         began = time.perf_counter_ns()
         try:
-            error = self.failed.pop(rid, None)
+            error = self.state.failed.pop(rid, None)
             if error is not None:
                 self.release(rid)
                 return Fetched(error=error)
             return self._collect(rid)
         finally:
-            self.timing["fetches"] += 1
-            self.timing["fetch_ns"] += time.perf_counter_ns() - began
+            self.state.timing["fetches"] += 1
+            self.state.timing["fetch_ns"] += time.perf_counter_ns() - began
 
     def _collect(self, rid: str) -> Fetched:
-        taps = self.requests.pop(rid, None)
+        taps = self.state.requests.pop(rid, None)
         self._retire(rid)
         if taps is None:
             return Fetched()
@@ -61,10 +65,10 @@ class FetchTaps(TapBase):
 
     def drain(self, rid: str) -> Fetched:
         """A streaming request's readouts so far (then dropped here); the request lives on."""
-        error = self.failed.get(rid)
+        error = self.state.failed.get(rid)
         if error is not None:
             return Fetched(error=error)
-        taps = self.requests.get(rid)
+        taps = self.state.requests.get(rid)
         if taps is None:
             return Fetched()
         merged = merged_readouts(taps)
@@ -74,19 +78,19 @@ class FetchTaps(TapBase):
         return Fetched(readouts=merged, lens=lens)
 
     def release(self, rid: str) -> None:
-        self.failed.pop(rid, None)
-        self.requests.pop(rid, None)
+        self.state.failed.pop(rid, None)
+        self.state.requests.pop(rid, None)
         self._retire(rid)
 
     def _retire(self, rid: str) -> None:
-        self.retired[rid] = None
-        while len(self.retired) > 4096:
-            self.retired.popitem(last=False)
+        self.state.retired[rid] = None
+        while len(self.state.retired) > 4096:
+            self.state.retired.popitem(last=False)
 
     def stats(self) -> dict[str, int]:
         """How many requests hold state in this worker and how many SAEs it holds (for leak
         checks), and vLLM's and Dynamo's compilation counters (for recompilation checks)."""
-        out = {"live_requests": len(self.requests), "saes": len(self.saes), **self.timing}
+        out = {"live_requests": len(self.state.requests), "saes": len(self.state.saes), **self.state.timing}
         try:
             from vllm.compilation.counter import compilation_counter
 
@@ -99,11 +103,11 @@ class FetchTaps(TapBase):
     def decode(self, residuals: torch.Tensor) -> torch.Tensor | None:
         """Final norm + the served unembedding (gathered over tensor-parallel ranks); ``None`` on
         a pipeline stage before the last, which holds neither."""
-        if not self.last_stage:
+        if not self.state.last_stage:
             return None
-        param = next(self.model.parameters())
-        norm = attr_path(self.model, self.family.final_norm)
+        param = next(self.state.model.parameters())
+        norm = attr_path(self.state.model, self.state.family.final_norm)
         with torch.inference_mode():
             x = residuals.to(device=param.device, dtype=param.dtype)
-            logits: torch.Tensor = self.model.compute_logits(norm(x))  # type: ignore[operator]
+            logits: torch.Tensor = self.state.model.compute_logits(norm(x))  # type: ignore[operator]
         return logits.to("cpu", torch.float32)

@@ -1,7 +1,7 @@
 """The dynamic worker's hooks: per step, one hook per site the step's requests use.
 
 Each hook applies its requests' writes to their own rows and records their reads
-(:meth:`HookTaps._visit`), at the layer's input and output (the residual stream, with vLLM's
+(:meth:`Hooks._visit`), at the layer's input and output (the residual stream, with vLLM's
 deferred residual add undone: a layer returns ``(hidden, residual)`` and the stream is their
 sum; a write replaces the pair by ``(new_stream, 0)``, which the next fused add-norm turns back
 into exactly ``new_stream``), at a module's input or output (a column block of a fused output),
@@ -23,15 +23,26 @@ from interp_engine import Address, BackendError, FeatureWrite, Write
 
 from ..hooks import arg_slot, arg_value, flat, forward_pre_hook, part_of, set_arg
 from ..model._sites import SITES, HookKey, VllmSite, added_scale, columns, gate_activation, local_write
-from ._recompute import RecomputeTaps
+from ._capture import Captures
+from ._recompute import Recompute
 from ._request_taps import Hook, LocalWrite, Slice, WriteTable, touched_rows, touches_run
-from ._saes import SaeTaps
+from ._saes import Saes
+from ._state import TapState
 
 
-class HookTaps(SaeTaps, RecomputeTaps):
-    """The hooks of one step and what they do to each value."""
+class Hooks:
+    """The part of the taps that builds each step's hook functions (:meth:`tap`: one per site
+    the step's requests use) and what they do to each value: writes applied here, captures,
+    recomputed values and SAE readouts handed to their parts. :meth:`register` puts a function
+    on its module as a torch hook."""
 
-    def _model_out(self, output: Any, hook: Hook) -> Any:
+    def __init__(self, state: TapState, captures: Captures, recompute: Recompute, saes: Saes) -> None:
+        self.state = state
+        self.captures = captures
+        self.recompute = recompute
+        self.saes = saes
+
+    def model_out(self, output: Any, hook: Hook) -> Any:
         """The forward's output with the step's writes at ``final_norm`` applied (to a copy: vLLM
         computes the logits from what this returns), its reads and readouts there recorded, then
         the logits read from it."""
@@ -44,37 +55,48 @@ class HookTaps(SaeTaps, RecomputeTaps):
             if self._visit(hidden, members, final):
                 output = (hidden, *output[1:]) if isinstance(output, tuple) else hidden
         rest = Hook(members=defaultdict(list, {a: m for a, m in hook.members.items() if a != final}))
-        self._read_output(output, rest)
+        self.recompute.read_output(output, rest)
         return output
 
-    def _install(self, key: HookKey, hook: Hook) -> Any:
+    def tap(self, key: HookKey, hook: Hook) -> Callable[..., Any]:
+        """The step's function at site ``key`` (guarded): ``fn(module, args, output)`` at a
+        ``layer_out`` / ``output`` site, ``fn(module, args, kwargs)`` at a ``layer_in`` / ``input``
+        one, returning ``None`` or a replacement, as a torch forward hook / pre-hook does."""
         where, attr, layer = key
-        module = self.module(key)
         if where == "layer_in":
-            return module.register_forward_pre_hook(self._guarded(hook, self._layer_in(layer, hook)), with_kwargs=True)
+            return self._guarded(hook, self._layer_in(layer, hook))
         if where == "layer_out":
-            return module.register_forward_hook(self._guarded(hook, self._layer_out(hook)))
+            return self._guarded(hook, self._layer_out(hook))
+        module = self.state.module(key)
         if where == "input" and attr == "attn_kernel":  # [tokens, ...] on every model
-            return forward_pre_hook(module, self._guarded(hook, self._input(module, layer, hook)))
-        batched = self.family.batched  # HF's modules see [1, tokens, ...]
+            return self._guarded(hook, self._input(module, layer, hook))
+        batched = self.state.family.batched  # HF's modules see [1, tokens, ...]
         if where == "input":
-            return module.register_forward_pre_hook(
-                self._guarded(hook, self._input(module, layer, hook, batched)), with_kwargs=True
-            )
-        return module.register_forward_hook(self._guarded(hook, self._output(layer, hook, batched)))
+            return self._guarded(hook, self._input(module, layer, hook, batched))
+        return self._guarded(hook, self._output(layer, hook, batched))
+
+    def register(self, key: HookKey, function: Callable[..., Any]) -> Any:
+        """``function`` (:meth:`tap`'s) as a torch hook on the module of site ``key``; its handle."""
+        where, attr, _ = key
+        module = self.state.module(key)
+        if where == "layer_out" or where == "output":
+            return module.register_forward_hook(function)
+        if where == "input" and attr == "attn_kernel":  # called as kernel.forward(...) by some models
+            return forward_pre_hook(module, function)
+        return module.register_forward_pre_hook(function, with_kwargs=True)
 
     def _guarded(self, hook: Hook, function: Callable[..., Any]) -> Callable[..., Any]:
         """``function`` (a hook) that, if it raises, leaves the forward's values as they were and
         marks the hook's requests failed instead of taking vLLM's engine down."""
 
-        timing = self.timing
+        timing = self.state.timing
 
         def guarded(*args: Any) -> Any:
             began = time.perf_counter_ns()
             try:
                 return function(*args)
             except Exception as exc:
-                self._fail([sl for members in hook.members.values() for sl in members] + hook.stash_for, exc)
+                self.state.fail([sl for members in hook.members.values() for sl in members] + hook.stash_for, exc)
                 return None
             finally:
                 timing["hook_ns"] += time.perf_counter_ns() - began
@@ -90,7 +112,7 @@ class HookTaps(SaeTaps, RecomputeTaps):
         readers: list[Slice] = []
         lensing: list[tuple[Slice, int]] = []
         keeping: list[Slice] = []
-        whole = self.rank == 0  # SAE readouts: the residual is whole on every rank
+        whole = self.state.rank == 0  # SAE readouts: the residual is whole on every rank
         for sl in members:  # one look at each member's role here
             role = sl.taps.roles.get(address)
             if role is None:
@@ -109,16 +131,16 @@ class HookTaps(SaeTaps, RecomputeTaps):
         for sl in keeping:  # a clamped transcoder's input, as the sublayer gets it (after the writes)
             sl.sources[address] = value[sl.start : sl.end].clone()
         if capturing:
-            self._capture(
-                address, value.reshape(value.shape[0], -1, self.d_head) if site.per_head else value, capturing
+            self.captures.capture(
+                address, value.reshape(value.shape[0], -1, self.state.d_head) if site.per_head else value, capturing
             )
         for sl, index in lensing:  # a mask picks a copy of the rows
             rows = value[sl.start : sl.end]
             sl.lens_rows[index] = rows[sl.lens_keep.to(rows.device)]  # type: ignore[union-attr]
         if readers:
             began = time.perf_counter_ns()
-            self._read_features_many(readers, value, address)
-            self.timing["sae_ns"] += time.perf_counter_ns() - began
+            self.saes.read_features_many(readers, value, address)
+            self.state.timing["sae_ns"] += time.perf_counter_ns() - began
         return changed
 
     def _write_all(
@@ -139,8 +161,8 @@ class HookTaps(SaeTaps, RecomputeTaps):
                     changed |= self._apply(value, sl, tables[i], site)
             for group in clamps.values():
                 began = time.perf_counter_ns()
-                changed |= self._apply_features(value, group)
-                self.timing["sae_ns"] += time.perf_counter_ns() - began
+                changed |= self.saes.apply_features(value, group)
+                self.state.timing["sae_ns"] += time.perf_counter_ns() - began
         return changed
 
     def _local(self, table: WriteTable, site: VllmSite, value: torch.Tensor) -> LocalWrite | None:
@@ -149,7 +171,9 @@ class HookTaps(SaeTaps, RecomputeTaps):
             raise BackendError(f"a feature write where a plain write was expected: {table.write!r}")
         key = (int(value.shape[-1]), value.device, value.dtype)
         if key not in table.local:
-            write = local_write(table.write, site, self.rank, self.tp_size, self.total_heads(site), key[0])
+            write = local_write(
+                table.write, site, self.state.rank, self.state.tp_size, self.state.total_heads(site), key[0]
+            )
             if write is None:
                 table.local[key] = None
             else:
@@ -159,7 +183,7 @@ class HookTaps(SaeTaps, RecomputeTaps):
 
     def _apply(self, value: torch.Tensor, sl: Slice, table: WriteTable, site: VllmSite) -> bool:
         if isinstance(table.write, FeatureWrite):
-            return self._apply_features(value, [(sl, table)])
+            return self.saes.apply_features(value, [(sl, table)])
         local = self._local(table, site, value)
         if local is None:
             return False
@@ -167,7 +191,7 @@ class HookTaps(SaeTaps, RecomputeTaps):
         if not (write.per_position or write.target_per_position) and touches_run(sl, table):
             current = value[sl.start : sl.end]  # a view: every row of the request in this step
             if site.per_head:
-                current = current.reshape(sl.end - sl.start, -1, self.d_head)
+                current = current.reshape(sl.end - sl.start, -1, self.state.d_head)
             value[sl.start : sl.end] = write.apply(current, vec, target).reshape(sl.end - sl.start, -1).to(value.dtype)
             return True
         positions = sl.positions
@@ -183,7 +207,7 @@ class HookTaps(SaeTaps, RecomputeTaps):
                 target = target[picked]
         current = value[rows]
         if site.per_head:
-            current = current.reshape(len(rows), -1, self.d_head)
+            current = current.reshape(len(rows), -1, self.state.d_head)
         value[rows] = write.apply(current, vec, target).reshape(len(rows), -1).to(value.dtype)
         return True
 
@@ -197,14 +221,14 @@ class HookTaps(SaeTaps, RecomputeTaps):
 
     def _layer_in(self, layer: int, hook: Hook) -> Callable[..., Any]:
         # the layer's hidden-states argument and, where it defers the add, its residual one
-        hidden_at, residual_at = self.family.hidden_arg, self.family.residual_arg
+        hidden_at, residual_at = self.state.family.hidden_arg, self.state.family.residual_arg
         writes = hook.writes()
 
         def pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             hidden = arg_value(args, kwargs, *hidden_at)
             residual = arg_value(args, kwargs, *residual_at) if residual_at is not None else None
             stream = self._stream(hidden, residual, writes)
-            rows = stream[0] if self.family.batched else stream  # a view: writes reach the stream
+            rows = stream[0] if self.state.family.batched else stream  # a view: writes reach the stream
             changed = False
             for address, _, members in hook.ordered():
                 changed |= self._visit(rows, members, address)
@@ -220,7 +244,7 @@ class HookTaps(SaeTaps, RecomputeTaps):
         return pre
 
     def _layer_out(self, hook: Hook) -> Callable[..., Any]:
-        deferred = self.family.deferred_residual
+        deferred = self.state.family.deferred_residual
         writes = hook.writes()
 
         def post(module: nn.Module, args: Any, output: Any) -> Any:
@@ -229,7 +253,7 @@ class HookTaps(SaeTaps, RecomputeTaps):
                 stream = self._stream(output[0], output[1], writes)
             else:
                 stream = self._stream(output[0] if isinstance(output, tuple) else output, None, writes)
-            rows = stream[0] if self.family.batched else stream  # a view: writes reach the stream
+            rows = stream[0] if self.state.family.batched else stream  # a view: writes reach the stream
             changed = False
             for address, _, members in hook.ordered():
                 changed |= self._visit(rows, members, address)
@@ -251,7 +275,7 @@ class HookTaps(SaeTaps, RecomputeTaps):
                     q, k = arg_value(args, kwargs, 0, "query"), arg_value(args, kwargs, 1, "key")
                     for sl in members:
                         if address in sl.taps.points:
-                            self._attention(sl, address, q[sl.start : sl.end], k[sl.start : sl.end])
+                            self.recompute.attention(sl, address, q[sl.start : sl.end], k[sl.start : sl.end])
                     continue
                 index, name = slots[address]
                 value = arg_value(args, kwargs, index, name)
@@ -278,17 +302,17 @@ class HookTaps(SaeTaps, RecomputeTaps):
                     changed |= self._mid(rows, members, layer)
                 elif site.routed is not None:  # vLLM's routing of the router's logits, after any write there
                     if routed is None:
-                        routed = self.route(layer, args[0] if args else rows, rows)
-                    self._record_routing(routed, members, address)
+                        routed = self.recompute.route(layer, args[0] if args else rows, rows)
+                    self.recompute.record_routing(routed, members, address)
                 elif site.activated:  # read only: act(gate), through the family's own activation
                     self._visit(
-                        gate_activation(self.gate_act(layer), part_of(rows, columns(site, self.family))),
+                        gate_activation(self.state.gate_act(layer), part_of(rows, columns(site, self.state.family))),
                         members,
                         address,
                     )
                 else:
-                    part = part_of(rows, columns(site, self.family))
-                    factor = added_scale(site, self.family)
+                    part = part_of(rows, columns(site, self.state.family))
+                    factor = added_scale(site, self.state.family)
                     if factor == 1.0:
                         changed |= self._visit(part, members, address)
                     else:  # the value as added to the residual (Granite's residual multiplier)
@@ -306,7 +330,7 @@ class HookTaps(SaeTaps, RecomputeTaps):
         """resid_mid = resid_pre + attn_out (times the layer's residual multiplier, where it has
         one); a write there moves what attention adds by the same amount."""
         address = Address("resid_mid", layer)
-        scale = self.family.attn_scale
+        scale = self.state.family.attn_scale
         changed = False
         for sl in members:
             mid = torch.zeros_like(attn_out)

@@ -11,15 +11,18 @@ from interp_engine.backend import lens_top_k
 
 from .._wire import compact_ids
 from ..hooks import attr_path
-from ._base import TapBase
 from ._request_taps import Slice
+from ._state import TapState
 
 
-class LensTaps(TapBase):
-    """Each step's logit lens for the requests that read it."""
+class Lens:
+    """The part of the taps that decodes each step's logit lens for the requests that read it
+    (from the rows their lens layers' hooks kept in ``Slice.lens_rows``)."""
 
-    # -- the logit lens ----------------------------------------------------------------------
-    def _lens(self, slices: list[Slice]) -> None:
+    def __init__(self, state: TapState) -> None:
+        self.state = state
+
+    def run(self, slices: list[Slice]) -> None:
         """The step's logit lens for every request that reads it: the rows its lens layers'
         hooks kept, all requests and layers together through ONE final norm and served
         unembedding (under tensor parallelism a collective: every rank of this stage joins with
@@ -29,8 +32,8 @@ class LensTaps(TapBase):
         if not readers:
             return
         began = time.perf_counter_ns()
-        param = next(self.model.parameters())
-        width = int(self.runner.model_config.hf_config.hidden_size)
+        param = next(self.state.model.parameters())
+        width = int(self.state.runner.model_config.hf_config.hidden_size)
         blocks: list[torch.Tensor] = []
         spans: list[tuple[Slice, int, int]] = []  # per reader: its first row in the batch, its rows per layer
         start = 0
@@ -51,22 +54,22 @@ class LensTaps(TapBase):
             if logits is not None:  # rank 0 (and every rank where vLLM all-gathers) records
                 self._record_lens(spans, logits)
         except Exception as exc:
-            self._fail(readers, exc)
+            self.state.fail(readers, exc)
         finally:
             for sl in readers:
                 sl.lens_rows.clear()
-            self.timing["lens_ns"] += time.perf_counter_ns() - began
+            self.state.timing["lens_ns"] += time.perf_counter_ns() - began
 
     def _lens_logits(self, residuals: torch.Tensor) -> torch.Tensor | None:
         """The served final norm and logits of ``residuals`` (``None`` on a rank that vLLM's
         gather leaves without them)."""
-        norm = attr_path(self.model, self.family.final_norm)
+        norm = attr_path(self.state.model, self.state.family.final_norm)
         with torch.inference_mode():
-            logits: torch.Tensor | None = self.model.compute_logits(norm(residuals))  # type: ignore[operator]
+            logits: torch.Tensor | None = self.state.model.compute_logits(norm(residuals))  # type: ignore[operator]
         return logits
 
     def _record_lens(self, spans: list[tuple[Slice, int, int]], logits: torch.Tensor) -> None:
-        if self.rank != 0:
+        if self.state.rank != 0:
             return
         vocab = int(logits.shape[-1])
         by_k: dict[int, list[tuple[Slice, int, int]]] = defaultdict(list)
@@ -79,7 +82,7 @@ class LensTaps(TapBase):
             try:
                 ids, probs = lens_top_k(logits[index], k)
             except Exception as exc:  # these requests fail alone (rank 0's own work: no collective)
-                self._fail([sl for sl, _, _ in group], exc)
+                self.state.fail([sl for sl, _, _ in group], exc)
                 continue
             ids, probs = compact_ids(ids, vocab).to("cpu"), probs.to("cpu", torch.float32)
             offset = 0

@@ -8,18 +8,28 @@ exactly their addresses for that forward, placed by the site table (:mod:`..mode
 are copied out per request, writes change only that request's rows. Values wait in the
 worker until the front end fetches them (``interp_fetch_many``), once the request is done.
 
-:class:`TapManager` is this module's step loop over the parts, each a module of its own:
+:class:`TapManager` owns the step loop and admits requests; it is composed of one shared state
+and parts over it, each a class in a module of its own, each holding the parts it calls:
 
-- :mod:`._base` -- the model, its family, this worker's ranks and the requests' states;
-- :mod:`._hooks` -- the hooks and what they read and write at each value;
-- :mod:`._saes` -- SAEs held by key, batched readouts and feature clamps;
-- :mod:`._recompute` -- routing, attention recompute and the model-output reads;
-- :mod:`._lens` -- the logit lens: a request's lens layers' ``resid_post`` hooks keep only
-  the rows of the positions it reads; after the forward the step's kept rows of every request and
-  layer go through one final norm and served unembedding, and only the top-k ids and
-  probabilities are kept, drained like streamed readouts (``interp_drain_many``) or fetched with
-  the request's values;
-- :mod:`._fetch` -- what leaves the worker (fetch, drain, release, stats, decode).
+- :class:`~._state.TapState` (``state``) -- the model, its family, this worker's ranks, the
+  requests' states and what every part records into (failures, timing, the slab writer);
+- :class:`~._capture.Captures` (``captures``) -- captured rows written into the slab or kept;
+- :class:`~._recompute.Recompute` (``recompute``) -- routing, attention recompute and the
+  model-output reads;
+- :class:`~._saes.Saes` (``saes``) -- SAEs held by key, batched readouts and feature clamps;
+- :class:`~._hooks.Hooks` (``hooks``) -- each step's hook functions and what they read and write
+  at each value, and their registration as torch hooks;
+- :class:`~._lens.Lens` (``lens``) -- the logit lens: a request's lens layers' ``resid_post``
+  hooks keep only the rows of the positions it reads; after the forward the step's kept rows of
+  every request and layer go through one final norm and served unembedding, and only the top-k
+  ids and probabilities are kept, drained like streamed readouts (``interp_drain_many``) or
+  fetched with the request's values;
+- :class:`~._fetch.Fetch` (``fetching``) -- what leaves the worker (fetch, drain, release,
+  stats, decode).
+
+The RPC functions of :mod:`interp_vllm._vllm_entry` call the manager's own methods (``fetch``,
+``drain``, ``attach``, ...), which hand over to the parts, and read the ping's attributes
+(``rank``, ``tp_size``, ``family``, ``pp_rank``, ``pp_size``, ``owned``, ``issuers``) from it.
 
 vLLM's decoder layers defer the residual add: a layer returns ``(hidden, residual)`` and the
 true residual stream is their sum. Reads take the sum; a write replaces the pair by
@@ -35,16 +45,21 @@ from typing import Any
 
 import torch
 
-from interp_engine import Address, BackendError, IncompatibleDependency, UnsupportedArchitecture
+from interp_engine import BackendError, IncompatibleDependency, UnsupportedArchitecture
 
-from .._wire import RequestPayload
+from .._wire import Fetched, RequestPayload
 from ..hooks import tp_position
-from ..model._sites import HookKey, hook_key
-from ._fetch import FetchTaps
-from ._hooks import HookTaps
-from ._lens import LensTaps
+from ..model._families import VllmFamily
+from ..model._sites import HookKey
+from ._capture import Captures
+from ._fetch import Fetch
+from ._hooks import Hooks
+from ._lens import Lens
+from ._recompute import Recompute
 from ._request_taps import Hook, RequestTaps, Slice
 from ._runner import Step, StepBatch
+from ._saes import Saes
+from ._state import TapState
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +101,70 @@ class UntappedRunner:
         raise BackendError(f"this vLLM worker has no taps: {self.unsupported}")
 
 
-class TapManager(HookTaps, LensTaps, FetchTaps):
-    """The taps of one model runner. :meth:`step` runs around each forward."""
+class TapManager:
+    """The taps of one model runner: the shared :class:`~._state.TapState` and the parts over
+    it. :meth:`step` runs around each forward; the front end's calls are answered by the parts."""
+
+    def __init__(self, runner: Any) -> None:
+        self.state = state = TapState(runner)
+        self.captures = Captures(state)
+        self.recompute = Recompute(state, self.captures)
+        self.saes = Saes(state)
+        self.hooks = Hooks(state, self.captures, self.recompute, self.saes)
+        self.lens = Lens(state)
+        self.fetching = Fetch(state)
+
+    # -- what a ping reads ----------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.state.rank
+
+    @property
+    def tp_size(self) -> int:
+        return self.state.tp_size
+
+    @property
+    def pp_rank(self) -> int:
+        return self.state.pp_rank
+
+    @property
+    def pp_size(self) -> int:
+        return self.state.pp_size
+
+    @property
+    def family(self) -> VllmFamily:
+        return self.state.family
+
+    @property
+    def owned(self) -> tuple[int, ...]:
+        return self.state.owned
+
+    @property
+    def issuers(self) -> set[str]:
+        """The secrets of the front ends that pinged this worker (a ping adds its own)."""
+        return self.state.issuers
+
+    # -- the front end's calls --------------------------------------------------------------
+    def fetch(self, rid: str) -> Fetched:
+        return self.fetching.fetch(rid)
+
+    def drain(self, rid: str) -> Fetched:
+        return self.fetching.drain(rid)
+
+    def release(self, rid: str) -> None:
+        self.fetching.release(rid)
+
+    def stats(self) -> dict[str, int]:
+        return self.fetching.stats()
+
+    def decode(self, residuals: torch.Tensor) -> torch.Tensor | None:
+        return self.fetching.decode(residuals)
+
+    def attach(self, key: str, blob: bytes) -> None:
+        self.saes.attach(key, blob)
+
+    def detach(self, key: str) -> None:
+        self.saes.detach(key)
 
     # -- the step's requests ------------------------------------------------------------
     def _slices(self, batch: StepBatch | None) -> list[Slice]:
@@ -97,24 +174,24 @@ class TapManager(HookTaps, LensTaps, FetchTaps):
         wanted: list[tuple[int, RequestTaps]] = []
         for index, req_id in enumerate(req_ids):
             params = self._params(req_id)
-            rid = RequestPayload.rid_of(params, self.issuers)
-            if rid is None or rid in self.retired:
+            rid = RequestPayload.rid_of(params, self.state.issuers)
+            if rid is None or rid in self.state.retired:
                 continue
-            taps = self.requests.get(rid)
+            taps = self.state.requests.get(rid)
             if taps is None:
                 taps = self._admit_safely(rid, params)
                 if taps is None:  # pragma: no cover - rid_of just found a payload
                     continue
-                self.requests[rid] = taps
+                self.state.requests[rid] = taps
             wanted.append((index, taps))
         if not wanted:
             return []
         starts = batch.starts
-        self.step_tokens = starts[-1]
+        self.state.step_tokens = starts[-1]
 
         # a copy: the runner reuses its positions buffer every step
         flat_positions = batch.positions[: starts[-1]].to("cpu", copy=True)
-        self.step_positions = flat_positions
+        self.state.step_positions = flat_positions
         # each request's first and last position (one run when they are as far apart as its rows)
         present = [(index, taps) for index, taps in wanted if starts[index + 1] > starts[index]]
         ends = torch.tensor([(starts[index], starts[index + 1] - 1) for index, _ in present], dtype=torch.long)
@@ -126,20 +203,11 @@ class TapManager(HookTaps, LensTaps, FetchTaps):
             first, last = bounds[2 * i], bounds[2 * i + 1]
             span = (first, last + 1) if last + 1 - first == end - start else None
             sl = Slice(taps, start, end, flat_positions[start:end], span=span)
-            if taps.lens_at and self.last_stage:  # the final norm and unembedding live there
+            if taps.lens_at and self.state.last_stage:  # the final norm and unembedding live there
                 keep = taps.lens_keep(sl.positions)
                 sl.lens_keep = keep if bool(keep.any()) else None
             slices.append(sl)
         return slices
-
-    def _hook_key(self, address: Address) -> HookKey | None:
-        """The hook serving ``address`` on this worker (``None``: another pipeline stage's)."""
-        try:
-            return self._hook_keys[address]
-        except KeyError:
-            key = hook_key(address, self.family) if self.owns(address) else None
-            self._hook_keys[address] = key
-            return key
 
     def _admit_safely(self, rid: str, params: Any) -> RequestTaps | None:
         """:meth:`_admit`, or if the request's taps cannot be set up here (a payload this worker
@@ -149,7 +217,9 @@ class TapManager(HookTaps, LensTaps, FetchTaps):
             payload = RequestPayload.of(params)
             return None if payload is None else self._admit(payload)
         except Exception as exc:
-            self.failed[rid] = f"this request's taps could not be set up in vLLM's worker: {type(exc).__name__}: {exc}"
+            self.state.failed[rid] = (
+                f"this request's taps could not be set up in vLLM's worker: {type(exc).__name__}: {exc}"
+            )
             logger.warning("interp-engine: request %s refused in the worker: %s", rid, exc)
             taps = RequestTaps(RequestPayload(rid))
             taps.awaits_fetch = RequestPayload.awaits_fetch_of(params)
@@ -157,28 +227,28 @@ class TapManager(HookTaps, LensTaps, FetchTaps):
 
     def _params(self, req_id: str) -> Any:
         """The ``SamplingParams`` of a live vLLM request."""
-        return self.seam.params(self.runner, req_id)
+        return self.state.seam.params(self.state.runner, req_id)
 
     def finished(self, req_ids: Any) -> None:
         """vLLM finished or aborted these requests (its own ids). A request that captured
         nothing (steering only) is forgotten now, with no round trip from the front end;
         captured values and readouts wait for their fetch."""
         for req_id in req_ids:
-            rid = RequestPayload.rid_of(self._params(req_id), self.issuers)
-            taps = self.requests.get(rid) if rid is not None else None
+            rid = RequestPayload.rid_of(self._params(req_id), self.state.issuers)
+            taps = self.state.requests.get(rid) if rid is not None else None
             if taps is not None and not taps.awaits_fetch:
                 self.release(taps.rid)
 
     def preempted(self, req_ids: Any) -> None:
         """vLLM preempted these requests (counted in the stats as ``preempted``): a request's
         taps stay, and the positions it recomputes are read and written again."""
-        self.timing["preempted"] += len(req_ids)
+        self.state.timing["preempted"] += len(req_ids)
 
     def _admit(self, payload: RequestPayload) -> RequestTaps:
         """The state of a request seen for the first time."""
         if payload.buffers:
-            self.writer.forget_gone()  # segments the front end removed since
-        return RequestTaps(payload, self.saes, len(self.layers))
+            self.state.writer.forget_gone()  # segments the front end removed since
+        return RequestTaps(payload, self.state.saes, len(self.state.layers))
 
     # -- one forward ----------------------------------------------------------------------
     def step(self, batch: StepBatch | None) -> Step:
@@ -189,18 +259,18 @@ class TapManager(HookTaps, LensTaps, FetchTaps):
         try:
             return (yield from self._step(batch))
         finally:
-            self.copier.step_done()
-            self.timing["steps"] += 1
-            self.timing["step_ns"] += time.perf_counter_ns() - began
+            self.state.copier.step_done()
+            self.state.timing["steps"] += 1
+            self.state.timing["step_ns"] += time.perf_counter_ns() - began
 
     def _step(self, batch: StepBatch | None) -> Step:
         slices = self._slices(batch)
         if not slices:
-            return (yield from self._forward())
+            return (yield from self.state.forward())
         hooks: dict[HookKey, Hook] = defaultdict(Hook)
         for sl in slices:
             for address, role in sl.taps.roles.items():
-                key = self._hook_key(address)
+                key = self.state.hook_key(address)
                 if key is None:  # another pipeline stage serves it
                     continue
                 if sl.lens_keep is None and not (role.writes or role.captures or role.reads or role.keeps):
@@ -210,17 +280,19 @@ class TapManager(HookTaps, LensTaps, FetchTaps):
                     stash = hooks[("layer_in", None, address.layer or 0)]
                     if sl not in stash.stash_for:
                         stash.stash_for.append(sl)
-        handles = [self._install(key, hook) for key, hook in hooks.items() if key[0] != "model_out"]
+        handles = [
+            self.hooks.register(key, self.hooks.tap(key, hook)) for key, hook in hooks.items() if key[0] != "model_out"
+        ]
         try:
-            output = yield from self._forward()
+            output = yield from self.state.forward()
         finally:
             for handle in handles:
                 handle.remove()
         out_hook = hooks.get(("model_out", None, 0))
         if out_hook is not None:
             try:
-                output = self._model_out(output, out_hook)
+                output = self.hooks.model_out(output, out_hook)
             except Exception as exc:
-                self._fail([sl for members in out_hook.members.values() for sl in members], exc)
-        self._lens(slices)
+                self.state.fail([sl for members in out_hook.members.values() for sl in members], exc)
+        self.lens.run(slices)
         return output

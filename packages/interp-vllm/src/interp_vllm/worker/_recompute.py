@@ -13,23 +13,27 @@ from interp_engine import Address
 from .. import _compat
 from ..hooks import attr_path, copy_rows
 from ..model._sites import SITES
-from ._capture import CaptureTaps
+from ._capture import Captures
 from ._request_taps import Hook, Slice
+from ._state import TapState
 
 
-class RecomputeTaps(CaptureTaps):
-    """Routing, attention recompute and the model's output reads."""
+class Recompute:
+    """The part of the taps that computes values vLLM does not hand over whole: routing,
+    attention scores and patterns, and the model's output reads (recorded through ``captures``)."""
+
+    def __init__(self, state: TapState, captures: Captures) -> None:
+        self.state = state
+        self.captures = captures
 
     def route(self, layer: int, hidden: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(expert weights, expert indices)`` for router logits at ``layer``: vLLM's own routing
         function (the fused-MoE runner's router: its top-k, scoring and renormalisation)."""
-        runner = attr_path(self.layers[layer], self.family.experts or "")
+        runner = attr_path(self.state.layers[layer], self.state.family.experts or "")
         weights, ids = runner.router.select_experts(hidden_states=hidden, router_logits=logits)
         return weights, ids
 
-    def _record_routing(
-        self, routed: tuple[torch.Tensor, torch.Tensor], members: list[Slice], address: Address
-    ) -> None:
+    def record_routing(self, routed: tuple[torch.Tensor, torch.Tensor], members: list[Slice], address: Address) -> None:
         weights, ids = routed
         for sl in members:
             if address in sl.taps.points:
@@ -40,14 +44,14 @@ class RecomputeTaps(CaptureTaps):
                 sl.taps.values[address].append((sl.positions, value))
 
     def _kernel_geometry(self, layer: int) -> tuple[int, float, float | None, int | None]:
-        kernel = attr_path(self.layers[layer], self.family.attn_kernel)
+        kernel = attr_path(self.state.layers[layer], self.state.family.attn_kernel)
         head = int(kernel.head_size)
         scale = float(getattr(kernel.impl, "scale", head**-0.5))
         cap = getattr(kernel.impl, "logits_soft_cap", None)
         window = getattr(kernel, "sliding_window", None)
         return head, scale, cap, window
 
-    def _attention(self, sl: Slice, address: Address, query: torch.Tensor, key: torch.Tensor) -> None:
+    def attention(self, sl: Slice, address: Address, query: torch.Tensor, key: torch.Tensor) -> None:
         """Record ``attn_scores`` or ``attn_pattern`` of ``sl``'s queries from the post-rotary
         ``query`` and ``key`` rows of this step; earlier steps' keys are kept per request (once
         per step, however many of the two are asked for)."""
@@ -76,7 +80,7 @@ class RecomputeTaps(CaptureTaps):
             hidden_keys |= k_pos <= q_pos - int(window)
         scores = scores.masked_fill(hidden_keys, float("-inf"))
         if address.kind == "attn_pattern":
-            sinks = getattr(attr_path(self.layers[layer], self.family.attn_kernel).impl, "sinks", None)
+            sinks = getattr(attr_path(self.state.layers[layer], self.state.family.attn_kernel).impl, "sinks", None)
             if sinks is None:
                 value = scores.softmax(-1)  # [heads, q, keys], keys in position order
             else:  # one more logit per head in the softmax's denominator (gpt-oss), then dropped
@@ -89,22 +93,22 @@ class RecomputeTaps(CaptureTaps):
         full[:, :, key_pos] = value.cpu()
         sl.taps.values[address].append((sl.positions, full.permute(1, 0, 2)))
 
-    def _read_output(self, output: Any, hook: Hook) -> None:
+    def read_output(self, output: Any, hook: Hook) -> None:
         hidden = output[0] if isinstance(output, tuple) else output
         final, bare, served = Address("final_norm"), Address("logits_raw"), Address("logits")
         if hook.members.get(final):
-            self._capture(final, hidden, hook.members[final])
+            self.captures.capture(final, hidden, hook.members[final])
         for sl in hook.members.get(bare, ()):  # every rank joins the gather (a TP collective)
-            self._capture(bare, self.unembed(hidden[sl.start : sl.end]), [sl], base=sl.start)
+            self.captures.capture(bare, self.unembed(hidden[sl.start : sl.end]), [sl], base=sl.start)
         for sl in hook.members.get(served, ()):  # every rank computes logits (a TP collective)
-            logits = self.model.compute_logits(hidden[sl.start : sl.end])  # type: ignore[operator]
-            self._capture(served, logits, [sl], base=sl.start)
+            logits = self.state.model.compute_logits(hidden[sl.start : sl.end])  # type: ignore[operator]
+            self.captures.capture(served, logits, [sl], base=sl.start)
 
     def unembed(self, hidden: torch.Tensor) -> torch.Tensor:
         """The bare unembedding of final-norm outputs: what vLLM's logits processor computes
         before its soft-cap and scaling (gathered over ranks, vocabulary padding removed)."""
-        processor = getattr(self.model, "logits_processor", None)
-        head = attr_path(self.model, self.family.unembed)
+        processor = getattr(self.state.model, "logits_processor", None)
+        head = attr_path(self.state.model, self.state.family.unembed)
         bias = getattr(head, "bias", None)  # a biased unembedding (GPT-J, Phi): part of the bare logits
         logits: torch.Tensor = _compat.bare_logits(
             processor, hidden, head, bias if isinstance(bias, torch.Tensor) else None

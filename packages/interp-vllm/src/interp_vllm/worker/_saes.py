@@ -10,34 +10,40 @@ from interp_engine import Address, BackendError, FeatureWrite, Sae
 from .._wire import compact
 from ..sae._math import SaeLayout, SaeMath, pick
 from ..sae._transcoders import TranscoderMath
-from ._base import TapBase
 from ._request_taps import Slice, WriteTable, touched_rows
+from ._state import TapState
 
 
-class SaeTaps(TapBase):
-    """The SAEs the front end attached, and their readouts and clamps over a step's requests."""
+class Saes:
+    """The part of the taps that holds the SAEs the front end attached (in the shared state's
+    ``saes``, where requests find them when admitted) and computes their readouts and clamps over
+    a step's requests, with one batched encoder per SAE and device."""
+
+    def __init__(self, state: TapState) -> None:
+        self.state = state
+        self._math_of: dict[tuple[int, str], tuple[Sae, SaeMath]] = {}  # batched encoders, per SAE
 
     def attach(self, key: str, blob: bytes) -> None:
         """Hold an SAE sent once by the front end (``Sae.to_bytes``) under ``key``, on the
         model's device."""
-        param = next(self.model.parameters())
-        self.saes[key] = Sae.from_bytes(blob).to(device=param.device)
+        param = next(self.state.model.parameters())
+        self.state.saes[key] = Sae.from_bytes(blob).to(device=param.device)
 
     def detach(self, key: str) -> None:
         """Drop the SAE held under ``key`` (requests already admitted keep their reference)."""
-        self.saes.pop(key, None)
+        self.state.saes.pop(key, None)
 
     def _math(self, sae: Sae, device: torch.device) -> SaeMath:
         """``sae``'s batched encoder (:class:`~..sae._math.SaeMath`; a transcoder's with its decoder,
         :class:`~..sae._transcoders.TranscoderMath`) on ``device``, built once."""
         key = (id(sae), str(device))
-        held = self._sae_math.get(key)
+        held = self._math_of.get(key)
         if held is None or held[0] is not sae:
             kind = TranscoderMath if sae.is_transcoder and sae.has_decoder else SaeMath
-            held = self._sae_math[key] = (sae, kind(sae, device, onednn=True))
+            held = self._math_of[key] = (sae, kind(sae, device, onednn=True))
         return held[1]
 
-    def _read_features_many(self, readers: list[Slice], value: torch.Tensor, address: Address) -> None:
+    def read_features_many(self, readers: list[Slice], value: torch.Tensor, address: Address) -> None:
         """The readouts of every reader at ``address`` this step: per SAE, one encode of all
         their kept rows (keeping what the widest readout asks for) and one copy to the CPU;
         only the readouts are kept."""
@@ -85,7 +91,7 @@ class SaeTaps(TapBase):
                     if sl.taps.saes[spec.sae] is sae:
                         sl.taps.readout_values[spec].append((positions, whole[spec][part]))
 
-    def _apply_features(self, value: torch.Tensor, group: list[tuple[Slice, WriteTable]]) -> bool:
+    def apply_features(self, value: torch.Tensor, group: list[tuple[Slice, WriteTable]]) -> bool:
         """Feature clamps (or ablations) of one SAE for several requests, in one batched pass
         (:meth:`SaeMath.clamp_rows <._static_sae.SaeMath.clamp_rows>`: the clamped features'
         own pre-activations, and a TopK SAE's whole encode only of the rows that need it; whole

@@ -30,19 +30,19 @@ from .._wire import FinalNorm, WeightsHeld
 from ..hooks import attr_path, copy_rows
 
 
-def _vocab_size(taps: Any) -> int:
-    config = taps.runner.model_config.hf_config
+def _vocab_size(state: Any) -> int:
+    config = state.runner.model_config.hf_config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return int(text.vocab_size)
 
 
-def input_embedding(taps: Any) -> Any:
+def input_embedding(state: Any) -> Any:
     """This stage's input embedding (vocabulary-parallel, the model's vocabulary size, not the
     ``ParallelLMHead``), or ``None`` on a stage that has none."""
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
-    vocab = _vocab_size(taps)
-    for _, module in taps.model.named_modules():
+    vocab = _vocab_size(state)
+    for _, module in state.model.named_modules():
         if (
             isinstance(module, VocabParallelEmbedding)
             and not isinstance(module, ParallelLMHead)
@@ -52,12 +52,12 @@ def input_embedding(taps: Any) -> Any:
     return None
 
 
-def _unembedding(taps: Any) -> Any:
-    return attr_path(taps.model, taps.family.unembed) if taps.last_stage and taps.family.unembed else None
+def _unembedding(state: Any) -> Any:
+    return attr_path(state.model, state.family.unembed) if state.last_stage and state.family.unembed else None
 
 
-def _output_projection(taps: Any, layer: int) -> Any:
-    return attr_path(taps.layers[layer], taps.family.attn_o_proj)
+def _output_projection(state: Any, layer: int) -> Any:
+    return attr_path(state.layers[layer], state.family.attn_o_proj)
 
 
 def _bias(module: Any) -> torch.Tensor | None:
@@ -65,21 +65,22 @@ def _bias(module: Any) -> torch.Tensor | None:
     return bias if isinstance(bias, torch.Tensor) else None
 
 
-def worker_info(taps: Any) -> WeightsHeld:
-    """What this worker's stage holds of the weights (``interp_weight_info``'s answer)."""
-    param = next(taps.model.parameters())
+def worker_info(state: Any) -> WeightsHeld:
+    """What this worker's stage holds of the weights (``interp_weight_info``'s answer; ``state``: the
+    taps' :class:`~._state.TapState`)."""
+    param = next(state.model.parameters())
     held = WeightsHeld(
-        pp_rank=taps.pp_rank,
-        rank=taps.rank,
+        pp_rank=state.pp_rank,
+        rank=state.rank,
         dtype=str(param.dtype).removeprefix("torch."),
-        embed=input_embedding(taps) is not None,
-        o_bias=all(_bias(_output_projection(taps, layer)) is not None for layer in taps.owned),
+        embed=input_embedding(state) is not None,
+        o_bias=all(_bias(_output_projection(state, layer)) is not None for layer in state.owned),
     )
-    unembed = _unembedding(taps)
+    unembed = _unembedding(state)
     if unembed is None:
         return held
-    embed = input_embedding(taps)
-    processor = getattr(taps.model, "logits_processor", None)
+    embed = input_embedding(state)
+    processor = getattr(state.model, "logits_processor", None)
     scale = getattr(processor, "scale", 1.0)
     cap = getattr(processor, "soft_cap", None)
     held = msgspec.structs.replace(
@@ -89,14 +90,14 @@ def worker_info(taps: Any) -> WeightsHeld:
         logit_scale=float(scale) if isinstance(scale, (int, float)) else 1.0,
         softcap=float(cap) if isinstance(cap, (int, float)) and cap else None,
     )
-    norm = attr_path(taps.model, taps.family.final_norm)
+    norm = attr_path(state.model, state.family.final_norm)
     found = probe_norm(  # its own forward, not a call: the taps' hooks on the norm never see the probe
         norm.forward,
         norm,
-        d_model=int(taps.runner.model_config.get_hidden_size()),
+        d_model=int(state.runner.model_config.get_hidden_size()),
         device=param.device,
         dtype=param.dtype,
-        config=taps.runner.model_config.hf_config,
+        config=state.runner.model_config.hf_config,
     )
     if found is None:
         return msgspec.structs.replace(
@@ -118,14 +119,14 @@ def worker_info(taps: Any) -> WeightsHeld:
     )
 
 
-def worker_weight(taps: Any, name: str, layer: int | None, vocab: list[int] | None) -> dict[str, torch.Tensor]:
+def worker_weight(state: Any, name: str, layer: int | None, vocab: list[int] | None) -> dict[str, torch.Tensor]:
     """This worker's part of a checked weight (empty where its stage does not hold it)."""
     with torch.no_grad():
         if name == "W_E":
-            embed = input_embedding(taps)
+            embed = input_embedding(state)
             return {} if embed is None else _vocab_rows(embed, embed.weight, vocab)
         if name in ("W_U", "b_U"):
-            unembed = _unembedding(taps)
+            unembed = _unembedding(state)
             if unembed is None:
                 return {}
             table = unembed.weight if name == "W_U" else _bias(unembed)
@@ -133,23 +134,23 @@ def worker_weight(taps: Any, name: str, layer: int | None, vocab: list[int] | No
                 raise BackendError(f"the unembedding {type(unembed).__name__} has no {name}")
             return _vocab_rows(unembed, table, vocab)
         if name in ("ln_final.w", "ln_final.b"):
-            if not taps.last_stage:
+            if not state.last_stage:
                 return {}
-            weight, bias = norm_parameters(attr_path(taps.model, taps.family.final_norm))
+            weight, bias = norm_parameters(attr_path(state.model, state.family.final_norm))
             value = weight if name == "ln_final.w" else bias
             if value is None:
                 raise BackendError(f"the final norm has no {name}")
             return {"values": copy_rows(value)}
-        if layer is None or layer not in taps.owned:
+        if layer is None or layer not in state.owned:
             return {}
-        projection = _output_projection(taps, layer)
+        projection = _output_projection(state, layer)
         if name == "b_O":
             bias = _bias(projection)
             if bias is None:
                 raise BackendError(f"the output projection of layer {layer} has no bias")
             return {"values": copy_rows(bias)}
         matrix = linear_matrix(projection)  # [this rank's heads * d_head, d_model]
-        return {"values": copy_rows(matrix.reshape(-1, taps.d_head, matrix.shape[1]))}
+        return {"values": copy_rows(matrix.reshape(-1, state.d_head, matrix.shape[1]))}
 
 
 def linear_matrix(module: Any) -> torch.Tensor:

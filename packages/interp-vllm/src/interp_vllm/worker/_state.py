@@ -1,5 +1,5 @@
-"""What every tap manager of a model runner holds: the model, where its parts live, and the state
-of the requests in flight.
+"""The state every part of a model runner's taps shares: the model, where its parts live, this
+worker's ranks, and the state of the requests in flight.
 
 The structure comes from the site table's family (:func:`~..model._resolve.resolve`); this worker's
 place in vLLM's tensor- and pipeline-parallel groups decides which heads, columns and layers its
@@ -24,8 +24,7 @@ from .._transport import HostCopier, SlabWriter
 from ..hooks import attr_path, owned_layers, pp_position, tp_position
 from ..model._families import VllmFamily
 from ..model._resolve import resolve
-from ..model._sites import SITES, HookKey, VllmSite
-from ..sae._math import SaeMath
+from ..model._sites import SITES, HookKey, VllmSite, hook_key
 from ._request_taps import RequestTaps, Slice
 from ._runner import RunnerSeam, Step
 from ._seam import seam_of, seams
@@ -33,8 +32,10 @@ from ._seam import seam_of, seams
 logger = logging.getLogger("interp_vllm.worker._manager")
 
 
-class TapBase:
-    """The model runner's model and family, this worker's ranks, and the requests' states."""
+class TapState:
+    """The model runner's model and family, this worker's ranks, the requests' states, and what
+    every part records into (``failed``, ``timing``, the slab writer). One per :class:`TapManager
+    <._manager.TapManager>`, handed to each of its parts."""
 
     def __init__(self, runner: Any) -> None:
         seam = seam_of(runner)
@@ -97,7 +98,6 @@ class TapBase:
         self.copier = HostCopier(param.device if param is not None else torch.device("cpu"))
         self.writer = SlabWriter(self.copier)
         self.step_positions = torch.zeros(0, dtype=torch.long)  # every row's absolute position, this step
-        self._sae_math: dict[tuple[int, str], tuple[Sae, SaeMath]] = {}  # batched encoders, per SAE
         self._hook_keys: dict[Address, HookKey | None] = {}  # the hook of each address here (None: not here)
 
     def total_heads(self, site: VllmSite) -> int:
@@ -123,7 +123,16 @@ class TapBase:
         """The gate activation module of ``layer``'s MLP (:attr:`VllmFamily.mlp_act`)."""
         return self.module(("output", "mlp_act", layer))
 
-    def _forward(self) -> Step:
+    def hook_key(self, address: Address) -> HookKey | None:
+        """The hook serving ``address`` on this worker (``None``: another pipeline stage's)."""
+        try:
+            return self._hook_keys[address]
+        except KeyError:
+            key = hook_key(address, self.family) if self.owns(address) else None
+            self._hook_keys[address] = key
+            return key
+
+    def forward(self) -> Step:
         """Where the forward runs inside a step: its output is what the step is sent."""
         began = time.perf_counter_ns()
         try:
@@ -131,7 +140,7 @@ class TapBase:
         finally:
             self.timing["forward_ns"] += time.perf_counter_ns() - began
 
-    def _fail(self, slices: list[Slice], exc: Exception) -> None:
+    def fail(self, slices: list[Slice], exc: Exception) -> None:
         for sl in slices:
             self.failed.setdefault(sl.taps.rid, f"a tap failed in vLLM's worker: {type(exc).__name__}: {exc}")
         logger.warning("interp-engine: a tap failed for %d request(s): %s", len(slices), exc, exc_info=True)
