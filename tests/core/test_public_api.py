@@ -300,6 +300,14 @@ def test_each_op_object_is_a_row_of_our_registry(model: Any) -> None:
         assert SteeringSpec.from_json(spec.to_json()) == spec
 
 
+def test_the_registry_names_each_op_object() -> None:
+    from interp_engine.steering._ops import OP_SPECS
+    from interp_engine.steering._writes import OP_ROWS, op_row
+
+    assert {op_row(cls.op).op_object for cls in OP_SPECS} == {cls.__name__ for cls in OP_SPECS}
+    assert {row.name for row in OP_ROWS if row.op_object is None} == {"set"}
+
+
 def test_a_list_of_specs_composes_in_order(model: Any) -> None:
     vector, other = _unit(model, 3), _unit(model, 4)
     specs = [

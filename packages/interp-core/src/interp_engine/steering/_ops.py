@@ -226,7 +226,7 @@ class SwapSpec(OpSpec):
         return {"vector": self.vector, "op": self.op, "scale": self.scale, "target": self.target}
 
 
-OP_SPECS: tuple[type[OpSpec], ...] = (
+OP_SPECS: tuple[type[OpSpec], ...] = (  # each named by its row's op_object
     AddSpec,
     ProjectionCapSpec,
     OrthogonalDecompSpec,
@@ -236,7 +236,7 @@ OP_SPECS: tuple[type[OpSpec], ...] = (
 )
 """Every op object class, each writing a different row of the op registry."""
 
-_BY_OP: dict[str, type[OpSpec]] = {cls.op: cls for cls in OP_SPECS}
+_BY_NAME: dict[str, type[OpSpec]] = {cls.__name__: cls for cls in OP_SPECS}
 
 
 def op_spec(
@@ -249,10 +249,11 @@ def op_spec(
     hi: float | None,
     max_fraction: float | None,
 ) -> OpSpec:
-    """The op object that writes ``op`` with these parameters (a write's own, read back);
-    ``InvalidSteering`` for an op with no op object (``set``)."""
-    op_row(op)
-    cls = _BY_OP.get(op)
+    """The op object that writes ``op`` with these parameters (a write's own, read back): the
+    one its row of the registry names (:attr:`OpRow.op_object <interp_engine.steering._writes.OpRow>`);
+    ``InvalidSteering`` for an op with none (``set``)."""
+    name = op_row(op).op_object
+    cls = _BY_NAME.get(name) if name is not None else None
     if cls is None:
         objects = ", ".join(f"{c.__name__} ({c.op})" for c in OP_SPECS)
         raise InvalidSteering(f"op={op!r} has no op object (they are {objects}); keep it as a Write")

@@ -398,6 +398,9 @@ class OpRow:
     """Takes one vector row per position (or per head) as well as a single one."""
     check: Callable[[OpArgs], None] | None = None
     """Its own checks of the parameters (``InvalidSteering``), after the generic ones."""
+    op_object: str | None = None
+    """The op object of the public ``interp-engine`` package's vocabulary that writes it
+    (:mod:`interp_engine.steering._ops`: ``AddSpec``, ...), or ``None``."""
 
 
 OP_ROWS: tuple[OpRow, ...] = (
@@ -407,6 +410,7 @@ OP_ROWS: tuple[OpRow, ...] = (
         "`[width]`, or `[n_positions, width]` (one row per selected position)",
         _apply_add,
         _fold_add,
+        op_object="AddSpec",
     ),
     OpRow(
         "set",
@@ -424,6 +428,7 @@ OP_ROWS: tuple[OpRow, ...] = (
         direction=True,
         whole_row=True,
         per_position=False,
+        op_object="AblateSpec",
     ),
     OpRow(
         "cap",
@@ -435,6 +440,7 @@ OP_ROWS: tuple[OpRow, ...] = (
         direction=True,
         whole_row=True,
         check=_check_cap,
+        op_object="ProjectionCapSpec",
     ),
     OpRow(
         "rescale",
@@ -444,6 +450,7 @@ OP_ROWS: tuple[OpRow, ...] = (
         _fold_rescale,
         direction=True,
         whole_row=True,
+        op_object="OrthogonalDecompSpec",
     ),
     OpRow(
         "norm_add",
@@ -455,6 +462,7 @@ OP_ROWS: tuple[OpRow, ...] = (
         takes=frozenset({"scale", "max_fraction"}),
         whole_row=True,
         check=_check_norm_add,
+        op_object="NormScaledAddSpec",
     ),
     OpRow(
         "swap",
@@ -466,6 +474,7 @@ OP_ROWS: tuple[OpRow, ...] = (
         direction=True,
         whole_row=True,
         check=_check_swap,
+        op_object="SwapSpec",
     ),
 )
 """Every steering op, in the order the docs list them."""
@@ -513,8 +522,11 @@ def param_doc(name: str) -> str:
 
 def op_table() -> str:
     """The documentation's op table (Markdown, docs/guides/steering.md), one line per row of :data:`OP_ROWS`."""
-    lines = ["| op | effect | vector |", "|---|---|---|"]
-    lines += [f"| `{row.name}` | {row.doc} | {row.vector} |" for row in OP_ROWS]
+    lines = ["| op | effect | vector | op object |", "|---|---|---|---|"]
+    lines += [
+        f"| `{row.name}` | {row.doc} | {row.vector} | {f'`{row.op_object}`' if row.op_object else '—'} |"
+        for row in OP_ROWS
+    ]
     return "\n".join(lines) + "\n"
 
 
