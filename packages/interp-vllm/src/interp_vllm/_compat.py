@@ -14,6 +14,9 @@ moved), so a new vLLM or torch breaks this file with a clear error, not a worker
 - ``V2_*`` -- vLLM's V2 model runner (``vllm.v1.worker.gpu.model_runner.GPUModelRunner``, and vLLM
   0.34's standalone CPU runner), wrapped by :mod:`interp_vllm.worker._runner_v2`, and what that
   reads of V2's objects (:data:`V2_READS`);
+- :data:`BREAKABLE_ROWS` -- vLLM's breakable CUDA graph capture, ``weak_ref_tensor`` and the
+  config field saying whether graphs break, which the taps' islands use
+  (:mod:`interp_vllm.worker._islands`);
 - :data:`WORKER_METHODS` -- methods added to vLLM's ``WorkerBase`` for ``collective_rpc``
   (:func:`add_worker_methods`);
 - the pipeline buffers V1 allocates only in a warm-up its CPU worker skips (:func:`pipeline_buffers`);
@@ -417,6 +420,37 @@ V2_READS = (
 )
 """What the V2 seam reads without wrapping it (checked against vLLM's sources by
 ``scripts/check_vllm_runner.py``)."""
+
+
+BREAKABLE_VERSIONS = ((0, 32), (0, 35))
+"""vLLM 0.32, 0.33 and 0.34 have ``vllm/compilation/breakable_cudagraph.py`` with the same capture
+class (0.33 adds a ``key_fn`` to the wrapper, 0.34 a config argument to
+``is_breakable_cudagraph_enabled``; neither touches what the islands use)."""
+
+BREAKABLE_CAPTURE = Reads(
+    "vllm",
+    "vllm.compilation.breakable_cudagraph:BreakableCUDAGraphCapture",
+    ("current", "add_eager", "_capturing"),
+    BREAKABLE_VERSIONS,
+    "per-request taps run as eager islands between a breakable CUDA graph's segments",
+)
+WEAK_REF_TENSOR = Patch(
+    "vllm",
+    "vllm.utils.torch_utils:weak_ref_tensor",
+    BREAKABLE_VERSIONS,
+    "an island holds the graph's static tensors without keeping the graph pool's blocks alive",
+    parameters=("tensor",),
+)
+BREAKABLE_CONFIG = Reads(
+    "vllm",
+    "vllm.config.compilation:CompilationConfig",
+    ("use_breakable_cudagraph",),
+    ((0, 34), (0, 35)),
+    "whether the runner captures breakable CUDA graphs (0.34 resolves it into the config: the variable, "
+    "or its architectures' default; earlier releases read only VLLM_USE_BREAKABLE_CUDAGRAPH)",
+)
+BREAKABLE_ROWS = (BREAKABLE_CAPTURE, WEAK_REF_TENSOR, BREAKABLE_CONFIG)
+"""What the islands of :mod:`interp_vllm.worker._islands` read of vLLM's breakable CUDA graphs."""
 
 
 def check_state(runner: Any, names: Iterable[str], patch: Patch) -> None:

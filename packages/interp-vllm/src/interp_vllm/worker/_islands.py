@@ -37,8 +37,9 @@ Sites and islands
     The body looks up the step's *plan*, ``{HookKey: tap}``, and runs the site's tap, if it has
     one, on the static tensors: ``tap(module, args, output)`` at a post site,
     ``tap(module, args, kwargs)`` at a pre site: the same callables, with the same signature and
-    the same return values, that the TapManager registers as torch hooks today
-    (``HookTaps._install`` in ``_hooks.py``: ``_guarded(hook, _layer_out(hook))`` and so on). A
+    the same return values, that the TapManager registers as torch hooks where no island serves
+    a site (:meth:`Hooks.tap <._hooks.Hooks.tap>`: ``_guarded(hook, _layer_out(hook))`` and so
+    on). A
     tap that returns ``None`` changed nothing. A tap that returns a replacement (a new output,
     or new ``(args, kwargs)``) has its replaced tensors copied **into** the tensors they replace
     (``copy_``, after checking every pair's shape first, so a bad replacement changes nothing):
@@ -78,29 +79,20 @@ and ``bench/gpu_breakable_taps.py --dry-run`` pass a fake whose "graph segments"
 closures.
 
 The TapManager's step with islands
-    ``_install(key, hook)`` today builds ``fn`` and registers it on ``self.module(key)``. Split it
-    into ``_tap(key, hook) -> fn`` (what it would register) and the registration. With an
-    :class:`IslandSet` in place, a step does::
-
-        taps = {key: self._tap(key, hook) for key, hook in hooks.items() if key[0] != "model_out"}
-        undeclared = islands.begin(taps, on_error=lambda key, exc: self._fail(members_of(hooks[key]), exc))
-        handles = [register(key, islands.marked(key, taps[key])) for key in undeclared]  # eager steps only
-        try:
-            output = yield from self._forward()
-        finally:
-            for handle in handles:
-                handle.remove()
-            for key in islands.end():  # planned, and did not run: a FULL replay, an undeclared site
-                self._fail(members_of(hooks[key]), BackendError(...))
-
-    ``model_out`` stays where it is (after the forward, on its output). :meth:`IslandSet.end`
-    returns every planned key whose tap did not run in the step, so a step that replayed a FULL
-    graph, or a graph with no island at a site, fails those requests with an error instead of
-    answering with nothing.
+    :func:`~._manager.tap_manager` gives the TapManager an :class:`IslandSet` over
+    :func:`layer_sites` of the layers its pipeline stage holds where :func:`breakable_enabled`
+    says so (built by the seam's ``after_load``, before vLLM captures). A step then builds each
+    site's function (:meth:`Hooks.tap <._hooks.Hooks.tap>`), hands them to :meth:`IslandSet.begin`,
+    registers the ones no island serves as module hooks (:meth:`Hooks.register
+    <._hooks.Hooks.register>`, through :meth:`IslandSet.marked`: they run only in an eager
+    forward), and after the forward takes those hooks out and fails the requests of every site
+    :meth:`IslandSet.end` reports as not run with a :class:`~interp_engine.BackendError` that
+    says why (a FULL replay, an undeclared site, a site inside a compiled region): such a step
+    answers with an error, never with nothing. ``model_out`` stays where it is (after the
+    forward, on its output). Without islands the step registers every function as a module hook.
 
 The V2 seam with islands
-    The set is built and placed where the seam hands over the loaded model (``after_load``,
-    before vLLM captures), where :func:`breakable_enabled` says so. The step itself must be driven
+    The step itself must be driven
     from outside the model: at a breakable replay vLLM's ``CudaGraphManager.run_pw_graph(model,
     model_inputs)`` replays the captured segments without calling the model (and
     ``ModelCudaGraphManager.run_fullgraph(desc)`` replays a FULL graph), so hooks on the
@@ -174,37 +166,11 @@ class Breakable:
     plain_capturing: Callable[[], bool] = _cuda_capturing
 
 
-# -- what this reads of vLLM (rows for interp_vllm._compat) --------------------------------------
+# -- what this reads of vLLM (its rows live in interp_vllm._compat, checked with the others) --------
 
-BREAKABLE_VERSIONS = ((0, 32), (0, 35))
-"""vLLM 0.32, 0.33 and 0.34 have ``vllm/compilation/breakable_cudagraph.py`` with the same capture
-class (0.33 adds a ``key_fn`` to the wrapper, 0.34 a config argument to
-``is_breakable_cudagraph_enabled``; neither touches what the islands use)."""
-
-BREAKABLE_CAPTURE = _compat.Reads(
-    "vllm",
-    "vllm.compilation.breakable_cudagraph:BreakableCUDAGraphCapture",
-    ("current", "add_eager", "_capturing"),
-    BREAKABLE_VERSIONS,
-    "per-request taps run as eager islands between a breakable CUDA graph's segments",
-)
-WEAK_REF_TENSOR = _compat.Patch(
-    "vllm",
-    "vllm.utils.torch_utils:weak_ref_tensor",
-    BREAKABLE_VERSIONS,
-    "an island holds the graph's static tensors without keeping the graph pool's blocks alive",
-    parameters=("tensor",),
-)
-
-
-BREAKABLE_CONFIG = _compat.Reads(
-    "vllm",
-    "vllm.config.compilation:CompilationConfig",
-    ("use_breakable_cudagraph",),
-    ((0, 34), (0, 35)),
-    "whether the runner captures breakable CUDA graphs (0.34 resolves it into the config: the variable, "
-    "or its architectures' default; earlier releases read only VLLM_USE_BREAKABLE_CUDAGRAPH)",
-)
+BREAKABLE_CAPTURE = _compat.BREAKABLE_CAPTURE
+WEAK_REF_TENSOR = _compat.WEAK_REF_TENSOR
+BREAKABLE_CONFIG = _compat.BREAKABLE_CONFIG
 
 
 def breakable_enabled(vllm_config: Any) -> bool:
