@@ -62,12 +62,17 @@ class _Handlers:
         _taps(runner).preempted(req_ids)
 
     def after_load(self, runner: Any) -> None:
-        """Install a vllm-static engine's taps right after the model is loaded (before compiling)."""
+        """Install a vllm-static engine's taps right after the model is loaded (before compiling);
+        where vLLM captures breakable CUDA graphs, the taps with their islands (before capture)."""
         from .static._worker import StaticTapManager, static_config
+        from .worker._islands import breakable_enabled
+        from .worker._manager import tap_manager
 
         config = static_config(runner)
         if config is not None:
             runner._interp_taps = StaticTapManager(runner, config)
+        elif breakable_enabled(getattr(runner, "vllm_config", None)):
+            runner._interp_taps = tap_manager(runner)
 
 
 _HANDLERS = _Handlers()

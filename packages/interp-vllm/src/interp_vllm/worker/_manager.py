@@ -54,6 +54,7 @@ from ..model._sites import HookKey
 from ._capture import Captures
 from ._fetch import Fetch
 from ._hooks import Hooks
+from ._islands import Breakable, IslandSet, breakable_enabled, layer_sites, vllm_breakable
 from ._lens import Lens
 from ._recompute import Recompute
 from ._request_taps import Hook, RequestTaps, Slice
@@ -66,9 +67,12 @@ logger = logging.getLogger(__name__)
 
 def tap_manager(runner: Any) -> TapManager | UntappedRunner:
     """The taps of a model runner, or, for a model whose structure cannot be resolved, a runner
-    that serves vLLM's plain requests untouched (installing interp-vllm never breaks vLLM)."""
+    that serves vLLM's plain requests untouched (installing interp-vllm never breaks vLLM). Where
+    vLLM captures breakable CUDA graphs (:func:`~._islands.breakable_enabled`), the taps get
+    islands in them (:mod:`._islands`); built before vLLM captures, they are in its graphs."""
     try:
-        return TapManager(runner)
+        enabled = breakable_enabled(getattr(runner, "vllm_config", None))
+        return TapManager(runner, vllm_breakable() if enabled else None)
     except (UnsupportedArchitecture, IncompatibleDependency) as exc:
         logger.warning("interp-engine: no taps for this model: %s", exc)
         return UntappedRunner(str(exc))
@@ -105,7 +109,7 @@ class TapManager:
     """The taps of one model runner: the shared :class:`~._state.TapState` and the parts over
     it. :meth:`step` runs around each forward; the front end's calls are answered by the parts."""
 
-    def __init__(self, runner: Any) -> None:
+    def __init__(self, runner: Any, breakable: Breakable | None = None) -> None:
         self.state = state = TapState(runner)
         self.captures = Captures(state)
         self.recompute = Recompute(state, self.captures)
@@ -113,6 +117,11 @@ class TapManager:
         self.hooks = Hooks(state, self.captures, self.recompute, self.saes)
         self.lens = Lens(state)
         self.fetching = Fetch(state)
+        # with ``breakable`` (vLLM captures breakable CUDA graphs): an island at every layer's
+        # input and output of this stage, placed now, before vLLM captures its graphs
+        self.islands: IslandSet | None = None
+        if breakable is not None:
+            self.islands = IslandSet(layer_sites(state.owned), state.module, breakable).place()
 
     # -- what a ping reads ----------------------------------------------------------------
     @property
@@ -155,7 +164,10 @@ class TapManager:
         self.fetching.release(rid)
 
     def stats(self) -> dict[str, int]:
-        return self.fetching.stats()
+        out = self.fetching.stats()
+        if self.islands is not None:
+            out.update({f"islands_{name}": count for name, count in self.islands.counts().items()})
+        return out
 
     def decode(self, residuals: torch.Tensor) -> torch.Tensor | None:
         return self.fetching.decode(residuals)
@@ -280,14 +292,25 @@ class TapManager:
                     stash = hooks[("layer_in", None, address.layer or 0)]
                     if sl not in stash.stash_for:
                         stash.stash_for.append(sl)
-        handles = [
-            self.hooks.register(key, self.hooks.tap(key, hook)) for key, hook in hooks.items() if key[0] != "model_out"
-        ]
+        islands = self.islands
+        if islands is None:
+            handles = [
+                self.hooks.register(key, self.hooks.tap(key, hook))
+                for key, hook in hooks.items()
+                if key[0] != "model_out"
+            ]
+        else:
+            handles = self._begin_islands(islands, hooks)
+        missed: list[HookKey] = []
         try:
             output = yield from self.state.forward()
         finally:
             for handle in handles:
                 handle.remove()
+            if islands is not None:
+                missed = islands.end()
+        for key in missed:
+            self.state.fail(_members(hooks[key]), BackendError(f"{_site(key)}: {MISSED}"))
         out_hook = hooks.get(("model_out", None, 0))
         if out_hook is not None:
             try:
@@ -296,3 +319,39 @@ class TapManager:
                 self.state.fail([sl for members in out_hook.members.values() for sl in members], exc)
         self.lens.run(slices)
         return output
+
+    def _begin_islands(self, islands: IslandSet, hooks: dict[HookKey, Hook]) -> list[Any]:
+        """The step's functions handed to the islands for the sites they serve (they run them at
+        capture, at each replay and in an eager forward); the others registered as module hooks,
+        which run only in an eager forward. The registered hooks' handles."""
+        taps = {key: self.hooks.tap(key, hook) for key, hook in hooks.items() if key[0] != "model_out"}
+
+        def on_error(key: HookKey, exc: Exception) -> None:
+            self.state.fail(_members(hooks[key]), exc)
+
+        undeclared = islands.begin(taps, on_error=on_error)
+        return [self.hooks.register(key, islands.marked(key, taps[key])) for key in undeclared]
+
+
+MISSED = (
+    "its taps did not run in this step: vLLM replayed a CUDA graph with no island there (a FULL graph, "
+    "a site no island was declared at, or one inside a region vLLM compiles)"
+)
+"""Why a request whose taps the islands report missed (:meth:`~._islands.IslandSet.end`) fails."""
+
+
+def _members(hook: Hook) -> list[Slice]:
+    """The requests a hook serves (its addresses' and those it stashes ``resid_pre`` for)."""
+    return [sl for members in hook.members.values() for sl in members] + hook.stash_for
+
+
+def _site(key: HookKey) -> str:
+    where, attr, layer = key
+    names = {
+        "layer_in": "the input of",
+        "layer_out": "the output of",
+        "input": "the input of",
+        "output": "the output of",
+    }
+    part = f"{attr} of layer {layer}" if attr is not None else f"layer {layer}"
+    return f"{names.get(where, where)} {part}"
