@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+from multiprocessing import forkserver
 from multiprocessing.context import ForkServerContext, ForkServerProcess
 from typing import Any
 
@@ -70,16 +71,47 @@ class _EnvContext(ForkServerContext):
 
 _CONTEXT = _EnvContext()
 
+_V2_SERVER = forkserver.ForkServer()
+"""A second server for engines on vLLM's V2 runner: started inside the V2 runner's environment
+(``interp_testkit.runners``), so Python loads the stand-in Triton backend in it before it imports
+vLLM, and its children hold that import."""
+_V2_SERVER.set_forkserver_preload([*PRELOAD, "vllm.v1.worker.cpu.model_runner"])
+
+
+class _V2Process(_EnvProcess):
+    """A process of :data:`_V2_SERVER` (multiprocessing's forkserver Popen talks to the module's
+    one server: it is pointed at the second one while the process starts)."""
+
+    @staticmethod
+    def _Popen(process_obj: Any) -> Any:
+        from multiprocessing import popen_forkserver
+
+        saved = forkserver.connect_to_new_process
+        forkserver.connect_to_new_process = _V2_SERVER.connect_to_new_process
+        try:
+            return popen_forkserver.Popen(process_obj)
+        finally:
+            forkserver.connect_to_new_process = saved
+
+
+class _V2Context(ForkServerContext):
+    Process = _V2Process
+
+
+_V2_CONTEXT = _V2Context()
+
 
 def _get_mp_context() -> Any:
-    """The front end's engine cores from the server; an engine core's workers by ``fork``.
-    An engine on the Ray test platform (``interp_testkit.ray_cpu``) or on the V2 runner's
-    harness (``interp_testkit.runners``) is spawned as vLLM spawns it: the server chose its vLLM
-    platform and imported vLLM's Triton check once, at its imports, without either."""
+    """The front end's engine cores from the server (those on the V2 runner's harness,
+    ``interp_testkit.runners``, from the second server); an engine core's workers by ``fork``.
+    An engine on the Ray test platform (``interp_testkit.ray_cpu``) is spawned as vLLM spawns
+    it: the server chose its vLLM platform once, at its imports, without that platform."""
     from . import ray_cpu, runners
 
-    if os.environ.get(ray_cpu.ENV) == "1" or runners.is_v2():
+    if os.environ.get(ray_cpu.ENV) == "1":
         return multiprocessing.get_context("spawn")
+    if runners.is_v2() and multiprocessing.parent_process() is None:
+        return _V2_CONTEXT
     if multiprocessing.parent_process() is None:
         return _CONTEXT
     return multiprocessing.get_context("fork")
