@@ -206,7 +206,7 @@ def test_versions_compare_by_release() -> None:
 def test_the_engine_leaves_the_choice_of_runner_to_vllm() -> None:
     """vLLM picks its runner (V2 by default from 0.33, V1 where ``VLLM_USE_V2_MODEL_RUNNER=0`` asks
     for it); the engine's environment defaults do not pin either."""
-    from interp_vllm.frontend import _engine
+    from interp_vllm.frontend import _engine_config as _engine
 
     assert "VLLM_USE_V2_MODEL_RUNNER" not in _engine.CPU_ENV_DEFAULTS
     assert not hasattr(_engine, "ENV_DEFAULTS")

@@ -63,7 +63,7 @@ from .._wire import (
     StaticDeclaration,
     to_wire,
 )
-from ..frontend._engine import ENGINE_DEFAULTS
+from ..frontend._engine_config import ENGINE_DEFAULTS
 from ..frontend._model import VllmModel
 from ..model._sites import POINT_KINDS as STATIC_POINT_KINDS
 from ..model._sites import SITES, STATIC_WRITE_KINDS
