@@ -4,7 +4,7 @@ Each hook runs, at each address it serves, that address's :class:`~._taps.Static
 then its SAEs (:class:`~._saes.StaticSae`, each reading what the previous one left, and
 those that clamp applying the step's clamps), then its :class:`~._taps.StaticTap`
 (:func:`chain`). The modules they call are registered on the hooked module by
-:class:`~._worker.StaticTapManager`, which builds the hooks here and installs them; a
+:class:`~._compiled.CompiledTaps`, which builds the hooks here and installs them; a
 :data:`Stage` names one address's modules by attribute.
 
 vLLM's deferred residual is handled in-graph: a write on ``resid_pre``/``resid_post`` gives
