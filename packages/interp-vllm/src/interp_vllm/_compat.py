@@ -49,13 +49,7 @@ from interp_engine import IncompatibleDependency
 logger = logging.getLogger(__name__)
 
 PATCHED = "_interp_engine_patched"
-"""Set on ``GPUModelRunner`` once :func:`patch_runner` wrapped it (the workers report it)."""
-
-VLLM_VERSIONS = ((0, 32), (0, 34))
-"""The vLLM releases the runner patches are written for: ``>=0.32,<0.34``."""
-
-RUNNER_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
-"""Where vLLM would pick its V2 model runner, pin the V1 runner the patches wrap."""
+"""Set on each runner class the runner seam wrapped (:mod:`interp_vllm.worker._seam`)."""
 
 
 def release(version: str) -> tuple[int, ...]:

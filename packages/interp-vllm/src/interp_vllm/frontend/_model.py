@@ -184,7 +184,7 @@ class VllmModel(SaeSync):
             if any(address not in rank.values for rank in ranks):
                 raise BackendError(
                     f"the taps for {address} did not fire for this request (is the interp-vllm "
-                    "plugin active in every worker, with the V1 model runner?)"
+                    "plugin active in every worker?)"
                 )
             positions = ranks[0].values[address][0]
             if positions.shape[0] < n or not torch.equal(positions[:n], torch.arange(n)):
@@ -216,7 +216,7 @@ class VllmModel(SaeSync):
         if any(address not in rank.written for rank in writers):
             raise BackendError(
                 f"the taps for {address} did not fire for this request (is the interp-vllm "
-                "plugin active in every worker, with the V1 model runner?)"
+                "plugin active in every worker?)"
             )
         if seen < n:
             raise BackendError(f"the taps for {address} saw {seen} of the {n} positions of this request")
