@@ -359,3 +359,30 @@ def test_hf_classes_get_their_bases_and_attributes_back() -> None:
         cls.__bases__ = (*cls.__bases__, Wrapper)
         cls.interp_added = True  # type: ignore[attr-defined]
     assert cls.__bases__ == bases and "interp_added" not in vars(cls)
+
+
+def test_the_source_check_names_a_target_a_release_moved() -> None:
+    """``scripts/check_vllm_runner.py`` reads a release's files: a V2 runner whose ``prepare_inputs``
+    was renamed, or whose ``InputBatch`` lost a field the seam reads, is a problem in that release,
+    and the V1 rows are skipped where the release is past them."""
+    import vllm
+
+    from interp_vllm._compat_check import check, tree_source
+
+    installed = tree_source(pathlib.Path(vllm.__file__).parent.parent)
+    runner_file = "vllm/v1/worker/gpu/model_runner.py"
+    batch_file = "vllm/v1/worker/gpu/input_batch.py"
+
+    def moved(path: str) -> str | None:
+        text = installed(path)
+        if text is not None and path == runner_file:
+            text = text.replace("def prepare_inputs(", "def prepare_step_inputs(")
+        if text is not None and path == batch_file:
+            text = text.replace("    query_start_loc_np:", "    query_starts_np:")
+        return text
+
+    findings = {(f.row, f.status): f.detail for f in check(moved, "0.34.0")}
+    assert ("vllm.v1.worker.gpu.model_runner:GPUModelRunner.prepare_inputs", "problem") in findings
+    assert "query_start_loc_np" in findings[("vllm.v1.worker.gpu.input_batch:InputBatch", "problem")]
+    assert ("vllm.v1.worker.gpu_model_runner:GPUModelRunner._model_forward", "skipped") in findings
+    assert all(status != "problem" for _, status in {(f.row, f.status) for f in check(installed, "0.32.0")})

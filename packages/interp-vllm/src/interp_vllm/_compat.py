@@ -64,6 +64,13 @@ def _spell(bounds: tuple[tuple[int, ...], tuple[int, ...] | None]) -> str:
     return text if high is None else text + ",<" + ".".join(map(str, high))
 
 
+def _within(versions: tuple[tuple[int, ...], tuple[int, ...] | None], version: str) -> bool:
+    """Whether ``version`` is in ``versions`` (``(lowest, first excluded)``; ``None``: no bound)."""
+    found = release(version)
+    low, high = versions
+    return found >= low and (high is None or found < high)
+
+
 def _installed(package: str) -> str:
     if package == "torch":
         import torch
@@ -100,10 +107,8 @@ class Patch:
         return f"{self.package}{_spell(self.versions)}"
 
     def in_range(self, version: str | None = None) -> bool:
-        """Whether ``version`` (the installed one by default) is one the patch is written for."""
-        found = release(version or _installed(self.package))
-        low, high = self.versions
-        return found >= low and (high is None or found < high)
+        """Whether ``version`` (the installed one by default) is one the row is written for."""
+        return _within(self.versions, version or _installed(self.package))
 
     def owner(self) -> Any:
         """The class holding the target, or the module of a module-level function (``None`` for a
@@ -168,10 +173,8 @@ class Reads:
         return f"{self.package}{_spell(self.versions)}"
 
     def in_range(self, version: str | None = None) -> bool:
-        """Whether ``version`` (the installed one by default) is one the reads are written for."""
-        found = release(version or _installed(self.package))
-        low, high = self.versions
-        return found >= low and (high is None or found < high)
+        """Whether ``version`` (the installed one by default) is one the row is written for."""
+        return _within(self.versions, version or _installed(self.package))
 
     def check(self) -> Any:
         """The class (or module) holding the names, after checking each is there in the installed

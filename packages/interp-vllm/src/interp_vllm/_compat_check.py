@@ -181,12 +181,6 @@ def rows() -> Iterator[Patch | Reads]:
                 yield item
 
 
-def _in_range(row: Patch | Reads, version: str) -> bool:
-    found = _compat.release(version)
-    low, high = row.versions
-    return found >= low and (high is None or found < high)
-
-
 def check(source: Source, version: str) -> list[Finding]:
     """Every vLLM row of :mod:`._compat` against the release ``source`` reads (``version``)."""
     findings = []
@@ -196,8 +190,8 @@ def check(source: Source, version: str) -> list[Finding]:
         if key in seen:
             continue
         seen.add(key)
-        if not _in_range(row, version):
-            findings.append(Finding(row.target, row.why, "skipped", f"written for {_spell(row)}"))
+        if not row.in_range(version):
+            findings.append(Finding(row.target, row.why, "skipped", f"written for {row.spelled}"))
             continue
         problem = check_patch(row, source) if isinstance(row, Patch) else check_reads(row, source)
         if problem is None:
@@ -207,12 +201,6 @@ def check(source: Source, version: str) -> list[Finding]:
         else:
             findings.append(Finding(row.target, row.why, "problem", problem))
     return findings
-
-
-def _spell(row: Patch | Reads) -> str:
-    low, high = row.versions
-    text = "vllm>=" + ".".join(map(str, low))
-    return text if high is None else text + ",<" + ".".join(map(str, high))
 
 
 def check_tree(root: pathlib.Path, version: str) -> list[str]:
