@@ -143,17 +143,18 @@ def engine_pool() -> Iterator[EnginePool]:
 
 
 @pytest.fixture(scope="session")
-def vllm_runner(request: pytest.FixtureRequest) -> Iterator[str]:
+def vllm_runner(request: pytest.FixtureRequest, engine_pool: EnginePool) -> Iterator[str]:
     """The vLLM model runner of this test (``"v1"`` or ``"v2"``, parametrized by
     :func:`pytest_generate_tests`, else :func:`interp_testkit.runners.current`): the engines
     started while it is in place run on it (``interp_testkit.runners``), the pool's among them.
-    The pool keeps each runner's engines (a test process moves between runners module by
-    module, and the tiny engines fit)."""
+    When the session moves to the other runner, the pool's engines on this one are shut down: a
+    process holds one runner's engines at a time (each ~1 GB; both runners' overflow memory)."""
     # a test that asks for an engine at run time (getfixturevalue) is not parametrized: it runs
     # on the runner the environment names, or vLLM's own choice
     runner = getattr(request, "param", None) or runners.current()
     with runners.using(runner):
         yield runner
+    engine_pool.release(keep=lambda engine_runner, args: engine_runner != runner)
 
 
 @pytest.fixture(scope="session")
