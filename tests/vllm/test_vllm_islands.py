@@ -561,7 +561,6 @@ def test_undeclared_sites_are_handed_back_and_missed_under_replay() -> None:
 
 
 def test_vllms_breakable_capture_is_found_and_matches_the_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("vllm")
     import vllm
 
     from interp_vllm._compat_check import check_patch, check_reads, tree_source
