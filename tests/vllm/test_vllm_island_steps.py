@@ -2,7 +2,7 @@
 ``interp_vllm.worker._islands``), with no engine and no GPU.
 
 A real :class:`~interp_vllm.worker._manager.TapManager` is built over the vLLM-shaped model of
-``test_vllm_islands.py`` (layers that take ``(positions, hidden_states=, residual=)`` and defer
+``tests/support/islands.py`` (layers that take ``(positions, hidden_states=, residual=)`` and defer
 the residual add), through a stand-in runner seam that hands over each request's payload. Its
 step is driven as the runner seam drives it (:func:`~interp_vllm.worker._runner.drive`): once
 while the fake breakable capture records the forward (no requests: vLLM's dummy batch), then
@@ -27,7 +27,7 @@ from interp_vllm.worker._islands import Breakable
 from interp_vllm.worker._manager import MISSED, TapManager
 from interp_vllm.worker._runner import StepBatch, drive
 
-from .test_vllm_islands import LAYERS, ClosureCapture, D, Model, PlainCapture, T, inputs, vec
+from ..support.islands import LAYERS, ClosureCapture, D, Model, PlainCapture, T, inputs, vec
 
 ISSUER = "test-issuer"
 POSITIONS = torch.arange(T, dtype=torch.float32)

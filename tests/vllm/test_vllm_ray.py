@@ -34,6 +34,7 @@ import torch
 
 from interp_engine import Address, Features, SteeringSpec, Write
 from interp_engine.sae._readouts import read_features
+from interp_testkit import runners
 from interp_testkit.suite import LONG, PROMPT, hf_for, rel_diff, vllm_model_path
 
 from ..support import procs as _procs
@@ -150,8 +151,10 @@ def test_ray_workers_carry_the_taps(engines: tuple[Any, Any]) -> None:
     pings = ray.run(lambda: ray.model._engine.collective_rpc("interp_ping"))
     assert sorted(p["rank"] for p in pings) == [0, 1]
     assert all(p["patched"] and p["runner"] == "CPUModelRunner" for p in pings), pings
-    # the front end's environment reached the Ray workers (the taps need the V1 runner)
-    assert [p["v2_runner_env"] for p in pings] == ["0", "0"]
+    # the front end's choice of model runner reached the Ray workers, and they run that runner
+    chosen = os.environ[runners.RUNNER_VARIABLE]
+    assert [p["v2_runner_env"] for p in pings] == [chosen, chosen]
+    assert [p["seam"] for p in pings] == [runners.current()] * 2
 
 
 @pytest.mark.parametrize("prompt", ["short", "long"])
