@@ -31,5 +31,5 @@ if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1; then
     sleep $((attempt * 5))
   done
 fi
-"${PIP[@]}" -e "packages/interp-core[serve]" -e "packages/interp-eager[peft]" -e packages/interp-vllm -e ".[dev]" -e tests/toy_backend \
+"${PIP[@]}" -e "packages/interp-core[serve,harvest]" -e "packages/interp-eager[peft]" -e packages/interp-vllm -e ".[dev]" -e tests/toy_backend \
   -e tests/testkit

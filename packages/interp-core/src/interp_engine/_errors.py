@@ -32,6 +32,11 @@ Every error is an :class:`InterpError` and also the builtin a Python user would 
     │                                        width mismatch, unknown option
     ├── CaptureMemoryExceeded (MemoryError)  a request's captured values exceed the backend's
     │                                        capture memory cap: .needed, .limit, .option
+    ├── InvalidCorpus (ValueError)           a harvest corpus that is missing, empty or not the
+    │                                        format named: .path, .valid
+    ├── HarvestMismatch (ValueError)         an output folder holding another harvest (or other
+    │                                        files): .path, .differences
+    ├── InsufficientDiskSpace (OSError)      not enough free disk for a harvest: .needed, .free
     └── BackendError (RuntimeError)          the backend failed to serve a valid request
         ├── IncompatibleDependency           an installed package no longer has the private API
         │                                    a backend patches (the message names the versions)
@@ -226,3 +231,38 @@ class CaptureMemoryExceeded(InterpError, MemoryError):
         self.limit = limit
         self.option = option
         self.valid = limit
+
+
+class InvalidCorpus(InterpError, ValueError):
+    """A harvest corpus that cannot be read: a file or folder that is missing, holds no document,
+    is not the format named (or its extension implies), or lacks the text field asked for.
+    ``path`` is the corpus, ``valid`` what would have been accepted."""
+
+    def __init__(self, message: str, *, path: Any = None, valid: Sequence[str] | str = ()) -> None:
+        super().__init__(message)
+        self.path = path
+        self.valid = valid
+
+
+class HarvestMismatch(InterpError, ValueError):
+    """A harvest's output folder that holds another harvest (another model, corpus, address set or
+    packing) or files that are no harvest's: nothing is mixed in or overwritten. ``path`` is the
+    folder; ``differences`` maps each setting that differs to ``(in the folder, asked for)``."""
+
+    def __init__(
+        self, message: str, *, path: Any = None, differences: dict[str, tuple[Any, Any]] | None = None
+    ) -> None:
+        super().__init__(message)
+        self.path = path
+        self.differences = dict(differences or {})
+
+
+class InsufficientDiskSpace(InterpError, OSError):
+    """Too little free disk for a harvest: found before it starts (``needed``, the estimate of
+    what the whole run writes) or when a shard's write fails on a full disk (the shards written
+    before it are kept and a rerun resumes after them). ``needed`` and ``free`` in bytes."""
+
+    def __init__(self, message: str, *, needed: int = 0, free: int = 0) -> None:
+        super().__init__(message)
+        self.needed = needed
+        self.free = free

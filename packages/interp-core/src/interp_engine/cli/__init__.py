@@ -5,6 +5,7 @@
     interp lens MODEL TEXT [--generate N --layers L,M --top-k K --plot PATH]
     interp attention MODEL TEXT --layer L
     interp features MODEL TEXT --sae NAME_OR_PATH [--top-k K] [--json] [--plot FILE]
+    interp harvest MODEL CORPUS OUT --points resid_post.2,... [--sae NAME=PATH] [--context-size N]
 
 TEXT may be replaced by ``--chat FILE.json``: chat messages formatted by the model's chat template.
     interp serve MODEL --backend eager --host 127.0.0.1 --port 8000 [--sae NAME=PATH]
@@ -29,6 +30,7 @@ from ._capture import add_capture
 from ._common import UserError, add_adapter_option, add_model_options, add_sae_option, load_options, parse_option
 from ._demo import add_demo
 from ._features import add_features
+from ._harvest import add_harvest
 from ._views import add_attention, add_lens
 
 __all__ = ["main"]
@@ -152,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_lens(sub)
     add_attention(sub)
     add_features(sub)
+    add_harvest(sub)
     add_serve(sub)
     return parser
 
@@ -192,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(join_negative_lists(sys.argv[1:] if argv is None else argv))
     if args.command is None:
-        parser.error("choose a command: demo, capture, lens, attention, features or serve")
+        parser.error("choose a command: demo, capture, lens, attention, features, harvest or serve")
     try:
         status: int = args.func(args)
     except (UserError, InterpError, OSError) as exc:

@@ -1,0 +1,384 @@
+"""interp_engine.harvest on eager ``interp:tiny``: SAELens's packing (checked against sae-lens's
+own), the corpus readers, SAELens's cached-activations output (sae-lens trains from it, and what
+its loader reads is what HF transformers computes), the safetensors shards read back lazily,
+resume after a real SIGKILL, refusals, readouts and top contexts, and ``interp harvest``."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from interp_engine import (
+    HarvestMismatch,
+    InsufficientDiskSpace,
+    InvalidCorpus,
+    InvalidFeatures,
+    InvalidOption,
+    LayerOutOfRange,
+    run_with_cache,
+    tiny_model_path,
+)
+from interp_engine.harvest import feature_html, harvest, open_corpus, open_harvest, pack, top_contexts
+from interp_testkit.suite import hf_for
+
+DOCS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "",
+    "A second document, somewhat longer than the first one, so that it spills over a row or two of the packing.",
+    "Short.",
+    "Numbers 1 2 3 4 5 6 7 8 9 10 and words after them to make the row longer still.",
+    "The last one.",
+] * 3
+TINY_SAE = pathlib.Path(tiny_model_path()).parent / "tiny-sae"
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    path = tmp_path_factory.mktemp("corpus") / "docs.txt"
+    path.write_text("\n".join(DOCS) + "\n")
+    return path
+
+
+def _sae_lens_rows(docs: list[list[int]], context_size: int, bos: int | None, sep: int | None, one: bool) -> list:
+    from sae_lens.tokenization_and_batching import concat_and_batch_sequences
+
+    rows = concat_and_batch_sequences(
+        iter(torch.tensor(d, dtype=torch.long) for d in docs),
+        context_size=context_size,
+        begin_batch_token_id=bos,
+        sequence_separator_token_id=sep,
+        disable_concat_sequences=one,
+    )
+    return [r.tolist() for r in rows]
+
+
+@pytest.mark.parametrize("context_size", [2, 5, 16])
+@pytest.mark.parametrize(("bos", "sep"), [(0, 0), (0, None), (None, 7), (None, None), (3, 0)])
+def test_packing_is_sae_lens_own(context_size: int, bos: int | None, sep: int | None) -> None:
+    gen = torch.Generator().manual_seed(context_size)
+    docs = [torch.randint(0, 12, (int(n),), generator=gen).tolist() for n in torch.randint(0, 23, (40,), generator=gen)]
+    for packing, one in (("concat", False), ("truncate", True)):
+        ours = list(pack(enumerate(docs), context_size=context_size, packing=packing, bos_id=bos, separator_id=sep))
+        assert [r.tokens for r in ours] == _sae_lens_rows(docs, context_size, bos, sep, one)
+        for row in ours:  # each token's document and position name the token it is
+            for token, doc, pos in zip(row.tokens, row.doc, row.pos, strict=True):
+                assert pos == -1 or docs[doc][pos] == token
+
+
+def test_corpus_formats_read_the_same_documents(tmp_path: pathlib.Path) -> None:
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "a.txt").write_text("\n".join(DOCS) + "\n")
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"id": i, "body": d}) + "\n" for i, d in enumerate(DOCS)))
+    pq.write_table(pa.table({"body": DOCS}), tmp_path / "a.parquet")
+    datasets.Dataset.from_dict({"body": DOCS}).save_to_disk(str(tmp_path / "hf"))
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    (folder / "1.txt").write_text("\n".join(DOCS[:4]) + "\n")
+    (folder / "2.txt").write_text("\n".join(DOCS[4:]) + "\n")
+    for source, field in ((tmp_path / "a.txt", "text"), (folder, "text"), (tmp_path / "hf", "body"), (DOCS, "text")):
+        assert list(open_corpus(source, text_field=field).documents()) == DOCS, source
+    for source in (tmp_path / "a.jsonl", tmp_path / "a.parquet"):
+        assert list(open_corpus(source, text_field="body").documents()) == DOCS, source
+    ids = [[1, 2, 3], [4, 5]]
+    (tmp_path / "ids.jsonl").write_text("".join(json.dumps({"tokens": t}) + "\n" for t in ids))
+    assert list(open_corpus(tmp_path / "ids.jsonl").documents()) == ids  # SAELens's pre-tokenized column
+
+
+def test_bad_corpora_are_named(tmp_path: pathlib.Path, direct: Any) -> None:
+    with pytest.raises(InvalidCorpus, match="does not exist"):
+        open_corpus(tmp_path / "missing.txt")
+    (tmp_path / "a.csv").write_text("x")
+    with pytest.raises(InvalidCorpus, match="cannot tell the format") as info:
+        open_corpus(tmp_path / "a.csv")
+    assert "jsonl" in info.value.valid
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\nnot json\n')
+    with pytest.raises(InvalidCorpus, match="line 2 is not JSON"):
+        list(open_corpus(tmp_path / "bad.jsonl").documents())
+    (tmp_path / "field.jsonl").write_text('{"body": "ok"}\n')
+    with pytest.raises(InvalidCorpus, match=r"no field 'text'.*body"):
+        list(open_corpus(tmp_path / "field.jsonl").documents())
+    (tmp_path / "bad.parquet").write_text("not parquet")
+    with pytest.raises(InvalidCorpus, match="not a Parquet file"):
+        list(open_corpus(tmp_path / "bad.parquet").documents())
+    (tmp_path / "empty.jsonl").write_text("")
+    out = tmp_path / "out"
+    with pytest.raises(InvalidCorpus, match="holds no document"):
+        harvest(direct, tmp_path / "empty.jsonl", out, addresses=["resid_post.0"], progress=False)
+    (tmp_path / "blank.txt").write_text("\n\n")
+    with pytest.raises(InvalidCorpus, match="gives no row"):
+        harvest(direct, tmp_path / "blank.txt", out, addresses=["resid_post.0"], progress=False)
+
+
+def test_saelens_trains_from_the_harvest(tmp_path: pathlib.Path, direct: Any, corpus: pathlib.Path) -> None:
+    """sae-lens's own loader (ActivationsStore, with use_cached_activations) reads the folder, and
+    what it reads is what HF transformers computes for those rows; sae-lens's trainer then trains
+    an SAE on it for a few steps."""
+    import datasets
+    from sae_lens import LanguageModelSAERunnerConfig, StandardTrainingSAEConfig, TrainingSAE
+    from sae_lens.training.activations_store import ActivationsStore
+    from sae_lens.training.sae_trainer import SAETrainer
+
+    out = tmp_path / "out"
+    summary = harvest(direct, corpus, out, addresses=["resid_post.2", "resid_post.0"], context_size=16, progress=False)
+    assert summary.rows >= 8 and summary.tokens == 16 * summary.rows
+    cached = datasets.load_from_disk(str(out / "saelens"))
+    assert cached.features["blocks.2.hook_resid_post"] == datasets.Array2D(shape=(16, 128), dtype="float32")
+    assert cached.features["token_ids"] == datasets.Sequence(datasets.Value("int32"), length=16)
+    cfg = LanguageModelSAERunnerConfig(
+        sae=StandardTrainingSAEConfig(d_in=128, d_sae=64),
+        model_name="interp:tiny",
+        hook_name="blocks.2.hook_resid_post",
+        dataset_path="unused",
+        use_cached_activations=True,
+        cached_activations_path=str(out / "saelens"),
+        context_size=16,
+        store_batch_size_prompts=4,
+        n_batches_in_buffer=2,
+        train_batch_size_tokens=32,
+        training_tokens=32 * 4,
+        device="cpu",
+        act_store_device="cpu",
+        lr_warm_up_steps=0,
+        n_checkpoints=0,
+    )
+    tokens = datasets.Dataset.from_dict({"tokens": cached["token_ids"]})
+    store = ActivationsStore.from_config(None, cfg, override_dataset=tokens)  # type: ignore[arg-type]
+    acts, token_ids = store.get_raw_llm_batch()
+    rows = token_ids.reshape(4, 16)
+    hf = hf_for(pathlib.Path(tiny_model_path()))
+    with torch.no_grad():
+        hidden = hf(rows.long(), output_hidden_states=True).hidden_states[3]  # after block 2
+    torch.testing.assert_close(acts, hidden.reshape(-1, 128), rtol=1e-4, atol=1e-4)
+    tokenizer = direct.model.tok.tokenizer
+    docs = [tokenizer(d, add_special_tokens=False)["input_ids"] for d in DOCS]
+    bos = tokenizer.bos_token_id
+    assert cached["token_ids"] == _sae_lens_rows(docs, 16, bos, bos, False)  # SAELens's own packing
+    store.current_row_idx = 0
+    sae = TrainingSAE.from_dict(cfg.get_training_sae_cfg_dict())
+    before = sae.W_enc.detach().clone()
+    trainer = SAETrainer(cfg=cfg.to_sae_trainer_config(), sae=sae, data_provider=store)
+    trainer.fit()
+    assert trainer.n_training_steps == 4 and not torch.equal(before, sae.W_enc.detach())
+
+
+def test_safetensors_shards_read_back(tmp_path: pathlib.Path, direct: Any, corpus: pathlib.Path) -> None:
+    out = tmp_path / "out"
+    harvest(
+        direct,
+        corpus,
+        out,
+        addresses=["resid_post.1", "attn_z.0"],
+        context_size=16,
+        formats=["safetensors"],
+        packing="document",
+        shard_bytes=4 * 16 * (2 * 128 * 4 + 16),  # four rows a shard
+        progress=False,
+    )
+    ds = open_harvest(out)
+    manifest = json.loads((out / "harvest.json").read_text())
+    assert len(manifest["shards"]) > 1 and manifest["complete"]
+    assert manifest["settings"]["model"]["hash"] and manifest["versions"]["torch"] == torch.__version__
+    nonempty = [i for i, d in enumerate(DOCS) if d]
+    assert len(ds) == len(nonempty)
+    tokenizer = direct.model.tok.tokenizer
+    for row_index, doc in enumerate(nonempty):
+        row = ds[row_index]
+        ids = [tokenizer.bos_token_id, *tokenizer(DOCS[doc], add_special_tokens=False)["input_ids"]][:16]
+        assert row.tokens.tolist() == ids and set(row.doc.tolist()) == {doc}
+        cache = run_with_cache(direct, ids, ["resid_post.1", "attn_z.0"])  # alone, not padded in a batch
+        torch.testing.assert_close(row.values["resid_post.1"], cache["resid_post.1"][0], rtol=1e-5, atol=1e-5)
+        expected = cache["attn_z.0"][0].reshape(len(ids), -1)
+        torch.testing.assert_close(ds.address("attn_z.0")[row_index], expected, rtol=1e-5, atol=1e-5)
+        whole = ds.document(doc)
+        assert whole.pos.tolist() == list(range(len(ids) - 1)) and whole.tokens.tolist() == ids[1:]
+    assert sum(s.shape[0] for s in ds.address("resid_post.1").shards()) == ds.n_tokens
+
+
+def _script(out: pathlib.Path, corpus: pathlib.Path) -> str:
+    return textwrap.dedent(
+        f"""
+        from interp_engine import load_model
+        from interp_engine.harvest import harvest
+        model = load_model("interp:tiny", backend="eager")
+        harvest(model, {str(corpus)!r}, {str(out)!r}, addresses=["resid_post.3"], context_size=8, batch_rows=1,
+                shard_bytes=8 * 2 * (128 * 4 + 4 + 16), progress=False)
+        """
+    )
+
+
+def test_resume_after_sigkill(tmp_path: pathlib.Path, direct: Any, corpus: pathlib.Path) -> None:
+    """Killed (SIGKILL) in the middle of a run, a rerun of the same harvest continues: every row
+    once, in order, equal to an uninterrupted run's."""
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    harvest(
+        direct,
+        corpus,
+        whole,
+        addresses=["resid_post.3"],
+        context_size=8,
+        batch_rows=1,
+        shard_bytes=8 * 2 * (128 * 4 + 4 + 16),
+        progress=False,
+    )
+    proc = subprocess.Popen([sys.executable, "-c", _script(killed, corpus)], stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            listed = killed / "harvest.json"
+            if listed.exists() and len(json.loads(listed.read_text())["shards"]) >= 3:
+                break
+            time.sleep(0.02)
+        assert proc.poll() is None, "the harvest ended before it could be killed"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait()
+    state = json.loads((killed / "harvest.json").read_text())
+    total = len(json.loads((whole / "harvest.json").read_text())["shards"])
+    assert not state["complete"] and 3 <= len(state["shards"]) < total
+    subprocess.run([sys.executable, "-c", _script(killed, corpus)], check=True, stderr=subprocess.DEVNULL)
+    a, b = open_harvest(whole), open_harvest(killed)
+    assert len(a) == len(b) and a.n_tokens == b.n_tokens
+    for row in range(len(a)):
+        assert torch.equal(a[row].tokens, b[row].tokens) and torch.equal(a[row].doc, b[row].doc)
+        assert torch.equal(a[row].values["resid_post.3"], b[row].values["resid_post.3"])
+    assert not list(killed.rglob("*.partial")) and not (killed / "saelens" / ".tmp_shards").exists()
+    import datasets
+
+    assert (
+        datasets.load_from_disk(str(killed / "saelens"))["token_ids"]
+        == datasets.load_from_disk(str(whole / "saelens"))["token_ids"]
+    )
+
+
+def test_refuses_another_harvest_and_bad_input(tmp_path: pathlib.Path, direct: Any, corpus: pathlib.Path) -> None:
+    out = tmp_path / "out"
+    harvest(direct, corpus, out, addresses=["resid_post.0"], context_size=8, formats=["safetensors"], progress=False)
+    before = (out / "harvest.json").read_bytes()
+    with pytest.raises(HarvestMismatch, match="the context size: 8 there, 16 asked") as info:
+        harvest(
+            direct, corpus, out, addresses=["resid_post.0"], context_size=16, formats=["safetensors"], progress=False
+        )
+    assert info.value.differences == {"context_size": (8, 16)}
+    with pytest.raises(HarvestMismatch, match="the addresses harvested"):
+        harvest(
+            direct, corpus, out, addresses=["resid_post.1"], context_size=8, formats=["safetensors"], progress=False
+        )
+    assert (out / "harvest.json").read_bytes() == before
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(HarvestMismatch, match=r"holds files and no harvest\.json"):
+        harvest(direct, corpus, other, addresses=["resid_post.0"], progress=False)
+    with pytest.raises(LayerOutOfRange):
+        harvest(direct, corpus, tmp_path / "x", addresses=["resid_post.9"], progress=False)
+    wide = tmp_path / "sae-mlp"
+    shutil.copytree(TINY_SAE, wide)
+    cfg = json.loads((wide / "cfg.json").read_text())
+    cfg["metadata"]["hook_name"] = "blocks.2.mlp.hook_post"
+    (wide / "cfg.json").write_text(json.dumps(cfg))
+    with pytest.raises(InvalidFeatures):
+        harvest(direct, corpus, tmp_path / "x", saes={"wide": wide}, formats=["safetensors"], progress=False)
+    with pytest.raises(InvalidOption, match="rows of different lengths"):
+        harvest(direct, corpus, tmp_path / "x", addresses=["resid_post.0"], packing="document", progress=False)
+    assert not (tmp_path / "x").exists()
+
+
+def test_disk_space(tmp_path: pathlib.Path, direct: Any, corpus: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Too little free disk is refused before anything is written; a disk that fills mid-run
+    (here: the third shard's write fails with ENOSPC) keeps the shards before it, and the rerun
+    completes the harvest."""
+    import errno
+    from collections import namedtuple
+
+    from interp_engine.harvest import _manifest, _shards
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(_manifest.shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 1000, 1000))
+    out = tmp_path / "out"
+    with pytest.raises(InsufficientDiskSpace, match="needs about") as info:
+        harvest(direct, corpus, out, addresses=["resid_post.0"], context_size=8, progress=False)
+    assert info.value.free == 1000 and info.value.needed > 1000 and not out.exists()
+    monkeypatch.undo()
+    real = _shards.atomic_write_bytes
+    calls = []
+
+    def filling(path: pathlib.Path, data: bytes) -> None:
+        calls.append(path)
+        if len(calls) == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(path, data)
+
+    monkeypatch.setattr(_shards, "atomic_write_bytes", filling)
+    options: dict[str, Any] = {"addresses": ["resid_post.0"], "context_size": 8, "shard_bytes": 8 * 2 * 600}
+    with pytest.raises(InsufficientDiskSpace, match="filled while writing shard 2"):
+        harvest(direct, corpus, out, formats=["safetensors"], progress=False, **options)
+    assert len(json.loads((out / "harvest.json").read_text())["shards"]) == 2
+    monkeypatch.undo()
+    summary = harvest(direct, corpus, out, formats=["safetensors"], progress=False, **options)
+    assert summary.new_rows == summary.rows - 4 and len(open_harvest(out)) == summary.rows
+
+
+def test_readouts_and_top_contexts(tmp_path: pathlib.Path, direct: Any, corpus: pathlib.Path) -> None:
+    """Per-token top-k readouts equal the model's own; each feature's kept top contexts are the
+    highest of all its values in the readouts, with the tokens around them."""
+    from interp_engine import Features
+
+    out = tmp_path / "out"
+    harvest(
+        direct,
+        corpus,
+        out,
+        saes={"res2": TINY_SAE},
+        top_k=4,
+        top_contexts=3,
+        context_window=2,
+        context_size=16,
+        formats=["safetensors"],
+        batch_rows=3,
+        progress=False,
+    )
+    ds = open_harvest(out)
+    key = "features:res2:top4"
+    everything = []
+    for index in range(len(ds)):
+        row = ds[index]
+        read = run_with_cache(direct, row.tokens.tolist(), [Features("res2", top_k=4)])[Features("res2", top_k=4)]
+        ids, values = row.values[key]
+        assert torch.equal(ids, read.ids[0].to(torch.int32)) and torch.equal(values, read.values[0])
+        for pos in range(ids.shape[0]):
+            everything += [(int(f), float(v), index, pos) for f, v in zip(ids[pos], values[pos], strict=True) if f >= 0]
+    kept = top_contexts(out, "res2")["features"]
+    for feature in {f for f, *_ in everything}:
+        expected = sorted((v for f, v, *_ in everything if f == feature), reverse=True)[:3]
+        entries = kept[str(feature)]
+        assert [e["value"] for e in entries] == pytest.approx(expected)
+        best = entries[0]
+        tokens = ds[best["row"]].tokens.tolist()
+        assert best["tokens"][2] == tokens[best["position"]]
+        assert best["tokens"][:2] == [-1, -1, *tokens][best["position"] : best["position"] + 2]
+    page = feature_html(out, "res2", int(next(iter(kept))))
+    assert page.startswith("<!doctype html>") and "class='hit'" in page
+
+
+def test_cli_harvest(tmp_path: pathlib.Path, corpus: pathlib.Path) -> None:
+    from interp_engine.cli import main
+
+    out = tmp_path / "out"
+    args = ["harvest", "interp:tiny", str(corpus), str(out), "--points", "resid_post.1", "--context-size", "8"]
+    assert main([*args, "--quiet", "--max-rows", "5"]) == 0
+    assert len(open_harvest(out)) == 5
+    assert main([*args, "--quiet", "--context-size", "16", "--max-rows", "5"]) == 1
