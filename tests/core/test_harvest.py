@@ -208,14 +208,21 @@ def test_safetensors_shards_read_back(tmp_path: pathlib.Path, direct: Any, corpu
     assert sum(s.shape[0] for s in ds.address("resid_post.1").shards()) == ds.n_tokens
 
 
+RESUMED: dict[str, Any] = {
+    "addresses": ["resid_post.3"],
+    "context_size": 16,
+    "batch_rows": 1,
+    "shard_bytes": 16 * 2 * (128 * 4 + 4 + 16),  # two rows a shard, in both formats
+}
+
+
 def _script(out: pathlib.Path, corpus: pathlib.Path) -> str:
     return textwrap.dedent(
         f"""
         from interp_engine import load_model
         from interp_engine.harvest import harvest
         model = load_model("interp:tiny", backend="eager")
-        harvest(model, {str(corpus)!r}, {str(out)!r}, addresses=["resid_post.3"], context_size=8, batch_rows=1,
-                shard_bytes=8 * 2 * (128 * 4 + 4 + 16), progress=False)
+        harvest(model, {str(corpus)!r}, {str(out)!r}, progress=False, **{RESUMED!r})
         """
     )
 
@@ -224,16 +231,7 @@ def test_resume_after_sigkill(tmp_path: pathlib.Path, direct: Any, corpus: pathl
     """Killed (SIGKILL) in the middle of a run, a rerun of the same harvest continues: every row
     once, in order, equal to an uninterrupted run's."""
     whole, killed = tmp_path / "whole", tmp_path / "killed"
-    harvest(
-        direct,
-        corpus,
-        whole,
-        addresses=["resid_post.3"],
-        context_size=8,
-        batch_rows=1,
-        shard_bytes=8 * 2 * (128 * 4 + 4 + 16),
-        progress=False,
-    )
+    harvest(direct, corpus, whole, progress=False, **RESUMED)
     proc = subprocess.Popen([sys.executable, "-c", _script(killed, corpus)], stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
