@@ -58,10 +58,17 @@ V1_SLICE = (
 on V2). ``INTERP_TEST_RUNNERS`` chooses otherwise: ``v1``, ``v2``, or ``all`` (both, everywhere)."""
 
 
-def _runners(module: str) -> list[str]:
-    """The model runners the vLLM tests of ``module`` (``vllm/test_x.py``) run on."""
+def _runners(module: str, marked: pytest.Mark | None = None) -> list[str]:
+    """The model runners the vLLM tests of ``module`` (``vllm/test_x.py``) run on; a test marked
+    ``@pytest.mark.runners("v1")`` runs on those by default (a test whose subject is not the
+    model runner, too slow under V2's Triton interpreter to run there as well)."""
     chosen = os.environ.get("INTERP_TEST_RUNNERS", "")
     if chosen in ("", "default"):
+        if marked is not None:
+            named = list(marked.args)
+            if not named or any(name not in runners.RUNNERS for name in named):
+                raise pytest.UsageError(f"@pytest.mark.runners{tuple(named)!r}: name v1, v2 or both")
+            return named
         return ["v2", "v1"] if module in V1_SLICE else ["v2"]
     if chosen == "all":
         return list(runners.RUNNERS)
@@ -77,7 +84,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     vLLM folders) runs once per model runner of :func:`_runners`."""
     if "vllm_runner" in metafunc.fixturenames:
         module = metafunc.definition.nodeid.split("::", 1)[0].removeprefix("tests/")
-        metafunc.parametrize("vllm_runner", _runners(module), indirect=True, scope="session")
+        marked = metafunc.definition.get_closest_marker("runners")
+        metafunc.parametrize("vllm_runner", _runners(module, marked), indirect=True, scope="session")
 
 
 def _folder(nodeid: str) -> str:

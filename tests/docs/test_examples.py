@@ -385,6 +385,7 @@ RUN_OUTSIDE_THE_SUITE = {
         "is importing; its two steps run in CI: setup.sh in scripts/test.sh, `interp demo` in every site build "
         "(test_demo_sh_is_setup_then_the_demo)"
     ),
+    ".venv/bin/mkdocs build --strict": "tests/docs/test_docs_site.py builds the site so and checks its pages",
 }
 """The shell blocks that are not ``pip install`` and are not run here, each with the reason."""
 

@@ -564,6 +564,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.runners("v1")  # the front end's teardown, not the model runner: two engine starts in a script
 def test_a_script_that_shuts_down_exits_without_a_traceback(tmp_path: pathlib.Path) -> None:
     """Load, generate, shut down (awaited, then through a sync facade) and exit: nothing on
     stderr from vLLM's ``AsyncLLM.__del__`` at interpreter teardown (it used to print

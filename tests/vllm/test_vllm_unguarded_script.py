@@ -47,6 +47,7 @@ def _session(sid: int) -> list[str]:
     return left
 
 
+@pytest.mark.runners("v1")  # spawn re-importing the script, before any model runner exists
 def test_an_unguarded_script_fails_with_the_fix(tmp_path: pathlib.Path) -> None:
     script = tmp_path / "unguarded.py"
     script.write_text(UNGUARDED.format(path=str(vllm_model_path("gpt2"))))
