@@ -161,8 +161,10 @@ class Corpus:
         """What tells this corpus from another in a harvest's manifest: its format, field, and
         each file's name, size and a hash of its first MiB (a list: a hash of its items)."""
         if self.format == "list":
-            digest = hashlib.sha256(json.dumps(list(self.source), sort_keys=True).encode()).hexdigest()
-            return {"format": "list", "items": len(self.source), "sha256": digest}
+            digest = hashlib.sha256()
+            for item in self.source:  # one document at a time: no copy of the whole list
+                digest.update(json.dumps(item).encode() + b"\n")
+            return {"format": "list", "items": len(self.source), "sha256": digest.hexdigest()}
         path = Path(self.source)
         files = _text_files(path) if self.format == "text" else _hf_files(path) if self.format == "hf" else [path]
         return {
