@@ -1,7 +1,7 @@
 """What the vllm backend's taps cost while vLLM batches a real workload.
 
     python bench/vllm_overhead.py [--rounds 3] [--prompts 64] [--family gpt2|llama|MODEL_TYPE | --model DIR]
-                                  [--only capture_1,steer_1]
+                                  [--only capture_1,steer_1] [--compiled]
 
 One engine (the backend's defaults: V1 runner, eager mode) serves a GPT-2-shaped model
 (12 layers x 768, random weights, built locally; ``--family llama``: Llama-shaped, 12 x 768,
@@ -49,6 +49,16 @@ size of what the workers return for the lens streams' drains, per generated toke
 pickled size of what they return for ``capture_generation`` of the same 4 layers' ``resid_post``
 (dense), per captured position.
 
+``--compiled``: instead, the taps on an engine vLLM compiles (``enforce_eager=False``, its
+default), in one process with two engines of plain vLLM that run without this project's plugin
+(``VLLM_PLUGINS`` empty while they start): ``compiled_plain`` (compiled) and ``eager_plain``
+(``enforce_eager=True``), each serving the salted plain requests. On the compiled engine with the
+plugin: ``c_plain`` (plain requests: no step is tapped), ``c_capture_1``, ``c_capture_all``,
+``c_steer_1`` (the residual stream, served by the compiled islands inside the compiled graph)
+and ``c_capture_z_1`` (a site inside a layer: those steps run vLLM's uncompiled forward). Each is
+reported against ``compiled_plain`` (the targets) and against ``eager_plain`` (what the backend
+served before it ran compiled), with the worker's count of steps that ran uncompiled.
+
 Every variant runs once as a warm-up first. The worker's own timers (``worker_stats()``: its
 steps, the forwards, the hooks' time inside them and the copies into captured values, SAE and
 lens work, fetches) are printed per variant and round. Throughput is generated tokens per
@@ -75,10 +85,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import pathlib
 import statistics
 import sys
 import time
+import types
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -417,7 +429,120 @@ async def lora_stage(results: Results, args: argparse.Namespace, names: tuple[st
     report(results, median, rates, base="lora_plain")
 
 
+COMPILED_TARGETS: dict[str, float | None] = {
+    "c_plain": 0.99,
+    "c_capture_1": 0.95,
+    "c_capture_all": 0.90,
+    "c_steer_1": 0.95,
+    "c_capture_z_1": None,
+}
+"""``--compiled``: each variant's target against ``compiled_plain`` (vLLM compiled, no plugin)."""
+
+
+async def bare_engine(path: pathlib.Path, enforce_eager: bool) -> Any:
+    """Plain vLLM, without this project's plugin (``VLLM_PLUGINS`` names none while its processes
+    start), with the engine arguments the backend gives its own engines on this machine."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from interp_vllm.frontend._engine_config import CPU_ENGINE_DEFAULTS, CPU_ENV_DEFAULTS
+
+    for name, value in CPU_ENV_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+    before = os.environ.get("VLLM_PLUGINS")
+    os.environ["VLLM_PLUGINS"] = ""
+    try:
+        args = AsyncEngineArgs(
+            model=str(path), enforce_eager=enforce_eager, dtype="float32", max_model_len=512, **CPU_ENGINE_DEFAULTS
+        )
+        engine = AsyncLLM.from_engine_args(args)
+        bare = types.SimpleNamespace(_engine=engine)
+        await plain_run(bare, [[5, 6, 7]], 2)  # started, and its compiled graph warm
+        return bare
+    finally:
+        if before is None:
+            os.environ.pop("VLLM_PLUGINS", None)
+        else:
+            os.environ["VLLM_PLUGINS"] = before
+
+
+async def compiled_stage(results: Results, args: argparse.Namespace) -> None:
+    """``--compiled``: the taps on an engine vLLM compiles (``enforce_eager=False``) against plain
+    vLLM compiled and plain vLLM eager, both without the plugin, in one run (module docstring)."""
+    path = pathlib.Path(args.model) if args.model else build_model(args.family)
+    eager_plain = await bare_engine(path, enforce_eager=True)
+    compiled_plain = await bare_engine(path, enforce_eager=False)
+    model = load_model(path, backend="vllm", max_model_len=512, enforce_eager=False)
+    try:
+        await model.warmup()
+        info = model.info
+        print(f"model: {path} ({info.architecture}, {info.n_layers} layers x {info.d_model}), compiled")
+        prompts = make_prompts(args.prompts, info.vocab_size)
+        middle = info.n_layers // 2
+        spec = SteeringSpec([Write(Address("resid_post", middle), torch.randn(info.d_model), op="add", scale=2.0)])
+        variants: dict[str, Callable[[], Awaitable[int]]] = {
+            "eager_plain": lambda: plain_run(eager_plain, prompts, salted=True),
+            "compiled_plain": lambda: plain_run(compiled_plain, prompts, salted=True),
+            "c_plain": lambda: plain_run(model, prompts, salted=True),
+            "c_capture_1": lambda: capture_run(model, prompts, [Address("resid_post", middle)]),
+            "c_capture_all": lambda: capture_run(
+                model, prompts, [Address("resid_post", i) for i in range(info.n_layers)]
+            ),
+            "c_steer_1": lambda: steer_run(model, prompts, spec),
+        }
+        if "attn_z" in model.points():
+            variants["c_capture_z_1"] = lambda: capture_run(model, prompts, [Address("attn_z", middle)])
+        if args.only:
+            variants = {n: r for n, r in variants.items() if n in ("eager_plain", "compiled_plain") or n in args.only}
+        for run in variants.values():  # warm-up of every path
+            await timed(run)
+        rates: dict[str, list[float]] = {name: [] for name in variants}
+        for round_index in range(args.rounds):
+            order = list(variants) if round_index % 2 == 0 else list(reversed(variants))
+            for name in order:
+                rates[name].append(await timed(variants[name]))
+            print(
+                f"round {round_index + 1}: " + ", ".join(f"{n} {rates[n][-1]:.1f} tok/s" for n in variants), flush=True
+            )
+        (stats,) = (await model.worker_stats())[:1]
+    finally:
+        await model.shutdown()
+        for bare in (eager_plain, compiled_plain):
+            bare._engine.shutdown()
+    median = {name: statistics.median(values) for name, values in rates.items()}
+    print()
+    print(f"{'variant':<16} {'tok/s (median)':>15} {'vs compiled':>12} {'vs eager':>9} {'spread':>7}")
+    for name, rate in median.items():
+        print(
+            f"{name:<16} {rate:>15.1f} {rate / median['compiled_plain']:>12.3f} "
+            f"{rate / median['eager_plain']:>9.3f} {spread(rates[name]):>7.3f}"
+        )
+    print(
+        f"worker: {stats.get('uncompiled_steps', 0)} of {stats.get('steps', 0)} tapped steps ran uncompiled; "
+        f"island ops run: {stats.get('islands_fired', 0)}"
+    )
+    print()
+    results.add(
+        "compiled_plain_vs_eager_plain",
+        median["compiled_plain"] / median["eager_plain"],
+        rounds=[c / e for c, e in zip(rates["compiled_plain"], rates["eager_plain"], strict=True)],
+    )
+    for name in median:
+        if name in ("eager_plain", "compiled_plain"):
+            continue
+        for base in ("compiled_plain", "eager_plain"):
+            per_round = [r / b for r, b in zip(rates[name], rates[base], strict=True)]
+            target = COMPILED_TARGETS[name] if base == "compiled_plain" else None
+            results.add(f"{name}_vs_{base}", median[name] / median[base], target, rounds=per_round)
+    results.add("compiled_plain_spread", spread(rates["compiled_plain"]), better="lower")
+
+
 async def main(args: argparse.Namespace) -> int:
+    if args.compiled:  # its own figures file: bench/results/vllm_overhead_compiled.json
+        compiled_results = Results("vllm_overhead_compiled", MEASURES, record=not args.quick)
+        await compiled_stage(compiled_results, args)
+        compiled_results.write()
+        return 0
     results = Results("vllm_overhead", MEASURES, record=not args.quick)
     print(f"workers allocate with: {steady_malloc(not args.default_malloc)}")
     lora_names = tuple(name for name in LORA_VARIANTS if not args.only or name in args.only)
@@ -526,6 +651,7 @@ if __name__ == "__main__":
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--default-malloc", action="store_true", help="the workers on glibc malloc's defaults")
     parser.add_argument("--quick", action="store_true", help="1 round of 16 prompts (a smoke test)")
+    parser.add_argument("--compiled", action="store_true", help="the compiled engine's variants (module docstring)")
     ns = parser.parse_args()
     if ns.quick:
         ns.rounds, ns.prompts = 1, 16

@@ -52,6 +52,7 @@ V1_SLICE = (
     "vllm/test_vllm_lifecycle.py",
     "vllm/test_vllm_sae.py",
     "vllm/test_vllm_tp.py",
+    "vllm/test_vllm_compiled.py",
     "vllm_static/test_vllm_static.py",
 )
 """The modules whose tests also run on vLLM's V1 model runner by default (every vLLM test runs

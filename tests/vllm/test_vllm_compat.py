@@ -287,7 +287,7 @@ def test_the_skip_freezes_the_heap_and_closes_stderr() -> None:
 # -- what the front end, the workers and the model build read, outside the runner ---------------
 
 READ_PATCHES = [_compat.ENGINE_GENERATE, _compat.LOGITS, *_compat.ONEDNN_MM, _compat.HF_CLASS_BASES]
-READS = [*_compat.ENGINE_PROCESSES, _compat.DYNAMO_COUNTERS]
+READS = [*_compat.ENGINE_PROCESSES, _compat.DYNAMO_COUNTERS, _compat.UNCOMPILED_FORWARD]
 
 
 @pytest.mark.parametrize("patch", READ_PATCHES, ids=lambda p: p.target)

@@ -22,9 +22,10 @@ moved), so a new vLLM or torch breaks this file with a clear error, not a worker
 - the pipeline buffers V1 allocates only in a warm-up its CPU worker skips (:func:`pipeline_buffers`);
 - :data:`ENGINE_GENERATE`, :data:`PROMPT_COMPONENTS` -- what the ``vllm serve`` plugin wraps and reads.
 - :data:`ENGINE_PROCESSES`, :data:`LOGITS`, :data:`ONEDNN_MM`, :data:`DYNAMO_COUNTERS`,
-  :data:`HF_CLASS_BASES` -- what the front end, the workers and the model build without weights
-  read of vLLM's, torch's and transformers' internals (:func:`engine_processes`,
-  :func:`bare_logits`, :func:`onednn_matmul`, :func:`dynamo_counters`, :func:`hf_classes_kept`),
+  :data:`HF_CLASS_BASES`, :data:`UNCOMPILED_FORWARD` -- what the front end, the workers and the
+  model build without weights read of vLLM's, torch's and transformers' internals
+  (:func:`engine_processes`, :func:`bare_logits`, :func:`onednn_matmul`, :func:`dynamo_counters`,
+  :func:`hf_classes_kept`, :func:`uncompiled_forward`),
   and the ``vllm serve`` plugin's wrapper of ``AsyncLLM.generate`` (:func:`wrap_engine_generate`).
 
 ``tests/vllm/test_vllm_compat.py`` checks every shape against the installed versions and fails once a
@@ -632,6 +633,37 @@ def onednn_matmul(weight: Any) -> tuple[Any, Any] | None:
         return ops, ops.create_onednn_mm(weight, 32)
     except Exception:  # no vLLM, a GPU build, or oneDNN refused the shape
         return None
+
+
+UNCOMPILED_FORWARD = Reads(
+    "vllm",
+    "vllm.forward_context:ForwardContext",
+    ("skip_compiled",),
+    VLLM_VERSIONS,
+    "on a compiled engine, a step whose requests have taps inside the layers runs the model's "
+    "uncompiled forward: vLLM's own per-step switch (the compiled model's __call__ reads it)",
+)
+
+
+@contextlib.contextmanager
+def uncompiled_forward() -> Iterator[bool]:
+    """While inside, the model's forward in vLLM's current forward context runs uncompiled (its
+    torch hooks run): ``skip_compiled`` set on the context, as vLLM's runners do for steps their
+    compiled graph cannot serve (:data:`UNCOMPILED_FORWARD`); put back on leaving. Yields whether
+    there was a context to set (``False`` outside a forward: nothing to switch). On an engine
+    that does not compile (``enforce_eager``) the forward is uncompiled either way."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        yield False
+        return
+    context = get_forward_context()
+    before = context.skip_compiled
+    context.skip_compiled = True
+    try:
+        yield True
+    finally:
+        context.skip_compiled = before
 
 
 DYNAMO_COUNTERS = Reads(

@@ -63,15 +63,18 @@ class _Handlers:
 
     def after_load(self, runner: Any) -> None:
         """Install a vllm-static engine's taps right after the model is loaded (before compiling);
-        where vLLM captures breakable CUDA graphs, the taps with their islands (before capture)."""
+        where vLLM captures breakable CUDA graphs, the taps with their islands (before capture);
+        where it compiles without graphs, the taps with their compiled islands (before compiling)."""
         from .static._worker import StaticTapManager, static_config
+        from .worker._compiled import islands_wanted
         from .worker._islands import breakable_enabled
         from .worker._manager import tap_manager
 
         config = static_config(runner)
+        vllm_config = getattr(runner, "vllm_config", None)
         if config is not None:
             runner._interp_taps = StaticTapManager(runner, config)
-        elif breakable_enabled(getattr(runner, "vllm_config", None)):
+        elif breakable_enabled(vllm_config) or islands_wanted(vllm_config):
             runner._interp_taps = tap_manager(runner)
 
 

@@ -38,6 +38,7 @@ true residual stream is their sum. Reads take the sum; a write replaces the pair
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import defaultdict
@@ -47,11 +48,13 @@ import torch
 
 from interp_engine import BackendError, IncompatibleDependency, UnsupportedArchitecture
 
+from .. import _compat
 from .._wire import Fetched, RequestPayload
 from ..hooks import tp_position
 from ..model._families import VllmFamily
 from ..model._sites import HookKey
 from ._capture import Captures
+from ._compiled import CompiledIslands, compiles, islands_wanted, mark_config
 from ._fetch import Fetch
 from ._hooks import Hooks
 from ._islands import Breakable, IslandSet, breakable_enabled, layer_sites, vllm_breakable
@@ -69,10 +72,15 @@ def tap_manager(runner: Any) -> TapManager | UntappedRunner:
     """The taps of a model runner, or, for a model whose structure cannot be resolved, a runner
     that serves vLLM's plain requests untouched (installing interp-vllm never breaks vLLM). Where
     vLLM captures breakable CUDA graphs (:func:`~._islands.breakable_enabled`), the taps get
-    islands in them (:mod:`._islands`); built before vLLM captures, they are in its graphs."""
+    islands in them (:mod:`._islands`); built before vLLM captures, they are in its graphs. On an
+    engine that compiles without CUDA graphs (:func:`~._compiled.islands_wanted`), the taps get
+    compiled islands (:mod:`._compiled`); built before vLLM compiles, they are in its graph."""
     try:
-        enabled = breakable_enabled(getattr(runner, "vllm_config", None))
-        return TapManager(runner, vllm_breakable() if enabled else None)
+        config = getattr(runner, "vllm_config", None)
+        enabled = breakable_enabled(config)
+        return TapManager(
+            runner, vllm_breakable() if enabled else None, compiled=not enabled and islands_wanted(config)
+        )
     except (UnsupportedArchitecture, IncompatibleDependency) as exc:
         logger.warning("interp-engine: no taps for this model: %s", exc)
         return UntappedRunner(str(exc))
@@ -109,7 +117,7 @@ class TapManager:
     """The taps of one model runner: the shared :class:`~._state.TapState` and the parts over
     it. :meth:`step` runs around each forward; the front end's calls are answered by the parts."""
 
-    def __init__(self, runner: Any, breakable: Breakable | None = None) -> None:
+    def __init__(self, runner: Any, breakable: Breakable | None = None, compiled: bool = False) -> None:
         self.state = state = TapState(runner)
         self.captures = Captures(state)
         self.recompute = Recompute(state, self.captures)
@@ -122,6 +130,17 @@ class TapManager:
         self.islands: IslandSet | None = None
         if breakable is not None:
             self.islands = IslandSet(layer_sites(state.owned), state.module, breakable).place()
+        # with ``compiled`` (vLLM compiles the model, no CUDA graphs; ``in_graph``): an island at every
+        # layer's input and output, placed now, before vLLM compiles (:mod:`._compiled`); the
+        # config names them, so vLLM's compile cache never serves a graph without them
+        self.in_graph = compiled
+        self.compiles = compiles(getattr(runner, "vllm_config", None))
+        """Whether vLLM compiles the model (a step with module hooks then runs uncompiled)."""
+        self.islands_in_graph = True
+        """Whether the compiled graph runs the islands (a step they missed says it does not)."""
+        if compiled:
+            mark_config(runner.vllm_config)
+            self.islands = CompiledIslands(layer_sites(state.owned), state.module, state.family).place()
 
     # -- what a ping reads ----------------------------------------------------------------
     @property
@@ -299,16 +318,28 @@ class TapManager:
                 for key, hook in hooks.items()
                 if key[0] != "model_out"
             ]
+            # module hooks run only in an uncompiled forward: on an engine that compiles, a
+            # step with hooks is vLLM's uncompiled forward (steps no request taps run compiled)
+            inside = self.compiles and bool(handles)
         else:
             handles = self._begin_islands(islands, hooks)
+            # compiled islands serve the layers' inputs and outputs inside the compiled graph;
+            # a step that also needs module hooks (sites inside a layer) runs uncompiled
+            inside = self.in_graph and (bool(handles) or not self.islands_in_graph)
         missed: list[HookKey] = []
         try:
-            output = yield from self.state.forward()
+            with _compat.uncompiled_forward() if inside else contextlib.nullcontext(False) as switched:
+                self.state.timing["uncompiled_steps"] += int(bool(switched))
+                output = yield from self.state.forward()
         finally:
             for handle in handles:
                 handle.remove()
             if islands is not None:
                 missed = islands.end()
+        if missed and self.in_graph and not inside:
+            # a compiled graph without the islands (one compiled before they were placed)
+            self.islands_in_graph = False
+            logger.warning("interp-engine: vLLM's compiled graph has no islands; tapped steps run uncompiled")
         for key in missed:
             self.state.fail(_members(hooks[key]), BackendError(f"{_site(key)}: {MISSED}"))
         out_hook = hooks.get(("model_out", None, 0))

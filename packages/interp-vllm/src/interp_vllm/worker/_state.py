@@ -74,7 +74,8 @@ class TapState:
         # where the worker's time goes (nanoseconds), reported by stats(): the whole of each
         # forward call with taps, the forward alone (in it: the hooks, hook_ns; their copies of
         # captured rows into the requests' buffers, copy_ns; SAE readouts and feature clamps,
-        # sae_ns; the lens, lens_ns), and answering fetches; and the requests vLLM preempted
+        # sae_ns; the lens, lens_ns), and answering fetches; the requests vLLM preempted; and the
+        # steps whose forward ran uncompiled for hooks inside the model (uncompiled_steps)
         self.timing = {
             "steps": 0,
             "step_ns": 0,
@@ -86,6 +87,7 @@ class TapState:
             "hook_ns": 0,
             "copy_ns": 0,
             "preempted": 0,
+            "uncompiled_steps": 0,
         }
         # requests whose taps raised in this worker: the error, reported at their fetch (the
         # hook gave the forward its values back unchanged, so the engine and the rest of the

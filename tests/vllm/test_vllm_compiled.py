@@ -1,0 +1,169 @@
+"""Per-request taps on an engine vLLM compiles (``enforce_eager=False``), against the eager engine.
+
+One compiled Llama engine (deferred residual, fused ``gate_up_proj``, grouped-query attention)
+per runner; the reference is the session's eager vLLM engine on the same checkpoint (and HF for
+the residual stream). The residual stream's taps run inside the compiled graph (the compiled
+islands, ``interp_vllm.worker._compiled``); taps inside a layer run in an uncompiled forward of
+their step. The worker's counters say which: ``uncompiled_steps`` and ``islands_fired``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from interp_engine import Address, FeatureWrite, LensRequest, SteeringSpec, Write, run_with_cache
+from interp_testkit.suite import PROMPT, hf_for, rel_diff, vllm_model_path
+
+from ..support.readouts import RES, TOL, assert_close_readout, busiest_feature, readouts_for, saes_for
+
+FAMILY = "llama"
+
+
+@pytest.fixture(scope="module")
+def engines(attached: Any) -> tuple[Any, Any]:
+    """The compiled engine and the eager one, with the readout SAEs attached to both."""
+    compiled = attached(FAMILY, enforce_eager=False)
+    eager = attached(FAMILY)
+    return compiled, eager
+
+
+def _counters(model: Any) -> tuple[int, int]:
+    (stats,) = model.worker_stats()[:1]
+    return stats["uncompiled_steps"], stats.get("islands_fired", 0)
+
+
+def _points(n: int) -> list[Address]:
+    kinds = ("resid_pre", "resid_mid", "attn_out", "mlp_pre", "mlp_post", "mlp_out", "resid_post", "attn_z")
+    inside = [Address(kind, layer) for layer in range(n) for kind in kinds]
+    return [Address("embed"), *inside, Address("attn_pattern", 1), Address("final_norm"), Address("logits")]
+
+
+def test_the_engine_compiles_and_plain_steps_stay_compiled(engines: Any) -> None:
+    compiled, eager = engines
+    ids = compiled.to_tokens("Once upon a time")[0].tolist()
+    before = _counters(compiled)
+    completion = compiled.generate(ids, max_tokens=8)
+    uncompiled, fired = _counters(compiled)
+    assert uncompiled == before[0]  # no step ran uncompiled
+    n = compiled.info.n_layers
+    assert fired - before[1] >= 8 * 2 * n  # every island's op ran in every compiled step: the graph has them
+    assert completion == eager.generate(ids, max_tokens=8)
+
+
+def test_every_kind_equals_the_eager_engine_and_hf(engines: Any) -> None:
+    compiled, eager = engines
+    ids = compiled.to_tokens(PROMPT)[0].tolist()
+    n = compiled.info.n_layers
+    points = _points(n)
+    resid = [Address("embed"), *(Address(k, layer) for layer in range(n) for k in ("resid_pre", "resid_post"))]
+    before = _counters(compiled)
+    stream = compiled.capture(ids, resid)  # the residual stream alone: inside the compiled graph
+    assert _counters(compiled)[0] == before[0]
+    acts = compiled.capture(ids, points)  # sites inside the layers: this step runs uncompiled
+    assert _counters(compiled)[0] > before[0]
+    theirs = eager.capture(ids, points)
+    for point in points:
+        assert rel_diff(acts[point], theirs[point]) <= TOL, point
+    with torch.no_grad():
+        hf = hf_for(vllm_model_path(FAMILY))(torch.tensor([ids]), output_hidden_states=True)
+    for layer in range(n):
+        assert rel_diff(stream[Address("resid_pre", layer)], hf.hidden_states[layer][0]) <= TOL
+        assert rel_diff(stream[Address("resid_pre", layer)], theirs[Address("resid_pre", layer)]) <= TOL
+        assert rel_diff(stream[Address("resid_post", layer)], theirs[Address("resid_post", layer)]) <= TOL
+    assert rel_diff(stream[Address("embed")], hf.hidden_states[0][0]) <= TOL
+    # during generation, every generated token's rows too
+    gen_points = [Address("resid_post", 1), Address("resid_pre", 0)]
+    completion, got = compiled.capture_generation(ids, gen_points, max_tokens=5, ignore_eos=True)
+    twin_completion, want = eager.capture_generation(ids, gen_points, max_tokens=5, ignore_eos=True)
+    assert completion.token_ids == twin_completion.token_ids
+    for point in gen_points:
+        assert got[point].shape[0] == len(ids) + 5
+        assert rel_diff(got[point], want[point]) <= TOL, point
+
+
+def test_steering_equals_the_eager_engine(engines: Any) -> None:
+    compiled, eager = engines
+    ids = compiled.to_tokens(PROMPT)[0].tolist()
+    gen = torch.Generator().manual_seed(5)
+    d_model, d_mlp, d_head = compiled.info.d_model, compiled.info.d_mlp, compiled.info.d_head
+    specs = [  # the residual stream (compiled islands), then sites inside the layers (uncompiled)
+        SteeringSpec([Write("resid_post.0", torch.randn(d_model, generator=gen), op="add", scale=3.0)]),
+        SteeringSpec([Write("resid_pre.1", torch.randn(d_model, generator=gen), op="ablate")]),
+        SteeringSpec([Write("resid_pre.0", torch.randn(d_model, generator=gen), op="set", positions=[1, -1])]),
+        SteeringSpec([Write("resid_post.2", torch.randn(d_model, generator=gen), op="add", positions="prompt")]),
+        SteeringSpec([Write("mlp_post.1", torch.randn(d_mlp, generator=gen), op="add", positions=[1, -1])]),
+        SteeringSpec([Write("resid_mid.2", torch.randn(d_model, generator=gen), op="add")]),
+        SteeringSpec([Write("attn_z.1", torch.zeros(d_head), op="set", heads=[0])]),
+    ]
+    points = [Address("resid_post", 0), Address("resid_mid", 2), Address("logits")]
+    plain = compiled.capture(ids, points)
+    for spec in specs:
+        steered = compiled.capture(ids, points, steering_spec=spec)
+        expected = eager.capture(ids, points, steering_spec=spec)
+        for point in points:
+            assert rel_diff(steered[point], expected[point]) <= TOL, (spec, point)
+        assert not torch.allclose(steered[Address("logits")], plain[Address("logits")]), spec
+    for spec in (specs[0], specs[4]):
+        assert compiled.generate(ids, max_tokens=6, steering_spec=spec) == eager.generate(
+            ids, max_tokens=6, steering_spec=spec
+        )
+
+
+def test_concurrent_tapped_and_untapped_requests_equal_their_solo_runs(engines: Any) -> None:
+    compiled, eager = engines
+    gen = torch.Generator().manual_seed(9)
+    d_model = compiled.info.d_model
+    rows = [compiled.to_tokens(text)[0].tolist() for text in (PROMPT, "A different sentence about cats", "Short")]
+    specs = [
+        SteeringSpec([Write("resid_post.0", torch.randn(d_model, generator=gen), scale=3.0)]),
+        None,
+        SteeringSpec([Write("resid_pre.1", torch.randn(d_model, generator=gen), positions=[-1], op="set")]),
+    ]
+    points = ["resid_post.1", "logits"]
+    batch = run_with_cache(compiled, rows, points, steering_spec=specs)
+    twin = run_with_cache(eager, rows, points, steering_spec=specs)
+    for i, (row, spec) in enumerate(zip(rows, specs, strict=True)):
+        solo = compiled.capture(row, points, steering_spec=spec)
+        for point in points:
+            got = batch[point][i, : len(row)]
+            assert rel_diff(got, solo[Address.parse(point)]) <= TOL, (i, point)
+            assert rel_diff(got, twin[point][i, : len(row)]) <= TOL, (i, point)
+    # an untapped generation beside steered ones (each step of the batch runs the islands' plan
+    # for the steered rows only): its tokens and log-probabilities are its solo run's
+    alone = list(compiled.stream(rows[1], max_tokens=5, n_logprobs=3, ignore_eos=True))
+    steered = SteeringSpec([Write("resid_post.1", torch.randn(d_model, generator=gen), scale=4.0)])
+    mixed = run_with_cache(compiled, rows, ["resid_post.0"], steering_spec=[steered, None, steered])
+    assert mixed["resid_post.0"].shape[0] == 3
+    beside = list(compiled.stream(rows[1], max_tokens=5, n_logprobs=3, ignore_eos=True))
+    assert [s.token_id for s in beside] == [s.token_id for s in alone]
+    for a, b in zip(alone, beside, strict=True):
+        assert a.logprobs == b.logprobs
+
+
+def test_sae_readouts_clamps_and_the_lens_equal_the_eager_engine(engines: Any) -> None:
+    compiled, eager = engines
+    ids = compiled.to_tokens(PROMPT)[0].tolist()
+    saes = saes_for(FAMILY)
+    specs = [spec for name in saes for spec in readouts_for(name) if spec.dtype == "float32"]
+    got = compiled.capture(ids, specs)
+    want = eager.capture(ids, specs)
+    for spec in specs:
+        assert_close_readout(got[spec], want[spec], what=str(spec))
+    feature = busiest_feature(compiled, ids, RES)
+    clamp = SteeringSpec([FeatureWrite(RES, feature, "clamp", 6.0)])
+    before = _counters(compiled)[0]
+    clamped = compiled.capture(ids, ["logits", readouts_for(RES)[0]], steering_spec=clamp)
+    assert _counters(compiled)[0] == before  # a clamp at resid_post runs inside the compiled graph
+    expected = eager.capture(ids, ["logits", readouts_for(RES)[0]], steering_spec=clamp)
+    assert rel_diff(clamped[Address("logits")], expected[Address("logits")]) <= TOL
+    lens = LensRequest([0, 1, -1], top_k=5)
+    steps = list(compiled.stream(ids, max_tokens=4, lens=lens, ignore_eos=True))
+    twin = list(eager.stream(ids, max_tokens=4, lens=lens, ignore_eos=True))
+    assert [s.token_id for s in steps] == [s.token_id for s in twin]
+    for step, other in zip(steps, twin, strict=True):
+        assert step.lens is not None and other.lens is not None
+        assert torch.equal(step.lens.ids, other.lens.ids)
+        assert torch.allclose(step.lens.probs, other.lens.probs, atol=1e-5)
