@@ -36,11 +36,10 @@ def test_the_entry_point_is_a_zero_argument_factory_with_vllms_plugin_shape() ->
     ("engine", "says"),
     [
         (None, "no engine"),
-        (_engine(enforce_eager=False), "--enforce-eager"),
         (_engine(additional={"interp": {"sae": {}}}), "unknown 'interp' settings"),
         (_engine(additional={"interp": {"points_max_values": 0}}), "points_max_values is a positive int"),
     ],
-    ids=["render-only", "compiled", "misspelt-setting", "points-cap"],
+    ids=["render-only", "misspelt-setting", "points-cap"],
 )
 def test_a_server_the_plugin_cannot_serve_runs_on_without_it(engine: Any, says: str, caplog: Any) -> None:
     endpoints = InterpEndpoints()

@@ -1,6 +1,7 @@
 """interp-vllm inside ``vllm serve``: a real ``vllm serve`` process (the CPU build, the shipped
 ``interp:tiny`` model, its own loopback port, started once for this module with
-``VLLM_PLUGINS=interp_vllm``), driven by the ``openai`` client.
+``VLLM_PLUGINS=interp_vllm`` and compiling the model as vLLM does by default: no
+``--enforce-eager``), driven by the ``openai`` client.
 
 Steering sent per request on vLLM's own ``/v1/completions`` and ``/v1/chat/completions``
 (streamed or not) equals the same spec through the Python API on the same engine (the ``/interp``
@@ -48,7 +49,7 @@ def _config() -> str:
     return json.dumps({"interp": {"saes": {"res": sae}, "presets": {PRESET: PRESET_SPEC.to_dict()}}})
 
 
-ARGS = ["--served-model-name", SERVED, "--enforce-eager", "--dtype", "float32", "--max-model-len", "256"]
+ARGS = ["--served-model-name", SERVED, "--dtype", "float32", "--max-model-len", "256"]
 
 
 @pytest.fixture(scope="module")

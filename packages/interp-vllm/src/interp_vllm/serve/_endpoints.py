@@ -4,7 +4,7 @@ vLLM loads an endpoint plugin only when ``VLLM_PLUGINS`` names it, and that list
 plugins too; both of interp-vllm's entries are named ``interp_vllm``, so one name turns on the
 workers' taps and these routes::
 
-    VLLM_PLUGINS=interp_vllm vllm serve MODEL --enforce-eager \\
+    VLLM_PLUGINS=interp_vllm vllm serve MODEL \\
         --additional-config '{"interp": {"saes": {"res": "path/to/sae"}, "presets": {"MODEL-calm": SPEC}}}'
 
 What the server then has:
@@ -43,10 +43,11 @@ What the server then has:
   time through vLLM's ``/v1/load_lora_adapter``), run under vLLM's own ``lora_int_id`` for each;
   ``GET /interp/v1/model`` lists them.
 
-The taps run in vLLM's eager mode: on a server that compiles the model (no ``--enforce-eager``),
-requests with ``interp`` fields are refused with a message saying so, and everything else is
-served unchanged. A vLLM without endpoint plugins never loads this module; one whose server
-lacks what it wraps gets a warning at start and serves unchanged.
+The taps run on a server that compiles the model (vLLM's default) as on one started with
+``--enforce-eager``: on vLLM's CPU platform the residual stream's taps run inside the compiled
+graph and steps that tap inside a layer run uncompiled (``interp_vllm.worker._compiled``). A
+vLLM without endpoint plugins never loads this module; one whose server lacks what it wraps gets
+a warning at start and serves unchanged.
 
 The plugin (:class:`InterpEndpoints`) is cut along what it does: :mod:`._routes` (vLLM's routes
 wrapped, the ``/interp`` app, API keys), :mod:`._requests` (a request's ``interp`` fields read
@@ -183,10 +184,6 @@ class InterpEndpoints:
         cap = config.get("points_max_values", POINTS_MAX_VALUES)
         if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
             raise InvalidOption(f"points_max_values is a positive int (numbers per answer), got {cap!r}")
-        if not model_config.enforce_eager:
-            raise InvalidOption(
-                "the taps run in vLLM's eager mode and this server compiles the model; start it with --enforce-eager"
-            )
         options: dict[str, Any] = {
             "max_model_len": int(model_config.max_model_len) - 1,
             "trust_remote_code": bool(model_config.trust_remote_code),
