@@ -368,6 +368,9 @@ ERRORS: dict[str, type[BaseException]] = {
     "UnsupportedOperation": NotImplementedError,
     "InvalidFeatures": ValueError,
     "CaptureMemoryExceeded": MemoryError,
+    "InvalidCorpus": ValueError,
+    "HarvestMismatch": ValueError,
+    "InsufficientDiskSpace": OSError,
 }
 
 
