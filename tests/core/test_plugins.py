@@ -371,6 +371,7 @@ ERRORS: dict[str, type[BaseException]] = {
     "InvalidCorpus": ValueError,
     "HarvestMismatch": ValueError,
     "InsufficientDiskSpace": OSError,
+    "NotInThisEngine": ImportError,
 }
 
 

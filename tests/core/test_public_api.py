@@ -20,18 +20,22 @@ from interp_engine import (
     Address,
     AddSpec,
     AttentionCache,
+    BackendNotFound,
     InvalidOption,
     InvalidSteering,
     InvalidTokens,
+    KindNotInFamily,
     LayerSteeringSpec,
     NoChatTemplate,
     NoChatTemplateError,
     NormScaledAddSpec,
+    NotInThisEngine,
     OrthogonalDecompSpec,
     ProjectionCapSpec,
     SamplingSettings,
     SteeringSpec,
     SteerMask,
+    SteerSpec,
     SwapSpec,
     Tokenize,
     UnsupportedOperation,
@@ -404,10 +408,61 @@ def test_steer_can_leave_the_special_tokens_alone(model: Any) -> None:
     assert torch.equal(acts["resid_post.3"], reference["resid_post.3"])
 
 
-def test_steer_refuses_the_eager_only_steerspec_list(model: Any) -> None:
-    with pytest.raises(InvalidSteering, match=r"SteeringSpec.at\(f'resid_post"), steer(model, [object()]):  # type: ignore[list-item]
+def test_the_lower_level_steerspec_list(model: Any) -> None:
+    from interp_engine.steering._writes import op_row
+
+    # USAGE's example (layer 2 of the tiny model's 4 in place of layer 10): a no-op steer
+    with steer(model, [SteerSpec(vector=torch.zeros(model.d_model), layer=2, coeff=1.0)]):
+        pass  # any forward inside here is steered
+    vector, other = _unit(model, 8), _unit(model, 9)
+    tokens = model.to_tokens(PROMPT)
+    with steer(model, [SteerSpec(vector=vector, layer=2, coeff=4.0)]):
+        steered = capture(model, tokens, ["resid_post.3"])
+    at_two = SteeringSpec.at("resid_post.2", AddSpec(vector=vector, scale=4.0))
+    reference = capture(model, tokens, ["resid_post.3"], steering_spec=at_two)
+    plain = capture(model, tokens, ["resid_post.3"])
+    assert torch.equal(steered["resid_post.3"], reference["resid_post.3"])
+    assert not torch.equal(steered["resid_post.3"], plain["resid_post.3"])
+    # every method is the op object of the same row of our registry, the same value as SteeringSpec.at
+    by_method = {
+        "additive": AddSpec(vector=vector, scale=0.5, normalize=True),
+        "orthogonal": OrthogonalDecompSpec(vector=vector, coeff=0.5),
+        "projection_cap": ProjectionCapSpec(vector=vector, min=-1.0, max=2.0),
+        "norm_scaled_add": NormScaledAddSpec(vector=vector, strength=0.5, max_fraction=0.25, normalize=True),
+        "ablate": AblateSpec(vector=vector),
+        "swap": SwapSpec(vector=vector, target=other),
+    }
+    fields = {"coeff": 0.5, "normalize": True, "min": -1.0, "max": 2.0, "max_fraction": 0.25, "target": other}
+    for method, op in by_method.items():
+        lower = SteerSpec(vector=vector, layer=1, method=method, point="mlp_out", **fields)
+        assert op_row(op.op).steer_method == method  # the registry's own column
+        assert lower.op_spec() == op and lower.address == Address("mlp_out", 1)
+        assert SteeringSpec.combine([lower]) == SteeringSpec.at("mlp_out.1", op)
+    # a list of them is one steer, applied in order, wherever a spec is taken
+    lowers = [SteerSpec(vector=vector, layer=1, coeff=2.0), SteerSpec(vector=other, layer=1, method="ablate")]
+    combined = SteeringSpec.at("resid_post.1", AddSpec(vector=vector, scale=2.0), AblateSpec(vector=other))
+    rows = torch.cat([tokens, tokens])  # on a batch, a list of SteerSpec is every row's
+    got = capture(model, rows, ["resid_post.2"], steering_spec=lowers)
+    expected = capture(model, rows, ["resid_post.2"], steering_spec=combined)
+    assert torch.equal(got["resid_post.2"], expected["resid_post.2"])
+    assert SteeringSpec.from_json(SteeringSpec.combine(lowers).to_json()) == combined
+
+
+def test_steerspec_refusals_name_what_to_write(model: Any) -> None:
+    vector = _unit(model)
+    with pytest.raises(InvalidSteering, match="expected one of additive"):
+        SteerSpec(vector=vector, layer=1, method="add")
+    with pytest.raises(InvalidSteering, match="stream=None"):
+        SteerSpec(vector=vector, layer=1, stream=0)
+    with pytest.raises(InvalidSteering, match="needs target="):
+        SteerSpec(vector=vector, layer=1, method="swap")
+    with pytest.raises(InvalidSteering, match="kind without a layer"):
+        SteerSpec(vector=vector, layer=1, point="resid_post.1")
+    with pytest.raises(InvalidSteering, match="zero vector"):
+        SteerSpec(vector=torch.zeros(model.d_model), layer=1, method="ablate")
+    with pytest.raises(InvalidSteering, match=r"item 0 is a object"), steer(model, [object()]):  # type: ignore[list-item]
         pass
-    spec = SteeringSpec.at("resid_post.1", AddSpec(vector=_unit(model), scale=1.0))
+    spec = SteeringSpec.at("resid_post.1", AddSpec(vector=vector, scale=1.0))
     with (
         pytest.raises(InvalidSteering, match="prompt_token_ids are token ids"),
         steer(model, spec, prompt_token_ids=[1.5]),
@@ -415,6 +470,29 @@ def test_steer_refuses_the_eager_only_steerspec_list(model: Any) -> None:
         pass
     with pytest.raises(InvalidSteering, match="position_mask"), steer(model, spec, position_mask="special"):  # type: ignore[arg-type]
         pass
+
+
+@pytest.mark.parametrize(
+    ("name", "says"),
+    [
+        ("SteerMethod", "'additive', 'orthogonal'"),
+        ("hf_generate_kwargs", "sampling_settings"),
+        ("GenStep", "StreamStep"),
+        ("CAPABILITIES", "UnsupportedOperation"),
+        ("CapabilityUnsupported", "UnsupportedOperation"),
+        ("check_flashinfer", "warmup"),
+        ("check_cuda_driver", "warmup"),
+        ("VLLMModel", "backend='vllm'"),
+        ("EagerModel", "backend='eager'"),
+    ],
+)
+def test_names_not_here_say_what_to_use(name: str, says: str) -> None:
+    with pytest.raises(NotInThisEngine, match=says) as raised:
+        exec(f"from interp_engine import {name}", {})
+    assert isinstance(raised.value, ImportError) and raised.value.name == name
+    import interp_engine
+
+    assert not hasattr(interp_engine, "no_such_name")  # other names are plain AttributeErrors
 
 
 # -- the unembed, without an event loop, padded batches -------------------------------------------
@@ -505,3 +583,19 @@ def test_capabilities_that_differ_say_what_to_call(model: Any) -> None:
         capture(model, model.to_tokens(PROMPT), ["resid_post.1"], detach=False)
     # this environment installs vLLM exactly where it installs interp-vllm's backends
     assert vllm_installed() == ("vllm" in installed_backends())
+
+
+def test_backend_names_not_here_say_what_to_name() -> None:
+    with pytest.raises(BackendNotFound, match="backend='eager' or backend='vllm'"):
+        load_model("interp:tiny", backend="auto")
+    with pytest.raises(BackendNotFound, match="backend='vllm' generates"):
+        load_model("interp:tiny", backend="vllm-generate")
+
+
+def test_points_the_public_package_aliases_on_every_family(model: Any) -> None:
+    # mlp_out_post / attn_out_post are theirs on every family; here only where a sandwich norm makes
+    # them differ from mlp_out / attn_out, and the refusal names the point to capture instead
+    token_ids = _ids(model)
+    for point, instead in (("mlp_out_post.1", "mlp_out is what is added"), ("attn_out_post.1", "attn_out is what")):
+        with pytest.raises(KindNotInFamily, match=instead):
+            asyncio.run(model.capture(token_ids, [point]))

@@ -39,6 +39,7 @@ from ._errors import (
     ModelClosed,
     ModelLoadError,
     NoChatTemplate,
+    NotInThisEngine,
     RunningLoopError,
     StaticConfigError,
     UndeclaredAddress,
@@ -157,6 +158,7 @@ if TYPE_CHECKING:
         OpSpec,
         OrthogonalDecompSpec,
         ProjectionCapSpec,
+        SteerSpec,
         SwapSpec,
     )
     from .steering._spec import FeatureWrite, SteeringSpec, Write
@@ -239,6 +241,7 @@ _LAZY: dict[str, str] = {
     "OpSpec": ".steering._ops",
     "OrthogonalDecompSpec": ".steering._ops",
     "ProjectionCapSpec": ".steering._ops",
+    "SteerSpec": ".steering._ops",
     "SwapSpec": ".steering._ops",
     "SteerMask": ".steering._block",
     "FeatureWrite": ".steering._spec",
@@ -248,7 +251,30 @@ _LAZY: dict[str, str] = {
 """Each name imported on first use, and the module (relative to this package) that defines it."""
 
 
-__getattr__, __dir__ = lazy_attributes(globals(), _LAZY)
+_NOT_HERE: dict[str, str] = {
+    "SteerMethod": "SteerSpec(method=...) takes the method's name as a string ('additive', 'orthogonal', "
+    "'projection_cap', 'norm_scaled_add', 'ablate', 'swap')",
+    "hf_generate_kwargs": "there is no transformers.generate bridge; generate with the model itself "
+    "(await model.generate_text(ids, ...), generate_stream(model, tokens, n_logprobs=k)), whose sampling "
+    "defaults come from model.sampling_settings(...)",
+    "GenStep": "the free generate_stream yields StreamStep values (token_id, token_str, logprobs with "
+    "n_logprobs=k; no logits): annotate with StreamStep",
+    "CAPABILITIES": "there is no capability table to read; the model-types reference lists what each backend "
+    "serves, and a call a backend cannot serve raises a typed error naming it (UnsupportedOperation, "
+    "KindNotInFamily, UnsupportedAddress)",
+    "CapabilityUnsupported": "a call a backend cannot serve raises UnsupportedOperation (or, for a point, "
+    "UnsupportedAddress / KindNotInFamily); catch InterpError for all of them",
+    "check_flashinfer": "there is no preflight check here; load the model and call model.warmup(), which starts "
+    "the engine",
+    "check_cuda_driver": "there is no preflight check here; load the model and call model.warmup(), which starts "
+    "the engine",
+    "VLLMModel": "models are made by load_model(model_id, backend='vllm') (or 'vllm-static'), not by a class",
+    "EagerModel": "models are made by load_model(model_id, backend='eager'), not by a class",
+}
+"""Names the public ``interp-engine`` package exports that this one lacks, each with what differs
+and what to use here (:class:`NotInThisEngine` carries the text)."""
+
+__getattr__, __dir__ = lazy_attributes(globals(), _LAZY, _NOT_HERE)
 
 __all__ = [
     "ALIASES",
@@ -311,6 +337,7 @@ __all__ = [
     "NoChatTemplate",
     "NoChatTemplateError",
     "NormScaledAddSpec",
+    "NotInThisEngine",
     "OpSpec",
     "OrthogonalDecompSpec",
     "PointInfo",
@@ -326,6 +353,7 @@ __all__ = [
     "StaticConfigError",
     "StaticTaps",
     "SteerMask",
+    "SteerSpec",
     "SteeringSpec",
     "StreamStep",
     "SwapSpec",

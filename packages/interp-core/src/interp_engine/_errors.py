@@ -37,6 +37,8 @@ Every error is an :class:`InterpError` and also the builtin a Python user would 
     ├── HarvestMismatch (ValueError)         an output folder holding another harvest (or other
     │                                        files): .path, .differences
     ├── InsufficientDiskSpace (OSError)      not enough free disk for a harvest: .needed, .free
+    ├── NotInThisEngine (ImportError)        a name of the public interp-engine package that this
+    │                                        one does not have: .name; the message names the call to use
     └── BackendError (RuntimeError)          the backend failed to serve a valid request
         ├── IncompatibleDependency           an installed package no longer has the private API
         │                                    a backend patches (the message names the versions)
@@ -164,6 +166,13 @@ class UnguardedScript(BackendError):
     does on its CPU build) re-imports the main module there, and a script with no
     ``if __name__ == "__main__":`` guard starts another engine while it is imported. The message
     names the fix: put the script's work under that guard."""
+
+
+class NotInThisEngine(InterpError, ImportError):
+    """A name the public ``interp-engine`` package exports and this one does not
+    (``from interp_engine import set_steering``): ``.name`` is the name, and the message says what
+    differs and what to call here. An ``ImportError``, so ``from interp_engine import ...`` raises
+    it with that message."""
 
 
 class UnsupportedOperation(InterpError, NotImplementedError):

@@ -31,6 +31,15 @@ _DISTRIBUTIONS = {
     "vllm-static": "interp-vllm (with the extra [cuda] or [cpu])",
 }
 
+_PUBLIC_BACKENDS = {
+    "auto": "the public interp-engine package's ladder (vLLM on CUDA, else eager) is not a backend here: "
+    "name one, backend='eager' or backend='vllm' (without backend=, $INTERP_ENGINE_BACKEND, else eager)",
+    "vllm-generate": "the public interp-engine package's generation-only backend is not here: backend='vllm' "
+    "generates, with capture and steering available per request",
+}
+"""Backend names of the public ``interp-engine`` package that this one has no backend for, and what
+to name instead."""
+
 _lock = threading.Lock()
 _manager: pluggy.PluginManager | None = None
 _broken: dict[str, str] = {}
@@ -129,6 +138,10 @@ def load_model(name_or_path: str | os.PathLike[str], backend: str | None = None,
             f"no installed backend is named {chosen!r}; install {install}. "
             f"Installed backends: {', '.join(available) or 'none'}"
         )
+        if chosen in _PUBLIC_BACKENDS:
+            message = f"no backend is named {chosen!r}: {_PUBLIC_BACKENDS[chosen]}. Installed backends: " + (
+                ", ".join(available) or "none"
+            )
         if _broken:
             failed = "; ".join(f"{name} ({why})" for name, why in sorted(_broken.items()))
             message += f". These backend plugins failed to load: {failed}"

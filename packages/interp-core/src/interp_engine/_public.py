@@ -19,6 +19,7 @@ from .analysis._weights import WeightAccess
 from .protocol._protocol import InterpModel, Points, RowAdapters
 from .results._cache import Cache
 from .steering._block import Block, SteerMask, mask_positions, open_block
+from .steering._ops import SteerSpec
 from .steering._spec import RowSpecs, SteeringSpec, one_spec
 from .steering._values import as_index, finite_float, short_repr
 
@@ -59,7 +60,7 @@ def capture(
 @contextlib.contextmanager
 def steer(
     model: InterpModel | SyncModel,
-    spec: SteeringSpec | Sequence[SteeringSpec],
+    spec: SteeringSpec | SteerSpec | Sequence[SteeringSpec | SteerSpec],
     *,
     position_mask: Sequence[int] | SteerMask | None = None,
     generated: bool = True,
@@ -68,7 +69,8 @@ def steer(
     """Steer every request on ``model`` made inside the block: captures, generations and streams,
     from the async methods or the sync functions, on every backend.
 
-    ``spec`` is a :class:`SteeringSpec` or a list of them (applied in order). The block follows
+    ``spec`` is a :class:`SteeringSpec` or a list of them (applied in order); the public
+    package's :class:`SteerSpec` (one op at one layer) is taken too, alone or in the list. The block follows
     the code inside it (its context, which the sync facade carries to its loop), so a request made
     elsewhere -- another task, another thread, a request vLLM batches with these -- is untouched.
     A request's own ``steering_spec`` applies after the block's writes; blocks nest, outermost first.
@@ -94,12 +96,13 @@ def steer(
 def _block_spec(spec: Any) -> SteeringSpec:
     if isinstance(spec, SteeringSpec):
         return spec
-    if isinstance(spec, (list, tuple)) and spec and not all(isinstance(item, SteeringSpec) for item in spec):
-        raise InvalidSteering(
-            "steer() takes a SteeringSpec or a list of them; the public package's eager-only list of SteerSpec "
-            "(vector, layer, coeff) has no counterpart here: write SteeringSpec.at(f'resid_post.{layer}', "
-            "AddSpec(vector=vector, scale=coeff)) (or Write(...)), which every backend applies"
-        )
+    if isinstance(spec, (list, tuple)):
+        for i, item in enumerate(spec):
+            if not isinstance(item, (SteeringSpec, SteerSpec)):
+                raise InvalidSteering(
+                    f"steer() takes a SteeringSpec, a SteerSpec or a list of them (applied in order); item {i} is "
+                    f"a {type(item).__name__} (writes go in SteeringSpec([...]))"
+                )
     combined = one_spec(spec)
     if combined is None:
         raise InvalidSteering("steer() needs a SteeringSpec (or a list of them), got None")

@@ -18,7 +18,9 @@ op object                 our op          fields (ours)
 ``SwapSpec``              ``swap``        ``target``, ``scale`` (1: the whole move)
 ========================  ==============  ==============================================
 
-``set`` has no op object (write it with :class:`~interp_engine.Write`).
+``set`` has no op object (write it with :class:`~interp_engine.Write`). :class:`SteerSpec` is
+the public package's lower-level form, one op at one layer named by ``method`` (the row's
+:attr:`~interp_engine.steering._writes.OpRow.steer_method`); it builds the same op object.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ from typing import Any, ClassVar
 import torch
 
 from .._errors import InvalidSteering
-from ._values import as_bound, as_vector, finite_float, short_repr
-from ._writes import Op, op_row
+from ..addresses._address import Address
+from ._values import as_bound, as_index, as_vector, finite_float, short_repr
+from ._writes import OP_ROWS, Op, op_row
 
 
 def _vector(value: Any, what: str, op: Op, *, direction: bool) -> torch.Tensor:
@@ -305,3 +308,102 @@ class LayerSteeringSpec:
 
     def __repr__(self) -> str:
         return f"LayerSteeringSpec(operations={list(self.operations)!r})"
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class SteerSpec:
+    """The public ``interp-engine`` package's lower-level steering form: one op at
+    ``Address(point, layer)``, every position, named by ``method`` as that package spells it.
+    It builds the op object of the same row of our op registry (:meth:`op_spec`), so a list of
+    them is taken wherever a list of specs is (``steer(model, [SteerSpec(vector=v, layer=10,
+    coeff=4.0)])``, ``steering_spec=``), on every backend, and is the same value as
+    ``SteeringSpec.at(f"resid_post.{layer}", AddSpec(vector=v, scale=4.0))``.
+
+    =====================  ==========================  ======================================
+    ``method``             op object (our op)          fields read
+    =====================  ==========================  ======================================
+    ``"additive"``         ``AddSpec`` (``add``)        ``coeff`` (the scale), ``normalize``
+    ``"orthogonal"``       ``OrthogonalDecompSpec``    ``coeff``
+    ``"projection_cap"``   ``ProjectionCapSpec``       ``min``, ``max``
+    ``"norm_scaled_add"``  ``NormScaledAddSpec``       ``coeff`` (the strength), ``max_fraction``, ``normalize``
+    ``"ablate"``           ``AblateSpec``              (the whole component)
+    ``"swap"``             ``SwapSpec``                ``target``
+    =====================  ==========================  ======================================
+
+    ``stream`` (a residual stream of a hyper-connection trunk) must be ``None``: no family served
+    here has several residual streams. The op object is built, and checked, when the spec is made.
+    """
+
+    vector: torch.Tensor
+    layer: int
+    coeff: float = 1.0
+    method: str = "additive"
+    point: str = "resid_post"
+    normalize: bool = False
+    stream: int | None = None
+    min: float | None = None
+    max: float | None = None
+    max_fraction: float | None = 1.0
+    target: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        methods = {row.steer_method: row for row in OP_ROWS if row.steer_method is not None}
+        method = str(self.method.value if hasattr(self.method, "value") else self.method)
+        if method not in methods:
+            raise InvalidSteering(
+                f"unknown SteerSpec method {short_repr(self.method)}; expected one of {', '.join(methods)}"
+            )
+        object.__setattr__(self, "method", method)
+        index = as_index(self.layer)
+        if index is None:
+            raise InvalidSteering(f"SteerSpec.layer is a layer index (an int), got {short_repr(self.layer)}")
+        object.__setattr__(self, "layer", index)
+        if not isinstance(self.point, str) or "." in self.point:
+            raise InvalidSteering(
+                f"SteerSpec.point is a kind without a layer (such as 'resid_post'), got {short_repr(self.point)}"
+            )
+        if self.stream is not None:
+            raise InvalidSteering(
+                f"stream={self.stream!r} names one residual stream of a hyper-connection trunk; no family served "
+                "here has several (every model has one residual stream): leave stream=None"
+            )
+        object.__setattr__(self, "_address", Address(self.point, index))
+        object.__setattr__(self, "_op", self._build(methods[method].name))
+
+    def _build(self, op: Op) -> OpSpec:
+        if op == "add":
+            return AddSpec(self.vector, scale=self.coeff, normalize=self.normalize)
+        if op == "rescale":
+            return OrthogonalDecompSpec(self.vector, coeff=self.coeff)
+        if op == "cap":
+            return ProjectionCapSpec(self.vector, min=self.min, max=self.max)
+        if op == "norm_add":
+            return NormScaledAddSpec(
+                self.vector, strength=self.coeff, max_fraction=self.max_fraction, normalize=self.normalize
+            )
+        if op == "ablate":
+            return AblateSpec(self.vector)
+        if self.target is None:
+            raise InvalidSteering("SteerSpec(method='swap') needs target=, the direction the component moves onto")
+        return SwapSpec(self.vector, self.target)
+
+    def op_spec(self) -> OpSpec:
+        """The op object this spec writes (:class:`AddSpec`, ...), at :attr:`address`."""
+        built: OpSpec = object.__getattribute__(self, "_op")
+        return built
+
+    @property
+    def address(self) -> Address:
+        """Where it writes, ``Address(point, layer)``."""
+        where: Address = object.__getattribute__(self, "_address")
+        return where
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, SteerSpec):
+            return NotImplemented
+        return self.address == other.address and self.op_spec() == other.op_spec()
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"SteerSpec({str(self.address)!r}, {self.op_spec()!r})"

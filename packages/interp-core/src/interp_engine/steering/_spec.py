@@ -17,7 +17,7 @@ import torch
 from .._errors import InvalidSteering
 from ..addresses._address import Address, AddressLike, as_address
 from ..chat._spans import is_span_name, span_positions
-from ._ops import LayerSteeringSpec, OpSpec, op_spec
+from ._ops import LayerSteeringSpec, OpSpec, SteerSpec, op_spec
 from ._writes import OPS as OPS
 from ._writes import Op as Op
 from ._writes import OpArgs, apply_op, check_op_args, op_row
@@ -496,16 +496,20 @@ class SteeringSpec:
         return cls([Write(where, positions=positions, **item.write_args()) for item in ops])
 
     @classmethod
-    def combine(cls, specs: Iterable[SteeringSpec | None]) -> SteeringSpec:
+    def combine(cls, specs: Iterable[SteeringSpec | SteerSpec | None]) -> SteeringSpec:
         """One spec with every write of ``specs`` in list order (``None`` entries skipped): what a
-        list of specs means where one request takes one spec."""
+        list of specs means where one request takes one spec. A :class:`SteerSpec` (the public
+        package's lower-level form) is its one write."""
         writes: list[AnyWrite] = []
         for i, spec in enumerate(specs):
             if spec is None:
                 continue
+            if isinstance(spec, SteerSpec):
+                spec = cls.at(spec.address, spec.op_spec())
             if not isinstance(spec, SteeringSpec):
                 raise InvalidSteering(
-                    f"a list of steering specs holds SteeringSpec values; item {i} is a {type(spec).__name__}"
+                    f"a list of steering specs holds SteeringSpec (or SteerSpec) values; item {i} is a "
+                    f"{type(spec).__name__}"
                 )
             writes.extend(spec.writes)
         return cls(writes)
@@ -643,9 +647,10 @@ def _no_op_object(write: Write) -> str:
     return ""
 
 
-RowSpecs = SteeringSpec | Sequence[SteeringSpec | None] | None
+RowSpecs = SteeringSpec | SteerSpec | Sequence[SteeringSpec | SteerSpec | None] | None
 """What a batched call takes as ``steering_spec``: one spec for every row (or ``None``), or a list
-of one spec (or ``None``) per row."""
+of one spec (or ``None``) per row; a list of the public package's :class:`SteerSpec` is one spec
+for every row."""
 
 
 def row_specs(steering_spec: Any, n_rows: int) -> list[SteeringSpec | None]:
@@ -653,6 +658,8 @@ def row_specs(steering_spec: Any, n_rows: int) -> list[SteeringSpec | None]:
     (or ``None``) is every row's. The same object repeats where rows share a spec."""
     if steering_spec is None or isinstance(steering_spec, SteeringSpec):
         return [steering_spec] * n_rows
+    if isinstance(steering_spec, SteerSpec) or _steer_specs(steering_spec):  # the public package's form: every row's
+        return [SteeringSpec.combine(_listed(steering_spec))] * n_rows
     if isinstance(steering_spec, (str, bytes, Mapping)) or not isinstance(steering_spec, Sequence):
         raise InvalidSteering(
             f"steering_spec must be a SteeringSpec, None, or a list of one SteeringSpec (or None) per row; "
@@ -665,10 +672,11 @@ def row_specs(steering_spec: Any, n_rows: int) -> list[SteeringSpec | None]:
             "wrap writes that apply to every row in SteeringSpec([...])"
         )
     for i, item in enumerate(specs):
-        if item is not None and not isinstance(item, SteeringSpec):
+        if item is not None and not isinstance(item, (SteeringSpec, SteerSpec)):
             raise InvalidSteering(f"steering_spec[{i}] must be a SteeringSpec or None, got {type(item).__name__}")
-    if n_rows == 1 and len(specs) > 1 and all(isinstance(item, SteeringSpec) for item in specs):
+    if n_rows == 1 and len(specs) > 1 and all(isinstance(item, (SteeringSpec, SteerSpec)) for item in specs):
         return [SteeringSpec.combine(specs)]  # one prompt: the list is several specs for it, applied in order
+    specs = [SteeringSpec.combine([item]) if isinstance(item, SteerSpec) else item for item in specs]
     if len(specs) != n_rows:
         raise InvalidSteering(
             f"steering_spec lists {len(specs)} specs but the batch has {n_rows} rows; give one per row "
@@ -683,6 +691,8 @@ def one_spec(steering_spec: Any) -> SteeringSpec | None:
     list of specs applied in list order (:meth:`SteeringSpec.combine`)."""
     if steering_spec is None or isinstance(steering_spec, SteeringSpec):
         return steering_spec
+    if isinstance(steering_spec, SteerSpec):
+        return SteeringSpec.combine([steering_spec])
     if isinstance(steering_spec, (str, bytes, Mapping)) or not isinstance(steering_spec, Sequence):
         raise InvalidSteering(
             f"steering_spec must be a SteeringSpec, a list of them (applied in order) or None, "
@@ -693,6 +703,15 @@ def one_spec(steering_spec: Any) -> SteeringSpec | None:
             "a list as steering_spec holds SteeringSpec values, not writes; wrap writes in SteeringSpec([...])"
         )
     return SteeringSpec.combine(steering_spec)
+
+
+def _steer_specs(value: Any) -> bool:
+    """Whether ``value`` is a non-empty list of the public package's :class:`SteerSpec` only."""
+    return isinstance(value, (list, tuple)) and bool(value) and all(isinstance(item, SteerSpec) for item in value)
+
+
+def _listed(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 def named_positions(spec: SteeringSpec | None) -> bool:

@@ -401,6 +401,9 @@ class OpRow:
     op_object: str | None = None
     """The op object of the public ``interp-engine`` package's vocabulary that writes it
     (:mod:`interp_engine.steering._ops`: ``AddSpec``, ...), or ``None``."""
+    steer_method: str | None = None
+    """Its name as the public package's ``SteerSpec(method=...)`` spells it (``"additive"``, ...),
+    or ``None``."""
 
 
 OP_ROWS: tuple[OpRow, ...] = (
@@ -411,6 +414,7 @@ OP_ROWS: tuple[OpRow, ...] = (
         _apply_add,
         _fold_add,
         op_object="AddSpec",
+        steer_method="additive",
     ),
     OpRow(
         "set",
@@ -429,6 +433,7 @@ OP_ROWS: tuple[OpRow, ...] = (
         whole_row=True,
         per_position=False,
         op_object="AblateSpec",
+        steer_method="ablate",
     ),
     OpRow(
         "cap",
@@ -441,6 +446,7 @@ OP_ROWS: tuple[OpRow, ...] = (
         whole_row=True,
         check=_check_cap,
         op_object="ProjectionCapSpec",
+        steer_method="projection_cap",
     ),
     OpRow(
         "rescale",
@@ -451,6 +457,7 @@ OP_ROWS: tuple[OpRow, ...] = (
         direction=True,
         whole_row=True,
         op_object="OrthogonalDecompSpec",
+        steer_method="orthogonal",
     ),
     OpRow(
         "norm_add",
@@ -463,6 +470,7 @@ OP_ROWS: tuple[OpRow, ...] = (
         whole_row=True,
         check=_check_norm_add,
         op_object="NormScaledAddSpec",
+        steer_method="norm_scaled_add",
     ),
     OpRow(
         "swap",
@@ -475,6 +483,7 @@ OP_ROWS: tuple[OpRow, ...] = (
         whole_row=True,
         check=_check_swap,
         op_object="SwapSpec",
+        steer_method="swap",
     ),
 )
 """Every steering op, in the order the docs list them."""
@@ -520,13 +529,16 @@ def param_doc(name: str) -> str:
     return f"{ops} only: {PARAM_DOCS[name]}"
 
 
+def _op_object_cell(row: OpRow) -> str:
+    if row.op_object is None:
+        return "—"
+    return f"`{row.op_object}`, `SteerSpec(method={row.steer_method!r})`"
+
+
 def op_table() -> str:
     """The documentation's op table (Markdown, docs/guides/steering.md), one line per row of :data:`OP_ROWS`."""
     lines = ["| op | effect | vector | op object |", "|---|---|---|---|"]
-    lines += [
-        f"| `{row.name}` | {row.doc} | {row.vector} | {f'`{row.op_object}`' if row.op_object else '—'} |"
-        for row in OP_ROWS
-    ]
+    lines += [f"| `{row.name}` | {row.doc} | {row.vector} | {_op_object_cell(row)} |" for row in OP_ROWS]
     return "\n".join(lines) + "\n"
 
 
