@@ -599,3 +599,38 @@ def test_points_the_public_package_aliases_on_every_family(model: Any) -> None:
     for point, instead in (("mlp_out_post.1", "mlp_out is what is added"), ("attn_out_post.1", "attn_out is what")):
         with pytest.raises(KindNotInFamily, match=instead):
             asyncio.run(model.capture(token_ids, [point]))
+
+
+PUBLIC_NAMES = (
+    "capture",
+    "steer",
+    "SteerMask",
+    "position_ids_from_mask",
+    "parse_address",
+    "to_address",
+    "format_address",
+    "vllm_installed",
+    "AddSpec",
+    "ProjectionCapSpec",
+    "OrthogonalDecompSpec",
+    "NormScaledAddSpec",
+    "AblateSpec",
+    "SwapSpec",
+    "LayerSteeringSpec",
+    "SteerSpec",
+    "Tokenize",
+    "TokenSpan",
+    "RecommendedSampling",
+    "SamplingSettings",
+)
+
+
+@pytest.mark.parametrize("name", PUBLIC_NAMES)
+def test_the_public_packages_names_are_documented(name: str) -> None:
+    import interp_engine
+
+    api = (Path(__file__).resolve().parents[2] / "docs" / "reference" / "api.md").read_text()
+    value = getattr(interp_engine, name)
+    assert name in interp_engine.__all__
+    assert (value.__doc__ or "").strip(), name
+    assert f"::: interp_engine.{name}\n" in api, name
