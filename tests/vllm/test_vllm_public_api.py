@@ -5,6 +5,7 @@ documented calls on the same engine."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -15,14 +16,17 @@ from interp_engine import (
     AddSpec,
     InvalidTokens,
     LayerSteeringSpec,
+    NoChatTemplateError,
     OrthogonalDecompSpec,
     ProjectionCapSpec,
     SteeringSpec,
     SteerMask,
+    SteerSpec,
     Write,
     capture,
     capture_attention,
     capture_generation,
+    decode_residuals,
     generate_stream,
     position_ids_from_mask,
     run_with_cache,
@@ -205,3 +209,49 @@ def test_a_padded_batch_on_vllm(engine: Any, twin: Any) -> None:
     assert not cache["resid_post.2"][0, :pad].any()
     with pytest.raises(InvalidTokens, match="position_ids"):
         capture(engine, tokens, ["resid_post.2"], attention_mask=mask, position_ids=position_ids_from_mask(mask) + 1)
+
+
+def test_the_lower_level_steerspec_list_on_vllm(engine: Any, twin: Any) -> None:
+    # the public package's eager-only SteerSpec list, applied by the vllm backend as by eager
+    d = engine.model.d_model
+    vector, other = _unit(d, 5), _unit(d, 6)
+    lowers = [
+        SteerSpec(vector=vector, layer=1, coeff=4.0),
+        SteerSpec(vector=other, layer=1, method="ablate", point="mlp_out"),
+    ]
+    tokens = engine.model.to_tokens(PROMPT)
+    with steer(engine, lowers):
+        got = capture(engine, tokens, ["resid_post.2"])
+    with steer(twin, lowers):
+        expected = capture(twin, tokens, ["resid_post.2"])
+    plain = capture(engine, tokens, ["resid_post.2"])
+    assert rel_diff(got["resid_post.2"], expected["resid_post.2"]) <= 1e-4
+    assert not torch.allclose(got["resid_post.2"], plain["resid_post.2"])
+
+
+def test_chat_sampling_and_the_unembed_on_vllm(engine: Any, twin: Any) -> None:
+    model = engine.model
+    messages = [{"role": "user", "content": "Hi"}]
+    # the tokenizer's own chat helpers answer as on eager (a checkpoint without a template refuses)
+    assert model.tok.has_chat_template() == twin.model.tok.has_chat_template()
+    if model.tok.has_chat_template():
+        assert model.tok.apply_chat_template(messages, tokenize=True) == twin.model.tok.apply_chat_template(
+            messages, tokenize=True
+        )
+        assert model.tok.message_partition(messages) == twin.model.tok.message_partition(messages)
+    else:
+        with pytest.raises(NoChatTemplateError):
+            model.tok.apply_chat_template(messages)
+    # the sampling defaults are the checkpoint's generation_config.json, read the same way
+    recommended, twins = model.recommended_sampling, twin.model.recommended_sampling
+    assert dataclasses.replace(recommended, source=None) == dataclasses.replace(twins, source=None)
+    assert model.sampling_settings(temperature=0.3) == twin.model.sampling_settings(temperature=0.3)
+    # decode_residuals: the method, and the free function with the public package's softcap=
+    token_ids = model.to_tokens(PROMPT)[0].tolist()
+    acts = engine.capture(token_ids, ["resid_post.2"])
+    residuals = next(iter(acts.values()))
+    logits = engine.run(lambda: model.decode_residuals(residuals))
+    assert rel_diff(logits, twin.decode_residuals(residuals)) <= 1e-4
+    capped = decode_residuals(engine, residuals, softcap=2.0)
+    assert rel_diff(capped, 2.0 * torch.tanh(logits / 2.0)) <= 1e-5
+    assert float(capped.abs().max()) <= 2.0
