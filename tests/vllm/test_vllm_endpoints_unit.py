@@ -21,7 +21,13 @@ from interp_vllm.serve._routes import api_keys
 
 
 def _engine(enforce_eager: bool = True, additional: Any = None) -> Any:
-    model_config = SimpleNamespace(enforce_eager=enforce_eager, model="m", tokenizer="m", max_model_len=64)
+    model_config = SimpleNamespace(
+        enforce_eager=enforce_eager,
+        model="m",
+        tokenizer="m",
+        max_model_len=64,
+        hf_text_config=SimpleNamespace(num_hidden_layers=4),
+    )
     config = SimpleNamespace(model_config=model_config, additional_config=additional or {})
     return SimpleNamespace(vllm_config=config, generate=lambda *a, **k: None)
 
@@ -38,8 +44,10 @@ def test_the_entry_point_is_a_zero_argument_factory_with_vllms_plugin_shape() ->
         (None, "no engine"),
         (_engine(additional={"interp": {"sae": {}}}), "unknown 'interp' settings"),
         (_engine(additional={"interp": {"points_max_values": 0}}), "points_max_values is a positive int"),
+        (_engine(additional={"interp": {"static": {"points": "resid_post.1"}}}), "interp.static.points is a list"),
+        (_engine(additional={"interp": {"static": {"writes": ["resid_post.4"]}}}), "resid_post.4"),
     ],
-    ids=["render-only", "misspelt-setting", "points-cap"],
+    ids=["render-only", "misspelt-setting", "points-cap", "static-form", "static-layer"],
 )
 def test_a_server_the_plugin_cannot_serve_runs_on_without_it(engine: Any, says: str, caplog: Any) -> None:
     endpoints = InterpEndpoints()

@@ -465,6 +465,12 @@ def additional_config(runner: Any) -> dict[str, Any]:
     return extra if isinstance(extra, dict) else {}
 
 
+def n_layers(model_config: Any) -> int:
+    """How many decoder layers the model of vLLM's ``ModelConfig`` has (its text config's
+    ``num_hidden_layers``: the public ``hf_text_config`` attribute of every supported release)."""
+    return int(model_config.hf_text_config.num_hidden_layers)
+
+
 def pipeline_buffers(runner: Any) -> None:
     """Allocate the buffers a pipeline stage after the first receives the previous stage's
     hidden states in (the V1 runner; V2 allocates them in ``load_model``). V1 allocates them in

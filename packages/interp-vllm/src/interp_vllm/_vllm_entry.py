@@ -29,6 +29,7 @@ from typing import Any
 from . import _compat
 from . import _wire as wire
 from ._transport import sees
+from ._wire import CONFIG_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ class _Handlers:
         """Install a vllm-static engine's taps right after the model is loaded (before compiling);
         where vLLM captures breakable CUDA graphs, the taps with their islands (before capture);
         where it compiles without graphs, the taps with their compiled islands (before compiling)."""
-        from .static._worker import StaticTapManager, static_config
+        from .static._worker import StaticTapManager, served_declaration, static_config
         from .worker._compiled import islands_wanted
         from .worker._islands import breakable_enabled
         from .worker._manager import tap_manager
@@ -73,8 +74,17 @@ class _Handlers:
         config = static_config(runner)
         vllm_config = getattr(runner, "vllm_config", None)
         if config is not None:
-            runner._interp_taps = StaticTapManager(runner, config)
-        elif breakable_enabled(vllm_config) or islands_wanted(vllm_config):
+            try:
+                runner._interp_taps = StaticTapManager(runner, config)
+                return
+            except Exception as exc:
+                if not served_declaration(runner):
+                    raise  # the vllm-static backend's front end checked its declaration
+                # a `vllm serve` operator's declaration: the server starts without it, and the
+                # plugin's front end reports why (the workers' ping says they are not static)
+                logger.error("interp-engine: the compiled taps declared in --additional-config failed: %s", exc)
+                _compat.additional_config(runner).pop(CONFIG_KEY, None)
+        if breakable_enabled(vllm_config) or islands_wanted(vllm_config):
             runner._interp_taps = tap_manager(runner)
 
 
@@ -107,6 +117,8 @@ def interp_ping(self: Any, probe: str | None = None, issuer: str | None = None) 
             seam=seam.name,
             patched=True,
             static=_is_static(taps),
+            static_points=tuple(getattr(getattr(taps, "declaration", None), "points", ())),
+            static_writes=tuple(getattr(getattr(taps, "declaration", None), "writes", ())),
             rank=taps.rank,
             tp_size=taps.tp_size,
             lacks=tuple(sorted(taps.family.lacks())) if taps.family is not None else None,

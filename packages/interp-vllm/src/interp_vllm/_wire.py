@@ -117,6 +117,87 @@ class StaticDeclaration(msgspec.Struct, frozen=True):
         return [Address.parse(p) for p in self.points], [Address.parse(a) for a in self.writes]
 
 
+SERVE_KEY = "interp"
+"""The ``additional_config`` entry that configures the ``vllm serve`` plugin (its ``static``
+entry declares a vllm-static tap set: :func:`serve_declaration`)."""
+SERVE_STATIC_FIELDS = ("points", "writes", "write_slots", "sae_top_k", "sae_dense_max")
+"""What the plugin's ``static`` entry may hold (or it is the string ``"auto"``)."""
+SERVE_STATIC_HOW = """--additional-config '{"interp": {"static": {"points": [...], "writes": [...]}}}'"""
+"""How a ``vllm serve`` declares its compiled taps (named by the refusal of an undeclared one)."""
+
+
+def serve_declaration(extra: Mapping[str, Any], n_layers: int) -> StaticDeclaration | None:
+    """The vllm-static tap set a ``vllm serve`` declares in ``--additional-config``
+    (``{"interp": {"static": ...}}``; ``None``: it declares none, the dynamic taps serve it).
+
+    The workers (before vLLM compiles) and the plugin's front end (after) both read it here, so
+    they agree. ``static`` is an object of :data:`SERVE_STATIC_FIELDS` or ``"auto"``:
+
+    - ``points``: the capture points (every layer's ``resid_post`` where left out or ``"auto"``);
+    - ``writes``: the write points (none where left out; ``"auto"``: every layer's
+      ``resid_post`` and every address a plain write of a preset names);
+    - ``write_slots``, ``sae_top_k``, ``sae_dense_max``: as the backend's ``static_*`` options;
+    - ``"auto"``: ``{"points": "auto", "writes": "auto"}``.
+
+    The SAEs of the ``saes`` entry are compiled in. Negative layers count from the end. Raises
+    :class:`~interp_engine.InvalidOption` (or an address error) naming what is wrong."""
+    from interp_engine import InterpError, InvalidOption
+
+    config = extra.get(SERVE_KEY)
+    if not isinstance(config, Mapping) or config.get("static") is None:
+        return None
+    static: Any = config["static"]
+    if static == "auto":
+        static = {"points": "auto", "writes": "auto"}
+    if not isinstance(static, Mapping):
+        raise InvalidOption(f'interp.static is "auto" or an object of {", ".join(SERVE_STATIC_FIELDS)}, got {static!r}')
+    unknown = sorted(set(static) - set(SERVE_STATIC_FIELDS))
+    if unknown:
+        raise InvalidOption(f"unknown interp.static settings {unknown}; valid: {', '.join(SERVE_STATIC_FIELDS)}")
+    every = [f"resid_post.{layer}" for layer in range(n_layers)]
+
+    def addresses(name: str, given: Any, auto: list[str]) -> tuple[str, ...]:
+        if given == "auto":
+            given = auto
+        if isinstance(given, str) or not isinstance(given, (list, tuple)):
+            raise InvalidOption(f'interp.static.{name} is a list of addresses or "auto", got {given!r}')
+        out = []
+        for text in given:
+            if not isinstance(text, str):
+                raise InvalidOption(f"interp.static.{name} holds addresses as strings, got {text!r}")
+            out.append(str(Address.parse(text).resolve(n_layers)))
+        return tuple(dict.fromkeys(out))
+
+    preset_writes: list[str] = []
+    for name, spec in dict(config.get("presets") or {}).items():
+        try:
+            parsed = SteeringSpec.from_dict(spec)
+        except (InterpError, TypeError, ValueError, KeyError) as exc:
+            raise InvalidOption(f"preset {name!r} is not a steering spec: {exc}") from None
+        preset_writes += [str(w.address) for w in parsed.writes if isinstance(w, Write) and w.address is not None]
+    points = addresses("points", static.get("points", "auto"), every)
+    writes = addresses("writes", static.get("writes", []), [*every, *preset_writes])
+    counts = {}
+    for name, default, least in (
+        ("write_slots", DEFAULT_SLOTS, 1),
+        ("sae_top_k", DEFAULT_SAE_TOP_K, 1),
+        ("sae_dense_max", DEFAULT_SAE_DENSE_MAX, 0),
+    ):
+        value = static.get(name, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise InvalidOption(f"interp.static.{name} is an int >= {least}, got {value!r}")
+        counts[name] = value
+    saes = {str(name): SavedSae(path=str(path), digest="") for name, path in dict(config.get("saes") or {}).items()}
+    return StaticDeclaration(
+        points=points,
+        writes=writes,
+        slots=counts["write_slots"] + 1,
+        saes=saes,
+        sae_top_k=counts["sae_top_k"],
+        sae_dense_max=counts["sae_dense_max"],
+    )
+
+
 # -- what a worker says about itself ---------------------------------------------------------------
 
 
@@ -129,6 +210,10 @@ class Ping(msgspec.Struct, frozen=True):
     """Whether the runner's class carries the taps' wrappers."""
     static: bool = False
     """Whether the taps are vllm-static's, installed before compilation."""
+    static_points: tuple[str, ...] = ()
+    """A vllm-static worker's compiled capture points."""
+    static_writes: tuple[str, ...] = ()
+    """A vllm-static worker's compiled write points."""
     rank: int = 0
     tp_size: int = 1
     lacks: tuple[str, ...] | None = None

@@ -43,6 +43,14 @@ What the server then has:
   time through vLLM's ``/v1/load_lora_adapter``), run under vLLM's own ``lora_int_id`` for each;
   ``GET /interp/v1/model`` lists them.
 
+- **Taps declared at start** (vllm-static): ``"static": {"points": [...], "writes": [...]}`` (or
+  ``"auto"``) in the ``interp`` entry makes vLLM's workers compile those taps, and the SAEs of
+  ``saes``, into the model's graph before vLLM compiles it (:func:`interp_vllm._wire.serve_declaration`
+  reads the declaration for both sides); the plugin then serves a vllm-static model over the
+  same engine, and a request naming an address outside the declaration is ``400
+  UndeclaredAddress`` naming it and how to declare more. Its SAEs cannot change at run time
+  (``409``).
+
 The taps run on a server that compiles the model (vLLM's default) as on one started with
 ``--enforce-eager``: on vLLM's CPU platform the residual stream's taps run inside the compiled
 graph and steps that tap inside a layer run uncompiled (``interp_vllm.worker._compiled``). A
@@ -64,9 +72,10 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from interp_engine import InvalidOption, SteeringSpec, load_sae
+from interp_engine import InvalidOption, SteeringSpec, load_model, load_sae
 
 from .. import _compat
+from .._wire import SERVE_STATIC_HOW, serve_declaration
 from ._requests import Call, call_of
 from ._routes import api_keys, authorized, error_body, interp_app, models_route, steered
 from ._steering import wrap_generate
@@ -77,7 +86,7 @@ NAME = "interp_vllm"
 """The plugin's name in ``VLLM_PLUGINS`` (the general plugin's too)."""
 CONFIG_KEY = "interp"
 """The entry of ``--additional-config`` that configures the plugin."""
-CONFIG_FIELDS = ("saes", "presets", "capture_memory_bytes", "points_max_values")
+CONFIG_FIELDS = ("saes", "presets", "capture_memory_bytes", "points_max_values", "static")
 """The settings of ``--additional-config``'s ``interp`` entry."""
 POINTS_MAX_VALUES = 65536
 """Most numbers ``interp.points`` returns in one answer (positions x values per position), unless
@@ -184,6 +193,8 @@ class InterpEndpoints:
         cap = config.get("points_max_values", POINTS_MAX_VALUES)
         if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
             raise InvalidOption(f"points_max_values is a positive int (numbers per answer), got {cap!r}")
+        # vllm-static: what the workers compiled in, read as they read it
+        declared = serve_declaration(vllm_config.additional_config or {}, _compat.n_layers(model_config))
         options: dict[str, Any] = {
             "max_model_len": int(model_config.max_model_len) - 1,
             "trust_remote_code": bool(model_config.trust_remote_code),
@@ -200,10 +211,27 @@ class InterpEndpoints:
             options["enable_lora"] = True
             options["max_lora_rank"] = int(lora_config.max_lora_rank)
             options["max_loras"] = int(lora_config.max_loras)
-        model = VllmModel(model_config.model, options)
-        await model.serve_engine(engine)
+        model: Any
+        if declared is None:
+            model = VllmModel(model_config.model, options)
+            await model.serve_engine(engine)
+        else:  # vllm-static: the workers compiled the declared taps and the SAEs in
+            model = load_model(
+                model_config.model,
+                backend="vllm-static",
+                static_points=list(declared.points),
+                static_writes=list(declared.writes),
+                static_write_slots=declared.slots - 1,
+                static_sae_top_k=declared.sae_top_k,
+                static_sae_dense_max=declared.sae_dense_max,
+                **options,
+            )
+            model.declare_how = SERVE_STATIC_HOW
+            for name, entry in declared.saes.items():
+                model.attach_sae(name, load_sae(entry.path))
+            await model.serve_engine(engine)
         try:
-            for name, path in dict(config.get("saes") or {}).items():
+            for name, path in dict(config.get("saes") or {}).items() if declared is None else ():
                 model.attach_sae(str(name), load_sae(str(path)))
             self.base_names = tuple(getattr(args, "served_model_name", None) or [model_config.model])
             self.model = model  # presets are checked against it
@@ -221,10 +249,11 @@ class InterpEndpoints:
         self._interp_app = interp_app(self, model)
         self.refusal = None
         logger.info(
-            "interp-engine: serving %s with %d preset(s) and %d SAE(s)",
+            "interp-engine: serving %s with %d preset(s) and %d SAE(s)%s",
             model_config.model,
             len(self.presets),
             len(model.saes),
+            "" if declared is None else f", compiled taps {list(declared.points)}, writes {list(declared.writes)}",
         )
 
     def _sync_adapters(self) -> None:

@@ -6,16 +6,17 @@ keys (:func:`api_keys`, :func:`authorized`); errors in vLLM's shape (:func:`erro
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from fastapi import HTTPException, Request
 
-from interp_engine import InterpError, InvalidOption, InvalidSteering, SteeringSpec, load_sae
+from interp_engine import InterpError, InvalidOption, InvalidSteering, StaticConfigError, SteeringSpec, load_sae
 
 from ._answers import with_steps
 from ._requests import CALL, Call, Refused
@@ -123,14 +124,17 @@ def interp_app(endpoints: Plugin, model: Any) -> Any:
         body = await keyed_body(request, InvalidOption, "{'path': FOLDER}")
         if not isinstance(body, dict) or set(body) != {"path"} or not isinstance(body["path"], str):
             raise InvalidOption("the body is {'path': FOLDER}: a folder load_sae reads, on the server")
-        if name in model.saes:
-            model.detach_sae(name)  # a request in flight keeps the SAE it was checked with
-        model.attach_sae(name, load_sae(body["path"]))
+        sae = load_sae(body["path"])
+        with compiled_in():
+            if name in model.saes:
+                model.detach_sae(name)  # a request in flight keeps the SAE it was checked with
+            model.attach_sae(name, sae)
         return {"name": name, "saes": sorted(model.saes)}
 
     async def delete_sae(name: str) -> Any:
         check_key()
-        model.detach_sae(name)
+        with compiled_in():
+            model.detach_sae(name)
         return {"name": name, "saes": sorted(model.saes)}
 
     app.add_api_route("/v1/presets", list_presets, methods=["GET"])
@@ -140,6 +144,16 @@ def interp_app(endpoints: Plugin, model: Any) -> Any:
     app.add_api_route("/v1/presets/{name}", put_preset, methods=["PUT"])
     app.add_api_route("/v1/presets/{name}", delete_preset, methods=["DELETE"])
     return app
+
+
+@contextlib.contextmanager
+def compiled_in() -> Iterator[None]:
+    """A server whose SAEs are compiled into its graph (``interp.static``) answers ``409`` to a
+    change of them, with the reason."""
+    try:
+        yield
+    except StaticConfigError as exc:
+        raise HTTPException(409, str(exc)) from None
 
 
 def api_keys(args: Any) -> tuple[str, ...]:

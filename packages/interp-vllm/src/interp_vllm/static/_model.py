@@ -117,6 +117,9 @@ class StaticVllmModel(VllmModel):
         self._slots_used: dict[Address, int] = {}  # per write address: slots held by requests in flight
         self._slots_free: asyncio.Condition | None = None
         self._held: dict[str, Mapping[Address, int]] = {}
+        self.declare_how = "static_points=/static_writes= or configure_static before the engine is built"
+        """How this model's taps are declared, as a refusal of an undeclared one says (a ``vllm
+        serve`` names its ``--additional-config``)."""
         if writes is not None:
             self._writes = self._declare_writes(writes)
         if points != "auto":
@@ -320,7 +323,23 @@ class StaticVllmModel(VllmModel):
                 "the vllm-static taps were not installed before vLLM compiled the model (the "
                 "interp-vllm plugin wraps the model runner's load_model; is a different runner in use?)"
             )
+        points, writes = [str(a) for a in self.static_points], [str(a) for a in self.static_writes]
+        for ping in pings if problem is None else ():
+            if list(ping.static_points) != points or list(ping.static_writes) != writes:
+                problem = (
+                    f"vLLM's workers compiled the taps {list(ping.static_points)} with writes "
+                    f"{list(ping.static_writes)}, not this model's {points} with writes {writes}"
+                )
         return problem
+
+    async def serve_engine(self, engine: Any) -> None:
+        """Serve through a running engine whose workers compiled this model's declaration (a
+        ``vllm serve`` that declares its taps in ``--additional-config``; checked against the
+        workers' own): the declaration and the SAEs attached now are this model's compiled set,
+        fixed from here on."""
+        self._frozen = True
+        self._compiled_saes = dict(self.saes)
+        await super().serve_engine(engine)
 
     def _load_adapter(self, adapter: Adapter) -> None:
         raise InvalidAdapter(_NO_ADAPTERS, name=adapter.name)
@@ -334,8 +353,7 @@ class StaticVllmModel(VllmModel):
             if address not in declared:
                 raise UndeclaredAddress(
                     f"{requested} is not a capture point of this vllm-static engine; declared: "
-                    f"{self._names(self.static_points)} (declare points with static_points= or "
-                    "configure_static before the engine is built)",
+                    f"{self._names(self.static_points)} (declare points with {self.declare_how})",
                     address=requested,
                     valid=tuple(str(a) for a in self.static_points),
                 )
@@ -345,15 +363,25 @@ class StaticVllmModel(VllmModel):
                 raise UndeclaredAddress(
                     f"the logit lens at layer {undeclared[0].layer} reads {undeclared[0]}, which is not a capture "
                     f"point of this vllm-static engine; declared: {self._names(self.static_points)} (declare the "
-                    "lens layers' resid_post with static_points= or configure_static before the engine is built)",
+                    f"lens layers' resid_post with {self.declare_how})",
                     address=undeclared[0],
                     valid=tuple(str(a) for a in self.static_points),
                 )
-        for write in request.writes:
+        self._check_declared_writes(request.writes)
+
+    def _check_writes(self, steering_spec: Any) -> tuple[list[Any], dict[str, Sae]]:
+        """The core's checks of a spec, and its plain writes at declared write points (a preset
+        of a ``vllm serve`` is checked so when it is set)."""
+        writes, used = super()._check_writes(steering_spec)
+        self._check_declared_writes(writes)
+        return writes, used
+
+    def _check_declared_writes(self, writes: Iterable[Any]) -> None:
+        for write in writes:
             if isinstance(write, Write) and write.address not in self._writes:
                 raise UndeclaredAddress(
                     f"cannot write at {write.address}: not a write point of this vllm-static engine; "
-                    f"declared: {self._names(self.static_writes)} (declare them with static_writes=)",
+                    f"declared: {self._names(self.static_writes)} (declare them with {self.declare_how})",
                     address=write.address,
                     valid=tuple(str(a) for a in self.static_writes),
                 )

@@ -14,17 +14,29 @@ as the dynamic worker's, ever leave the worker).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 from collections import defaultdict
 from typing import Any
 
+import msgspec
 import torch
 
-from interp_engine import Address, FeatureWrite, Write
+from interp_engine import Address, FeatureWrite, Write, load_sae
 from interp_engine.backend import write_positions
 
 from .. import _compat
-from .._wire import CONFIG_KEY, Fetched, RequestPayload, StaticDeclaration, compact, from_wire
+from .._wire import (
+    CONFIG_KEY,
+    SERVE_KEY,
+    Fetched,
+    RequestPayload,
+    StaticDeclaration,
+    compact,
+    from_wire,
+    serve_declaration,
+    to_wire,
+)
 from ..model._sites import ROUTER_KIND, SITES, owned_heads
 from ..worker._manager import TapManager
 from ..worker._request_taps import Hook, RequestTaps, Slice
@@ -36,9 +48,39 @@ logger = logging.getLogger(__name__)
 
 
 def static_config(runner: Any) -> StaticDeclaration | None:
-    """The engine's vllm-static declaration (``None``: a ``vllm`` engine)."""
-    data = _compat.additional_config(runner).get(CONFIG_KEY)
-    return None if data is None else from_wire(StaticDeclaration, data)
+    """The engine's vllm-static declaration (``None``: a ``vllm`` engine): the backend's, or the
+    one a ``vllm serve`` declares in ``--additional-config`` (:func:`~.._wire.serve_declaration`).
+    A served declaration is written back under :data:`~.._wire.CONFIG_KEY` in this process's copy
+    of the config with each SAE's digest, so vLLM's compile-cache key covers the SAEs the graph
+    holds. One that cannot be read is logged and leaves the engine to the dynamic taps (the
+    plugin's front end reads the same declaration, refuses it with the same message and serves
+    the server without interp-engine)."""
+    extra = _compat.additional_config(runner)
+    data = extra.get(CONFIG_KEY)
+    if data is not None:
+        return from_wire(StaticDeclaration, data)
+    try:
+        declared = serve_declaration(extra, _compat.n_layers(runner.model_config))
+        if declared is None:
+            return None
+        saes = {
+            name: msgspec.structs.replace(
+                entry, digest=hashlib.sha256(load_sae(entry.path).to_bytes()).hexdigest()[:32]
+            )
+            for name, entry in declared.saes.items()
+        }
+        declared = msgspec.structs.replace(declared, saes=saes)
+    except Exception as exc:
+        logger.error("interp-engine: the compiled taps declared in --additional-config are not served: %s", exc)
+        return None
+    extra[CONFIG_KEY] = to_wire(declared)
+    return declared
+
+
+def served_declaration(runner: Any) -> bool:
+    """Whether the engine's declaration is a ``vllm serve`` operator's (``--additional-config``)."""
+    config = _compat.additional_config(runner).get(SERVE_KEY)
+    return isinstance(config, dict) and config.get("static") is not None
 
 
 class StaticTapManager(TapManager):
@@ -57,6 +99,7 @@ class StaticTapManager(TapManager):
 
     def __init__(self, runner: Any, config: StaticDeclaration) -> None:
         super().__init__(runner)
+        self.declaration = config
         self.compiled = CompiledTaps(self.state, config)
         # per request: per address, its write slots, the slot of each op and the op combination
         # at each position
