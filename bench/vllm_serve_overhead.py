@@ -1,10 +1,11 @@
 """What interp-vllm's endpoint plugin costs inside ``vllm serve``.
 
-    python bench/vllm_serve_overhead.py [--rounds 3] [--prompts 64] [--quick]
+    python bench/vllm_serve_overhead.py [--rounds 3] [--prompts 64] [--quick] [--compiled] [--static]
 
-Two ``vllm serve`` processes (``interp_testkit.vllm_serve.VllmServe``: the CPU build, eager mode,
-float32, each on its own loopback port) serve the model of ``bench/vllm_overhead.py``
-(GPT-2-shaped, 12 layers x 768, random weights, built locally), both alive for the whole run:
+Two ``vllm serve`` processes (``interp_testkit.vllm_serve.VllmServe``: the CPU build, eager mode
+(``--enforce-eager``) unless ``--compiled``, float32, each on its own loopback port) serve the
+model of ``bench/vllm_overhead.py`` (GPT-2-shaped, 12 layers x 768, random weights, built
+locally), both alive for the whole run:
 
 - **A**, with the plugin (``VLLM_PLUGINS=interp_vllm``): a random TopK SAE of
   ``bench/sae_overhead.py`` (16x as wide as the residual stream, k 32) at ``resid_post.6``,
@@ -41,6 +42,16 @@ generated tokens over the round's wall seconds; the median over rounds is report
 median). Ends with ``RESULT <name>_vs_plain_without_plugin <ratio> (target <t>)`` lines. Both
 servers are stopped at the end, on an error too; their logs are left in ``.cache/bench-vllm-serve/``.
 
+``--compiled``: both servers compile the model as vLLM does by default (no ``--enforce-eager``;
+on the CPU build: Dynamo and Inductor, no CUDA graphs), B being plain compiled ``vllm serve``;
+recorded as ``vllm_serve_overhead_compiled``, with the targets of a compiled server (plain 0.98,
+steering 0.93, lens and readouts 0.88). ``--static`` (implies ``--compiled``) adds a third
+server, **C**, with the plugin and a vllm-static declaration in its ``--additional-config``
+(``"static": {"points": [the lens layers' resid_post], "writes": ["resid_post.6"]}``, the SAE
+compiled in), and runs ``plain``, ``steer_1``, ``lens_4`` and ``readouts`` on it too
+(``static_*``), each against B, in the same rounds; those figures are recorded as
+``vllm_serve_overhead_static``, the others as ``vllm_serve_overhead_compiled``.
+
 The servers' processes allocate with a fixed malloc threshold and keep freed memory
 (``bench/_workers.py``; ``--default-malloc``: glibc's defaults).
 """
@@ -76,9 +87,14 @@ SAE_NAME = "bench"
 LAYER = 6
 LENS_LAYERS = [2, 5, 8, 11]
 READOUT = f"features:{SAE_NAME}:top8"
-ARGS = ["--served-model-name", SERVED, "--enforce-eager", "--dtype", "float32", "--max-model-len", "512"]
+COMPILED_ARGS = ["--served-model-name", SERVED, "--dtype", "float32", "--max-model-len", "512"]
+ARGS = [*COMPILED_ARGS, "--enforce-eager"]
 BASELINE = "plain_without_plugin"
 TARGETS = {"plain": 0.98, "steer_1": 0.95, "preset": 0.95, "lens_4": 0.90, "readouts": 0.90}
+COMPILED_TARGETS = {"plain": 0.98, "steer_1": 0.93, "preset": 0.93, "lens_4": 0.88, "readouts": 0.88}
+"""``--compiled``: a compiled server with the plugin against plain compiled ``vllm serve``."""
+STATIC_VARIANTS = ("plain", "steer_1", "lens_4", "readouts")
+"""``--static``: what also runs on server C (``static_<name>``, with ``COMPILED_TARGETS``' target)."""
 # the code whose speed the figures measure
 MEASURES = (
     "packages/interp-vllm/src/interp_vllm",
@@ -87,9 +103,13 @@ MEASURES = (
 )
 
 
-def server_config(spec: SteeringSpec, sae_path: pathlib.Path) -> str:
-    """The plugin's ``--additional-config``: the SAE by path and the preset."""
-    return json.dumps({"interp": {"saes": {SAE_NAME: str(sae_path)}, "presets": {PRESET: spec.to_dict()}}})
+def server_config(spec: SteeringSpec, sae_path: pathlib.Path, static: bool = False) -> str:
+    """The plugin's ``--additional-config``: the SAE by path and the preset (``static``: and a
+    vllm-static declaration of the lens layers' ``resid_post`` and the steered address)."""
+    config: dict[str, Any] = {"saes": {SAE_NAME: str(sae_path)}, "presets": {PRESET: spec.to_dict()}}
+    if static:
+        config["static"] = {"points": [f"resid_post.{n}" for n in LENS_LAYERS], "writes": [f"resid_post.{LAYER}"]}
+    return json.dumps({"interp": config})
 
 
 def check_servers(with_plugin: VllmServe, without: VllmServe) -> None:
@@ -167,7 +187,9 @@ def spread(values: list[float]) -> float:
     return (max(values) - min(values)) / statistics.median(values) if values else float("nan")
 
 
-def report(results: Results, rates: dict[str, list[float]]) -> None:
+def report(
+    results: Results, rates: dict[str, list[float]], targets: dict[str, float], static: Results | None = None
+) -> None:
     median = {name: statistics.median(values) for name, values in rates.items()}
     base = median[BASELINE]
     print()
@@ -178,22 +200,37 @@ def report(results: Results, rates: dict[str, list[float]]) -> None:
     for name, rate in median.items():
         if name != BASELINE:
             per_round = [r / b for r, b in zip(rates[name], rates[BASELINE], strict=True)]
-            results.add(f"{name}_vs_{BASELINE}", rate / base, TARGETS[name], rounds=per_round)
+            target = targets[name.removeprefix("static_")]
+            into = static if static is not None and name.startswith("static_") else results
+            into.add(f"{name}_vs_{BASELINE}", rate / base, target, rounds=per_round)
     results.write()
+    if static is not None:
+        static.write()
 
 
 async def measure(
-    results: Results, a: VllmServe, b: VllmServe, prompts: list[list[int]], spec: SteeringSpec, rounds: int
+    results: Results,
+    a: VllmServe,
+    b: VllmServe,
+    c: VllmServe | None,
+    prompts: list[list[int]],
+    spec: SteeringSpec,
+    rounds: int,
+    targets: dict[str, float],
+    static: Results | None = None,
 ) -> None:
     import openai
 
     steering = {"interp": {"steering": spec.to_dict()}}
     lens = {"lens": {"layers": LENS_LAYERS, "top_k": 10, "positions": [-1]}}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    c_url = (c or a).url
     async with (
         openai.AsyncOpenAI(base_url=f"{a.url}/v1", api_key="none", max_retries=0, timeout=900) as on_a,
         openai.AsyncOpenAI(base_url=f"{b.url}/v1", api_key="none", max_retries=0, timeout=900) as on_b,
+        openai.AsyncOpenAI(base_url=f"{c_url}/v1", api_key="none", max_retries=0, timeout=900) as on_c,
         httpx.AsyncClient(base_url=a.url, timeout=900, limits=limits) as interp,
+        httpx.AsyncClient(base_url=c_url, timeout=900, limits=limits) as interp_c,
     ):
         variants: dict[str, Callable[[], Awaitable[int]]] = {
             BASELINE: lambda: completions(on_b, prompts, SERVED, None),
@@ -203,6 +240,16 @@ async def measure(
             "lens_4": lambda: interp_generate(interp, prompts, lens),
             "readouts": lambda: interp_generate(interp, prompts, {"features": [READOUT]}),
         }
+        if c is not None:
+            variants.update(
+                {
+                    "static_plain": lambda: completions(on_c, prompts, SERVED, None),
+                    "static_steer_1": lambda: completions(on_c, prompts, SERVED, steering),
+                    "static_lens_4": lambda: interp_generate(interp_c, prompts, lens),
+                    "static_readouts": lambda: interp_generate(interp_c, prompts, {"features": [READOUT]}),
+                }
+            )
+            await check_steering(on_c, on_b, prompts[0], steering)
         await check_steering(on_a, on_b, prompts[0], steering)
         for name, run in variants.items():
             print(f"warm-up {name}: {await timed(run):.1f} tok/s", flush=True)
@@ -212,11 +259,14 @@ async def measure(
             for name in order:
                 rates[name].append(await timed(variants[name]))
             print(f"round {index + 1}: " + ", ".join(f"{n} {rates[n][-1]:.1f} tok/s" for n in variants), flush=True)
-    report(results, rates)
+    report(results, rates, targets, static)
 
 
 def main(args: argparse.Namespace) -> int:
-    results = Results("vllm_serve_overhead", MEASURES, record=not args.quick)
+    args.compiled = args.compiled or args.static
+    results = Results("vllm_serve_overhead" + ("_compiled" if args.compiled else ""), MEASURES, record=not args.quick)
+    static = Results("vllm_serve_overhead_static", MEASURES, record=not args.quick) if args.static else None
+    server_args = COMPILED_ARGS if args.compiled else ARGS
     path = build_model("gpt2")
     from transformers import AutoConfig
 
@@ -235,18 +285,33 @@ def main(args: argparse.Namespace) -> int:
     try:
         a = VllmServe(
             path,
-            [*ARGS, "--additional-config", server_config(spec, sae_path)],
+            [*server_args, "--additional-config", server_config(spec, sae_path)],
             WORK / "with-plugin.log",
             env={"VLLM_PLUGINS": "interp_vllm"},
         )
         servers.append(a)
-        b = VllmServe(path, ARGS, WORK / "without-plugin.log", env={"VLLM_PLUGINS": ""})
+        b = VllmServe(path, server_args, WORK / "without-plugin.log", env={"VLLM_PLUGINS": ""})
         servers.append(b)
-        a.wait(900)
-        b.wait(900)
+        c = None
+        if args.static:
+            c = VllmServe(
+                path,
+                [*server_args, "--additional-config", server_config(spec, sae_path, static=True)],
+                WORK / "static.log",
+                env={"VLLM_PLUGINS": "interp_vllm"},
+            )
+            servers.append(c)
+        for server in servers:
+            server.wait(1800)
         check_servers(a, b)
-        print(f"A (with the plugin) at {a.url}, B (without) at {b.url}", flush=True)
-        asyncio.run(measure(results, a, b, prompts, spec, args.rounds))
+        if c is not None:
+            check_servers(c, b)
+            if "compiled taps" not in c.tail(10**7):
+                raise RuntimeError(f"server C does not serve its declared taps compiled in:\n{c.tail()}")
+        mode = "compiled" if args.compiled else "eager"
+        print(f"A (with the plugin) at {a.url}, B (without) at {b.url}, {mode}", flush=True)
+        targets = COMPILED_TARGETS if args.compiled else TARGETS
+        asyncio.run(measure(results, a, b, c, prompts, spec, args.rounds, targets, static))
     finally:
         for server in servers:
             server.stop()
@@ -259,6 +324,8 @@ if __name__ == "__main__":
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--default-malloc", action="store_true", help="the servers on glibc malloc's defaults")
     parser.add_argument("--quick", action="store_true", help="1 round of 16 prompts (a smoke test)")
+    parser.add_argument("--compiled", action="store_true", help="servers that compile the model (no --enforce-eager)")
+    parser.add_argument("--static", action="store_true", help="--compiled, and a server with declared vllm-static taps")
     ns = parser.parse_args()
     if ns.quick:
         ns.rounds, ns.prompts = 1, 16
