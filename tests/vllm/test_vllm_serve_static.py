@@ -250,13 +250,25 @@ def test_no_request_body_gets_a_5xx_nor_a_recompile(server: VllmServe, client: o
 # -- the declaration, without a server ----------------------------------------------------------------
 
 
-def test_auto_declares_every_resid_post_and_the_presets_writes() -> None:
+def test_auto_declares_every_resid_post_and_the_presets_writes(tmp_path: Any) -> None:
     preset = SteeringSpec([Write(Address("mlp_out", -1), torch.zeros(D_MODEL))]).to_dict()
-    extra = {"interp": {"static": "auto", "presets": {"p": preset}, "saes": {"res": "interp:tiny-sae"}}}
+    feature = SteeringSpec([FeatureWrite("res", 3, op="add", value=2.0)]).to_dict()  # the SAE reads resid_post.2
+    clamp = SteeringSpec([FeatureWrite("res", 3, op="clamp", value=2.0)]).to_dict()  # no write point
+    presets = {"p": preset, "f": feature, "c": clamp}
+    extra = {"interp": {"static": "auto", "presets": presets, "saes": {"res": "interp:tiny-sae"}}}
     declared = serve_declaration(extra, 4)
     assert declared is not None
     every = tuple(f"resid_post.{layer}" for layer in range(4))
     assert declared.points == every and declared.writes == (*every, "mlp_out.3")
+    # a feature add writes at its SAE's address: one of an SAE at mlp_out.1
+    from interp_engine import Sae
+
+    w_enc, w_dec = torch.randn(D_MODEL, 8), torch.randn(8, D_MODEL)
+    Sae("standard", w_enc, torch.zeros(8), w_dec, torch.zeros(D_MODEL), "blocks.1.hook_mlp_out").save(tmp_path / "s")
+    mlp = SteeringSpec([FeatureWrite("mlp", 3, op="add", value=2.0)]).to_dict()
+    config = {"static": {"writes": "auto"}, "presets": {"m": mlp}, "saes": {"mlp": str(tmp_path / "s")}}
+    only = serve_declaration({"interp": config}, 4)
+    assert only is not None and only.writes == (*every, "mlp_out.1")
     assert list(declared.saes) == ["res"] and declared.saes["res"].path == "interp:tiny-sae"
     explicit = serve_declaration({"interp": {"static": {"points": ["mlp_post.-1", "mlp_post.3"]}}}, 4)
     assert explicit is not None and explicit.points == ("mlp_post.3",) and explicit.writes == ()

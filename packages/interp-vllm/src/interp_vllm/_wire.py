@@ -126,6 +126,13 @@ SERVE_STATIC_HOW = """--additional-config '{"interp": {"static": {"points": [...
 """How a ``vllm serve`` declares its compiled taps (named by the refusal of an undeclared one)."""
 
 
+def _feature_add_address(path: str) -> Address:
+    """Where a feature ``add`` of the SAE saved at ``path`` writes (a transcoder: its output)."""
+    from interp_engine import load_sae
+
+    return load_sae(path).address_out
+
+
 def serve_declaration(extra: Mapping[str, Any], n_layers: int) -> StaticDeclaration | None:
     """The vllm-static tap set a ``vllm serve`` declares in ``--additional-config``
     (``{"interp": {"static": ...}}``; ``None``: it declares none, the dynamic taps serve it).
@@ -135,7 +142,7 @@ def serve_declaration(extra: Mapping[str, Any], n_layers: int) -> StaticDeclarat
 
     - ``points``: the capture points (every layer's ``resid_post`` where left out or ``"auto"``);
     - ``writes``: the write points (none where left out; ``"auto"``: every layer's
-      ``resid_post`` and every address a plain write of a preset names);
+      ``resid_post`` and every address a preset writes at, a feature ``add`` at its SAE's);
     - ``write_slots``, ``sae_top_k``, ``sae_dense_max``: as the backend's ``static_*`` options;
     - ``"auto"``: ``{"points": "auto", "writes": "auto"}``.
 
@@ -168,13 +175,18 @@ def serve_declaration(extra: Mapping[str, Any], n_layers: int) -> StaticDeclarat
             out.append(str(Address.parse(text).resolve(n_layers)))
         return tuple(dict.fromkeys(out))
 
+    saes = {str(name): SavedSae(path=str(path), digest="") for name, path in dict(config.get("saes") or {}).items()}
     preset_writes: list[str] = []
     for name, spec in dict(config.get("presets") or {}).items():
         try:
             parsed = SteeringSpec.from_dict(spec)
         except (InterpError, TypeError, ValueError, KeyError) as exc:
             raise InvalidOption(f"preset {name!r} is not a steering spec: {exc}") from None
-        preset_writes += [str(w.address) for w in parsed.writes if isinstance(w, Write) and w.address is not None]
+        for write in parsed.writes:
+            if isinstance(write, Write) and write.address is not None:
+                preset_writes.append(str(write.address))
+            elif isinstance(write, FeatureWrite) and write.op == "add" and write.sae in saes:
+                preset_writes.append(str(_feature_add_address(saes[write.sae].path)))
     points = addresses("points", static.get("points", "auto"), every)
     writes = addresses("writes", static.get("writes", []), [*every, *preset_writes])
     counts = {}
@@ -187,7 +199,6 @@ def serve_declaration(extra: Mapping[str, Any], n_layers: int) -> StaticDeclarat
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise InvalidOption(f"interp.static.{name} is an int >= {least}, got {value!r}")
         counts[name] = value
-    saes = {str(name): SavedSae(path=str(path), digest="") for name, path in dict(config.get("saes") or {}).items()}
     return StaticDeclaration(
         points=points,
         writes=writes,
