@@ -634,3 +634,23 @@ def test_the_public_packages_names_are_documented(name: str) -> None:
     assert name in interp_engine.__all__
     assert (value.__doc__ or "").strip(), name
     assert f"::: interp_engine.{name}\n" in api, name
+
+
+@pytest.mark.parametrize(
+    ("name", "says"),
+    [
+        ("set_steering", "with steer"),
+        ("generate_steps", "model.stream"),
+        ("project", "acts\\[address\\] @ directions.T"),
+        ("grad_support", "run_with_gradients"),
+        ("residual_basis", "one residual stream"),
+    ],
+)
+def test_model_attributes_not_here_say_what_to_use(model: Any, name: str, says: str) -> None:
+    with pytest.raises(AttributeError, match=says):
+        getattr(model, name)
+    with pytest.raises(AttributeError, match=says):  # the sync facade passes the lookup through
+        getattr(sync_model(model), name)
+    assert not hasattr(model, name)
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+        model.no_such_name  # noqa: B018
