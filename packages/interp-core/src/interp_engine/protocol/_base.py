@@ -52,7 +52,7 @@ import numbers
 import os
 import types
 from collections.abc import AsyncGenerator, AsyncIterator, Collection, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, NoReturn
 
 import torch
 
@@ -98,18 +98,25 @@ from ._protocol import Activations, Completion, ModelInfo, Results, StaticTaps, 
 from ._requests import SAMPLING_OPTIONS, CheckedLens, CheckedRequest, SamplingOptions
 from ._sampling import RecommendedSampling, SamplingSettings, resolve_sampling
 
-_NOT_ON_MODELS: dict[str, str] = {
-    "set_steering": "every steer is per request here, with no global hook: `with steer(model, spec): ...` "
-    "or steering_spec=spec on one call",
-    "generate_steps": "model.stream(ids, max_tokens=..., n_logprobs=k) yields each step as a StreamStep "
-    "(generate_stream(model, tokens, ...) from sync code)",
-    "project": "capture the point and project the rows yourself: acts[address] @ directions.T",
-    "grad_support": "gradients are run_with_gradients(model, tokens, points, metric); a backend that cannot "
-    "take them raises UnsupportedOperation naming the one that can",
-    "residual_basis": "every model here has one residual stream, model.d_model wide",
-}
-"""The public package's model attributes this one lacks, each with what to use instead (the
-``AttributeError`` a model raises for them says so)."""
+
+class _NotHere:
+    """A model attribute of the public ``interp-engine`` package that this one lacks: reading it
+    raises ``AttributeError`` saying what to use instead (so ``hasattr`` is ``False``)."""
+
+    def __init__(self, instead: str) -> None:
+        self.instead = instead
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: object, owner: type | None = None) -> NoReturn:
+        raise AttributeError(
+            f"model.{self.name} (the public interp-engine package's) is not here: {self.instead} "
+            "(docs: guides/public-interp-engine.md)",
+            name=self.name,
+            obj=obj,
+        )
 
 
 class ModelBase(ModelLifecycle, abc.ABC):
@@ -144,6 +151,21 @@ class ModelBase(ModelLifecycle, abc.ABC):
         self._adapters: dict[str, Adapter] = {}
 
     # -- the public interp-engine package's names ----------------------------------------------
+    set_steering = _NotHere(
+        "every steer is per request here, with no global hook: `with steer(model, spec): ...` or "
+        "steering_spec=spec on one call"
+    )
+    generate_steps = _NotHere(
+        "model.stream(ids, max_tokens=..., n_logprobs=k) yields each step as a StreamStep "
+        "(generate_stream(model, tokens, ...) from sync code)"
+    )
+    project = _NotHere("capture the point and project the rows yourself: acts[address] @ directions.T")
+    grad_support = _NotHere(
+        "gradients are run_with_gradients(model, tokens, points, metric); a backend that cannot take them "
+        "raises UnsupportedOperation naming the one that can"
+    )
+    residual_basis = _NotHere("every model here has one residual stream, model.d_model wide")
+
     @property
     def n_layers(self) -> int:
         """``info.n_layers``: the number of decoder layers."""
@@ -165,19 +187,6 @@ class ModelBase(ModelLifecycle, abc.ABC):
         else what the backend knows, or ``None``)."""
         source = loaded_from(self)
         return source[0] if source is not None else self._model_source()
-
-    if not TYPE_CHECKING:  # for type checkers a missing attribute stays an error
-
-        def __getattr__(self, name: str) -> Any:
-            reason = _NOT_ON_MODELS.get(name)
-            if reason is None:
-                raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}", name=name, obj=self)
-            raise AttributeError(
-                f"model.{name} (the public interp-engine package's) is not here: {reason} "
-                "(docs: guides/public-interp-engine.md)",
-                name=name,
-                obj=self,
-            )
 
     def _model_source(self) -> str | None:
         """Where a model built without ``load_model`` came from (a backend that knows says)."""
