@@ -7,7 +7,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt)
+# --no-compile: Python writes each module's bytecode when it is first imported, instead of pip
+# compiling every file of torch, vLLM and their dependencies up front (most are never imported)
+PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-compile -c constraints.txt)
 "${PIP[@]}" torch==2.13.0
 if [ "${INTERP_SKIP_VLLM:-0}" != 1 ]; then
   if ! .venv/bin/python -c "import vllm" 2>/dev/null; then
