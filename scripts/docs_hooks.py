@@ -243,8 +243,8 @@ def _support_key() -> str:
 
 def model_type_support(cache: pathlib.Path = ROOT / ".cache" / "docs") -> dict[str, dict[str, dict[str, Any]]]:
     """``{model_type: {"eager": entry, "vllm": entry}}``: ``scripts/model_types.py`` run for each
-    backend in a process of its own (about a minute in all), or read back from runs on exactly
-    this code and these library versions."""
+    backend in a process of its own, the two at once (about a minute), or read back from runs on
+    exactly this code and these library versions."""
     import fcntl
 
     key = _support_key()
@@ -253,15 +253,25 @@ def model_type_support(cache: pathlib.Path = ROOT / ".cache" / "docs") -> dict[s
     # two builds at once (the test suite's processes) compute it once: the second waits, then reads
     with (cache / "model-types.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        for backend in ("eager", "vllm"):
-            out = cache / f"model-types-{backend}-{key}.json"
-            if not out.is_file():
-                partial = out.with_suffix(".partial")
-                command = [sys.executable, str(MODEL_TYPES_SCRIPT), "--backend", backend, "--out", str(partial)]
-                done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
-                if done.returncode != 0:
-                    raise RuntimeError(f"scripts/model_types.py failed while building the site: {done.stderr[-3000:]}")
-                partial.replace(out)
+        outs = {backend: cache / f"model-types-{backend}-{key}.json" for backend in ("eager", "vllm")}
+        missing = [backend for backend, out in outs.items() if not out.is_file()]
+        logs = {backend: outs[backend].with_suffix(".log") for backend in missing}
+        running = {}
+        for backend in missing:
+            partial = outs[backend].with_suffix(".partial")
+            command = [sys.executable, str(MODEL_TYPES_SCRIPT), "--backend", backend, "--out", str(partial)]
+            with logs[backend].open("w") as log:  # a file, not a pipe: vLLM logs more than a pipe holds
+                running[backend] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        failed = []
+        for backend, process in running.items():
+            if process.wait(timeout=1800) != 0:
+                failed.append(f"--backend {backend}: {logs[backend].read_text(errors='replace')[-3000:]}")
+            else:
+                outs[backend].with_suffix(".partial").replace(outs[backend])
+            logs[backend].unlink(missing_ok=True)
+        if failed:
+            raise RuntimeError("scripts/model_types.py failed while building the site: " + "\n".join(failed))
+        for backend, out in outs.items():
             found[backend] = json.loads(out.read_text(encoding="utf-8"))
     return {model_type: {backend: found[backend][model_type] for backend in found} for model_type in found["eager"]}
 
