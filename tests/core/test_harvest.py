@@ -206,6 +206,11 @@ def test_safetensors_shards_read_back(tmp_path: pathlib.Path, direct: Any, corpu
         whole = ds.document(doc)
         assert whole.pos.tolist() == list(range(len(ids) - 1)) and whole.tokens.tolist() == ids[1:]
     assert sum(s.shape[0] for s in ds.address("resid_post.1").shards()) == ds.n_tokens
+    del manifest["shards"][1]  # a run stopped with shard 1 not done and shard 2 done (replicas)
+    manifest["complete"] = False
+    (out / "harvest.json").write_text(json.dumps(manifest))
+    with pytest.raises(InvalidCorpus, match="shards missing before its last one \\(shards 1 of"):
+        open_harvest(out)
 
 
 RESUMED: dict[str, Any] = {
@@ -372,6 +377,41 @@ def test_readouts_and_top_contexts(tmp_path: pathlib.Path, direct: Any, corpus: 
     assert page.startswith("<!doctype html>") and "class='hit'" in page
 
 
+def test_cli_harvest_show(tmp_path: pathlib.Path, direct: Any, corpus: pathlib.Path, capsys: Any) -> None:
+    """``interp harvest show``: the strongest features, then one feature's contexts (as text with the
+    activating token marked, as JSON, as the HTML page), and a one-line error for a feature never kept."""
+    from interp_engine.cli import main
+
+    out = tmp_path / "out"
+    options: dict[str, Any] = {"top_k": 4, "context_size": 16, "formats": ["safetensors"], "progress": False}
+    harvest(direct, corpus, out, saes={"res2": TINY_SAE}, top_contexts=2, context_window=2, **options)
+    kept = top_contexts(out, "res2")["features"]
+    strongest = max(kept, key=lambda f: kept[f][0]["value"])
+    assert main(["harvest", "show", str(out), "--limit", "3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"res2: {len(kept)} features kept; the strongest (value, feature, its best context):"
+    assert len(lines) == 4 and lines[1].split()[:2] == [f"{kept[strongest][0]['value']:.3f}", strongest]
+    page = tmp_path / "f.html"
+    assert main(["harvest", "show", str(out), "--sae", "res2", "--feature", strongest, "--html", str(page)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    entries = kept[strongest]
+    assert lines[0] == f"res2 feature {strongest}: top {len(entries)} contexts (value, row:position, [[token]])"
+    for line, entry in zip(lines[1:], entries, strict=False):
+        value, where, context = line.split(maxsplit=2)
+        assert float(value) == pytest.approx(entry["value"], abs=1e-3)
+        assert where == f"{entry['row']}:{entry['position']}"
+        hit = json.dumps(entry["text"][2])[1:-1]
+        assert f"[[{hit}]]" in context
+    assert lines[-1] == f"wrote {page}" and page.read_text() == feature_html(out, "res2", int(strongest))
+    assert main(["harvest", "show", str(out), "--feature", strongest, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["contexts"] == entries
+    never = next(f for f in range(1000) if str(f) not in kept)
+    assert main(["harvest", "show", str(out), "--feature", str(never)]) == 1
+    assert f"feature {never} of 'res2' never reached a token's top-k" in capsys.readouterr().err
+    assert main(["harvest", "show", str(tmp_path)]) == 1
+    assert "holds no top contexts" in capsys.readouterr().err
+
+
 def test_cli_harvest(tmp_path: pathlib.Path, corpus: pathlib.Path) -> None:
     from interp_engine.cli import main
 
@@ -380,3 +420,40 @@ def test_cli_harvest(tmp_path: pathlib.Path, corpus: pathlib.Path) -> None:
     assert main([*args, "--quiet", "--max-rows", "5"]) == 0
     assert len(open_harvest(out)) == 5
     assert main([*args, "--quiet", "--context-size", "16", "--max-rows", "5"]) == 1
+
+
+def test_top_contexts_merge_in_shard_order_whatever_order_shards_finish(tmp_path: pathlib.Path) -> None:
+    """Shards that finish out of order (Ray replicas) give the top contexts of shards taken in
+    order, and a store rebuilt from the shards a manifest lists (with a hole) continues exactly."""
+    from interp_engine.harvest._top import TopContexts, TopStore
+
+    gen = torch.Generator().manual_seed(3)
+    n_features, n_tok, k = 12, 6, 3
+    states = []
+    for shard in range(6):
+        ids = torch.randint(-1, n_features, (2, n_tok, k), generator=gen)
+        values = torch.randint(0, 5, (2, n_tok, k), generator=gen).float()  # ties, kept by the earlier token
+        tokens = torch.randint(0, 50, (2, n_tok), generator=gen)
+        top = TopContexts(n_features, 3, 1)
+        top.update(ids, values, tokens, first_row=2 * shard)
+        states.append(top.state())
+    in_order = TopStore(tmp_path / "a", {"s": n_features}, 3, 1, set())
+    for index, state in enumerate(states):
+        in_order.add(index, {"s": state})
+        in_order.prune()
+    order = [1, 0, 3, 4, 2, 5]
+    mixed = TopStore(tmp_path / "b", {"s": n_features}, 3, 1, set())
+    for index in order[:4]:  # listed: 1, 0, 3, 4 (shard 2 not done: a hole)
+        mixed.add(index, {"s": states[index]})
+        mixed.prune()
+    assert mixed.prefix == 2 and sorted(mixed.waiting) == [3, 4]
+    names = sorted(p.name for p in (tmp_path / "b" / "top" / "s").iterdir())
+    assert names == ["after_00002.safetensors", "shard_00003.safetensors", "shard_00004.safetensors"]
+    resumed = TopStore(tmp_path / "b", {"s": n_features}, 3, 1, {0, 1, 3, 4})
+    for index in order[4:]:
+        resumed.add(index, {"s": states[index]})
+        resumed.prune()
+    assert resumed.prefix == 6 and not resumed.waiting
+    for key, value in in_order.merged["s"].state().items():
+        assert torch.equal(resumed.merged["s"].state()[key], value), key
+    assert sorted(p.name for p in (tmp_path / "b" / "top" / "s").iterdir()) == ["after_00006.safetensors"]

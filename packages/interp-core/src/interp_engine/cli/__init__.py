@@ -5,7 +5,8 @@
     interp lens MODEL TEXT [--generate N --layers L,M --top-k K --plot PATH]
     interp attention MODEL TEXT --layer L
     interp features MODEL TEXT --sae NAME_OR_PATH [--top-k K] [--json] [--plot FILE]
-    interp harvest MODEL CORPUS OUT --points resid_post.2,... [--sae NAME=PATH] [--context-size N]
+    interp harvest MODEL CORPUS OUT --points resid_post.2,... [--sae NAME=PATH] [--context-size N] [--replicas N]
+    interp harvest show OUT [--sae NAME] [--feature N] [--html FILE]
 
 TEXT may be replaced by ``--chat FILE.json``: chat messages formatted by the model's chat template.
     interp serve MODEL --backend eager --host 127.0.0.1 --port 8000 [--sae NAME=PATH]
@@ -30,7 +31,7 @@ from ._capture import add_capture
 from ._common import UserError, add_adapter_option, add_model_options, add_sae_option, load_options, parse_option
 from ._demo import add_demo
 from ._features import add_features
-from ._harvest import add_harvest
+from ._harvest import add_harvest, add_harvest_show
 from ._views import add_attention, add_lens
 
 __all__ = ["main"]
@@ -155,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_attention(sub)
     add_features(sub)
     add_harvest(sub)
+    add_harvest_show(sub)
     add_serve(sub)
     return parser
 
@@ -190,10 +192,19 @@ def join_negative_lists(argv: Sequence[str]) -> list[str]:
     return out
 
 
+def harvest_show(argv: Sequence[str]) -> list[str]:
+    """``interp harvest show ...`` as the ``harvest-show`` command (``interp harvest MODEL ...``
+    takes its model first: a model folder named ``show`` is ``./show``)."""
+    args = list(argv)
+    if args[:2] == ["harvest", "show"]:
+        return ["harvest-show", *args[2:]]
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``interp`` command; returns the exit status (0 ok, 1 error, 2 usage, 130 interrupted)."""
     parser = build_parser()
-    args = parser.parse_args(join_negative_lists(sys.argv[1:] if argv is None else argv))
+    args = parser.parse_args(harvest_show(join_negative_lists(sys.argv[1:] if argv is None else argv)))
     if args.command is None:
         parser.error("choose a command: demo, capture, lens, attention, features, harvest or serve")
     try:

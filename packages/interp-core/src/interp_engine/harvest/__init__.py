@@ -7,8 +7,12 @@ harvest(model, "corpus.jsonl", "out/", addresses=["resid_post.2"], context_size=
 # out/shards + out/harvest.json: safetensors shards and their manifest
 ds = open_harvest("out/")      # lazy: ds[row], ds.document(d), ds.address("resid_post.2")
 
-Corpus readers (:mod:`._corpus`), SAELens's packing (:mod:`._pack`), the two outputs
-(:mod:`._saelens`, :mod:`._shards`), the manifest that makes a run resumable
+harvest("model/folder", "corpus.jsonl", "/shared/out/", addresses=["resid_post.2"], replicas=4, backend="vllm")
+# the same folder, written by 4 replicas of the model on a Ray cluster
+
+Corpus readers (:mod:`._corpus`), SAELens's packing (:mod:`._pack`), the driver
+(:mod:`._run`), a shard's work on a model (:mod:`._work`), Ray replicas (:mod:`._replicas`),
+the two outputs (:mod:`._saelens`, :mod:`._shards`), the manifest that makes a run resumable
 (:mod:`._manifest`) and each feature's top contexts (:mod:`._top`, :mod:`._html`).
 """
 

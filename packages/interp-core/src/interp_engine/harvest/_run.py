@@ -1,40 +1,35 @@
 """``harvest``: run a model over a corpus and write its activations and SAE readouts to disk.
 
-The loop: documents are read and tokenized in order, packed into rows (:mod:`._pack`), run a
-batch of rows at a time through the model's batched capture (one batched forward on eager;
-concurrent requests, which vLLM batches, on the vllm backends), and gathered into shards of
-``rows_per_shard`` rows. Each shard is written whole in every format asked for, then the
-manifest names it: memory holds one shard's values, and a rerun after a kill resumes after the
-last shard the manifest lists (re-reading the corpus up to there, without running the model).
+The driver: documents are read and tokenized in order, packed into rows (:mod:`._pack`) and cut
+into shards of ``rows_per_shard`` rows; shard ``k`` is rows ``k * rows_per_shard`` onwards
+whoever runs it. Each shard runs a batch of rows at a time through the model's batched capture
+(one batched forward on eager; concurrent requests, which vLLM batches, on the vllm backends)
+and is written whole in every format asked for (:mod:`._work`), in this process or on a Ray
+replica (:mod:`._replicas`); then the manifest names it. Memory holds one shard's values per
+model, and a rerun after a kill skips the shards the manifest lists (re-reading the corpus up to
+the last, without running the model), whichever replica wrote them.
 """
 
 from __future__ import annotations
 
-import errno
 import itertools
-import math
-import shutil
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from .._api import model_points
-from .._errors import InsufficientDiskSpace, InvalidAddress, InvalidCorpus, InvalidFeatures, InvalidOption
+from .._errors import InvalidCorpus, InvalidOption
 from .._sync import SyncModel, sync_model
 from ..addresses._address import Address
-from ..protocol._base import ModelBase
 from ..protocol._protocol import InterpModel
-from ..sae._readouts import Features
 from ._corpus import Corpus, Document, open_corpus
 from ._manifest import FORMAT_VERSION, check_disk, check_folder, model_identity, versions, write_manifest
 from ._pack import PACKINGS, Row, pack
-from ._saelens import SAELENS_DTYPES, finish_saelens, write_saelens_shard
-from ._shards import DTYPES, write_shard
-from ._top import TopContexts, load_top, prune_top, save_top
+from ._saelens import SAELENS_DTYPES, finish_saelens
+from ._shards import DTYPES
+from ._top import TopContexts, TopStore
+from ._work import Plan, ShardJob, make_plan, readout_key, run_job, token_bytes
 
 FORMATS = ("saelens", "safetensors")
 """The outputs a harvest writes (``formats=``)."""
@@ -45,7 +40,9 @@ SEPARATORS = ("bos", "eos", "sep")
 @dataclass(frozen=True)
 class HarvestSummary:
     """What a :func:`harvest` call did: the ``folder``, the rows and tokens now in it, how many of
-    them this call harvested (the rest were there: a resumed run), its shards and seconds."""
+    them this call harvested (the rest were there: a resumed run), its shards and seconds, and
+    the tokens each replica harvested in this call (``replica_tokens``: one number without
+    replicas)."""
 
     folder: Path
     rows: int
@@ -54,20 +51,30 @@ class HarvestSummary:
     new_rows: int
     new_tokens: int
     seconds: float
+    replica_tokens: tuple[int, ...] = ()
 
 
-@dataclass
-class _Plan:
-    addresses: list[Address]
-    readouts: list[Features]
-    widths: dict[Address, int]
-    sae_widths: dict[str, int]
-    hooks: dict[Address, str]
-    torch_dtype: torch.dtype
+class _Local:
+    """The shards run in this process, on ``facade``'s model, one after the other."""
+
+    def __init__(self, facade: SyncModel) -> None:
+        self.facade = facade
+        self.tokens = [0]
+
+    def submit(self, job: ShardJob) -> list[dict[str, Any]]:
+        entry = run_job(self.facade, job)
+        self.tokens[0] += entry["tokens"]
+        return [entry]
+
+    def finish(self) -> list[dict[str, Any]]:
+        return []
+
+    def str_tokens(self, ids: list[int]) -> list[str]:
+        return [self.facade.model.to_str_tokens([t])[0] for t in ids]
 
 
 def harvest(
-    model: InterpModel | SyncModel,
+    model: InterpModel | SyncModel | str,
     corpus: Any,
     out: str | Path,
     *,
@@ -89,8 +96,16 @@ def harvest(
     max_rows: int | None = None,
     max_tokens: int | None = None,
     progress: bool = True,
+    replicas: int | None = None,
+    backend: str | None = None,
+    model_options: Mapping[str, Any] | None = None,
+    ray_address: str | None = None,
+    replica_resources: Mapping[str, Any] | None = None,
 ) -> HarvestSummary:
     """Run ``model`` over ``corpus`` and write what it computes to the folder ``out``.
+
+    ``model``: a loaded model, or its name or folder, loaded here on ``backend`` with
+    ``model_options`` (``load_model``'s keyword arguments) and shut down at the end.
 
     ``corpus``: a path (``.txt`` one document per line, or a folder of them; ``.jsonl`` with a
     ``text_field``; ``.parquet``; a ``datasets.save_to_disk`` folder) or a list of texts or of
@@ -117,24 +132,114 @@ def harvest(
     resumes after the last whole shard; a folder that holds another harvest is refused
     (``HarvestMismatch``, naming each difference). ``max_rows`` / ``max_tokens`` stop early.
     The free disk is checked before the run (``InsufficientDiskSpace``).
+
+    ``replicas=N``: ``N`` replicas of the model (``model`` named, not loaded) on a Ray cluster
+    (``ray_address``; ``None``: ``RAY_ADDRESS``, else a local cluster), each with
+    ``replica_resources`` (Ray actor options; default ``{"num_cpus": 1}``), harvest shard ``k``
+    on replica ``k mod N`` into the same folder (shared by every node). The rows, shards and
+    manifest are those of a one-process run, which resumes the folder as well (and the other
+    way round).
     """
-    facade = sync_model(model)
-    inner = facade.model
     folder = Path(out)
-    chosen = _check_options(formats, dtype, packing, context_size, batch_rows, top_k, top_contexts, inner)
+    chosen = _check_options(formats, dtype, packing, context_size, batch_rows, top_k, top_contexts)
     the_corpus = open_corpus(corpus, format=corpus_format, text_field=text_field)
-    plan = _plan(facade, addresses, saes, top_k, dtype, chosen)
-    tokenizer = _tokenizer(inner)
+    listed = [addresses] if isinstance(addresses, (str, Address)) else list(addresses)
+    if replicas is not None:
+        if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
+            raise InvalidOption(f"replicas is an int >= 1 (Ray replicas of the model), got {replicas!r}")
+        if not isinstance(model, (str, Path)):
+            raise InvalidOption(
+                "replicas= loads the model in each replica: pass its name or folder (with backend= and "
+                f"model_options=), not a loaded model ({type(model).__name__})"
+            )
+        from ._replicas import RayReplicas
+
+        ray_replicas = RayReplicas(
+            replicas,
+            str(model),
+            backend,
+            model_options or {},
+            address=ray_address,
+            resources=replica_resources or {},
+        )
+        try:
+            prepared = ray_replicas.prepare(listed, saes, top_k, dtype)
+            _check_context(context_size, prepared["n_ctx"])
+            return _harvest(
+                ray_replicas, prepared, the_corpus, folder, chosen, **_settings(locals()), progress=progress
+            )
+        finally:
+            ray_replicas.close()
+    if replica_resources is not None or ray_address is not None:
+        raise InvalidOption("ray_address= and replica_resources= go with replicas=N (a harvest on Ray replicas)")
+    loaded = isinstance(model, (str, Path))
+    if isinstance(model, (str, Path)):
+        from .._plugins import load_model
+
+        facade = sync_model(load_model(str(model), backend=backend, **(model_options or {})))
+    elif backend is not None or model_options:
+        raise InvalidOption("backend= and model_options= load a model named by its name or folder, not a loaded one")
+    else:
+        facade = sync_model(model)
+    try:
+        inner = facade.model
+        _check_context(context_size, inner.info.n_ctx)
+        tok = getattr(inner, "tok", None)
+        prepared = {
+            "plan": make_plan(facade, listed, saes, top_k, dtype),
+            "tokenizer": getattr(tok, "tokenizer", None) if tok is not None else None,
+            "identity": model_identity(inner),
+            "backend": inner.backend,
+        }
+        return _harvest(_Local(facade), prepared, the_corpus, folder, chosen, **_settings(locals()), progress=progress)
+    finally:
+        if loaded:
+            facade.shutdown()
+
+
+def _settings(names: Mapping[str, Any]) -> dict[str, Any]:
+    keys = ["top_contexts", "context_window", "context_size", "packing", "prepend_bos", "separator", "dtype"]
+    keys += ["batch_rows", "shard_bytes", "max_rows", "max_tokens"]
+    return {key: names[key] for key in keys}
+
+
+def _harvest(
+    executor: Any,
+    prepared: Mapping[str, Any],
+    the_corpus: Corpus,
+    folder: Path,
+    chosen: tuple[str, ...],
+    *,
+    top_contexts: int,
+    context_window: int,
+    context_size: int,
+    packing: str,
+    prepend_bos: bool,
+    separator: str | int | None,
+    dtype: str,
+    batch_rows: int,
+    shard_bytes: int,
+    max_rows: int | None,
+    max_tokens: int | None,
+    progress: bool,
+) -> HarvestSummary:
+    """The driver: read and pack the corpus, send each shard not done yet to ``executor``
+    (:class:`_Local`, or :class:`._replicas.RayReplicas`), and list each shard it finishes in the
+    manifest, the top contexts merged in shard order."""
+    plan: Plan = prepared["plan"]
+    if plan.readouts and "saelens" in chosen and not plan.addresses:
+        raise InvalidOption("the saelens format holds activations: name addresses=, or use formats=['safetensors']")
+    tokenizer = prepared["tokenizer"]
     bos_id = getattr(tokenizer, "bos_token_id", None) if prepend_bos else None
     separator_id = _separator(separator, tokenizer)
-    row_bytes = context_size * _token_bytes(plan, chosen, dtype)
+    row_bytes = context_size * token_bytes(plan, chosen)
     rows_per_shard = max(1, shard_bytes // row_bytes)
     settings: dict[str, Any] = {
-        "model": model_identity(inner),
+        "model": prepared["identity"],
         "corpus": the_corpus.identity(),
         "addresses": [str(a) for a in plan.addresses],
         "readouts": [
-            {"key": _readout_key(r), "sae": r.sae, "top_k": r.top_k, "d_sae": plan.sae_widths[r.sae]}
+            {"key": readout_key(r), "sae": r.sae, "top_k": r.top_k, "d_sae": plan.sae_widths[r.sae]}
             for r in plan.readouts
         ],
         "context_size": context_size,
@@ -149,10 +254,10 @@ def harvest(
         "max_tokens": max_tokens,
         "top_contexts": [top_contexts, context_window],
     }
+    n_replicas = len(executor.tokens)
     manifest = check_folder(folder, settings)
     if manifest is not None and manifest.get("complete"):
-        return _summary(folder, manifest, 0, 0, 0.0)
-    rows_done = 0 if manifest is None else sum(s["rows"] for s in manifest["shards"])
+        return _summary(folder, manifest, 0, 0, 0.0, executor.tokens)
     documents = _documents(the_corpus, tokenizer)
     first = next(documents, None)
     if first is None:
@@ -167,7 +272,7 @@ def harvest(
         manifest = {
             "format_version": FORMAT_VERSION,
             "settings": settings,
-            "backend": inner.backend,
+            "backend": prepared["backend"],
             "versions": versions(),
             "shards": [],
             "complete": False,
@@ -179,46 +284,48 @@ def harvest(
                 "d_in": {plan.hooks[a]: plan.widths[a] for a in plan.addresses},
             }
         write_manifest(folder, manifest)
-    tops = {
-        r.sae: load_top(folder, r.sae, len(manifest["shards"]), plan.sae_widths[r.sae], top_contexts, context_window)
-        for r in plan.readouts
-        if top_contexts
-    }
+    done = {s["index"] for s in manifest["shards"]}
+    widths = {r.sae: plan.sae_widths[r.sae] for r in plan.readouts} if top_contexts else {}
+    tops = TopStore(folder, widths, top_contexts, context_window, done)
     rows = pack(documents, context_size=context_size, packing=packing, bos_id=bos_id, separator_id=separator_id)
     rows = _limited(rows, max_rows, max_tokens)
-    for _ in range(rows_done):  # the rows the listed shards hold: read again, not run
-        if next(rows, None) is None:
-            break
     bar = _progress(progress, estimate, manifest)
     start = time.perf_counter()
-    new_rows = new_tokens = 0
+    new = [0, 0]
+
+    def record(entries: list[dict[str, Any]]) -> None:
+        for entry in entries:
+            tops.add(entry["index"], entry.pop("top"))
+            manifest["shards"].append(entry)
+            manifest["shards"].sort(key=lambda s: s["index"])
+            write_manifest(folder, manifest)
+            tops.prune()
+            new[0] += entry["rows"]
+            new[1] += entry["tokens"]
+            if bar is not None:
+                bar.update(entry["tokens"])
+
     try:
-        while True:
+        for index in itertools.count():
             shard_rows = _take(rows, rows_per_shard)
             if not shard_rows:
                 break
-            index = len(manifest["shards"])
-            first_row = sum(s["rows"] for s in manifest["shards"])
-            tensors = _run_shard(facade, plan, shard_rows, batch_rows, tops, first_row, bar)
-            _write(folder, index, plan, chosen, dtype, shard_rows, tensors, context_size)
-            for sae, top in tops.items():
-                save_top(folder, sae, index + 1, top)
-            manifest["shards"].append(
-                {
-                    "index": index,
-                    "file": f"shards/shard_{index:05d}.safetensors" if "safetensors" in chosen else None,
-                    "first_row": first_row,
-                    "rows": len(shard_rows),
-                    "tokens": sum(len(r.tokens) for r in shard_rows),
-                    "first_doc": min(min(r.doc) for r in shard_rows),
-                    "last_doc": max(max(r.doc) for r in shard_rows),
-                }
+            if index in done:  # listed: its rows were read again, not run
+                continue
+            job = ShardJob(
+                folder,
+                index,
+                shard_rows,
+                index * rows_per_shard,  # every shard before the last holds rows_per_shard rows
+                plan,
+                chosen,
+                context_size,
+                batch_rows,
+                top_contexts if plan.readouts else 0,
+                context_window,
             )
-            write_manifest(folder, manifest)
-            for sae in tops:
-                prune_top(folder, sae, index + 1)
-            new_rows += len(shard_rows)
-            new_tokens += manifest["shards"][-1]["tokens"]
+            record(executor.submit(job))
+        record(executor.finish())
     finally:
         if bar is not None:
             bar.close()
@@ -231,15 +338,21 @@ def harvest(
         )
     if "saelens" in chosen:
         finish_saelens(folder, len(manifest["shards"]))
-    for sae, top in tops.items():
-        _write_top_json(folder, sae, top, inner)
+    for sae, top in tops.merged.items():
+        _write_top_json(folder, sae, top, executor.str_tokens)
     manifest["complete"] = True
     write_manifest(folder, manifest)
-    return _summary(folder, manifest, new_rows, new_tokens, time.perf_counter() - start)
+    assert n_replicas == len(executor.tokens)
+    return _summary(folder, manifest, new[0], new[1], time.perf_counter() - start, executor.tokens)
 
 
 def _summary(
-    folder: Path, manifest: Mapping[str, Any], new_rows: int, new_tokens: int, seconds: float
+    folder: Path,
+    manifest: Mapping[str, Any],
+    new_rows: int,
+    new_tokens: int,
+    seconds: float,
+    replica_tokens: Sequence[int],
 ) -> HarvestSummary:
     shards = manifest["shards"]
     return HarvestSummary(
@@ -250,6 +363,7 @@ def _summary(
         new_rows,
         new_tokens,
         seconds,
+        tuple(replica_tokens),
     )
 
 
@@ -261,7 +375,6 @@ def _check_options(
     batch_rows: int,
     top_k: int,
     top_contexts: int,
-    model: InterpModel,
 ) -> tuple[str, ...]:
     chosen = (formats,) if isinstance(formats, str) else tuple(formats)
     unknown = [f for f in chosen if f not in FORMATS]
@@ -288,63 +401,12 @@ def _check_options(
         raise InvalidOption(f"top_contexts is an int >= 0, got {top_contexts!r}")
     if context_size < 2:
         raise InvalidOption(f"context_size is at least 2 (a row holds its BOS and a token), got {context_size}")
-    if context_size > model.info.n_ctx:
-        raise InvalidOption(
-            f"context_size {context_size} is longer than the model's context window ({model.info.n_ctx})"
-        )
     return chosen
 
 
-def _plan(
-    facade: SyncModel, addresses: Iterable[Any], saes: Any, top_k: int, dtype: str, formats: Sequence[str]
-) -> _Plan:
-    model = facade.model
-    listed = [addresses] if isinstance(addresses, (str, Address)) else list(addresses)
-    points = [p for p in model_points(model, listed) if isinstance(p, Address)] if listed else []
-    for address in points:
-        if address.info.width == "heads x keys":
-            raise InvalidAddress(
-                f"{address} is [heads, q, k] per prompt, not a value per token; a harvest writes per-token values "
-                "(residual, MLP, attention outputs, heads)",
-                address=address,
-                valid="per-token kinds",
-            )
-    widths: dict[Address, int] = {}
-    hooks: dict[Address, str] = {}
-    if points:
-        probe = facade.capture([0, 0], points)
-        for address in points:
-            value = probe[address]
-            widths[address] = int(math.prod(value.shape[1:]))
-            hooks[address] = address.tl_name or str(address)
-    readouts: list[Features] = []
-    sae_widths: dict[str, int] = {}
-    named = saes.items() if isinstance(saes, Mapping) else [(name, None) for name in saes]
-    for name, sae in named:
-        if not isinstance(model, ModelBase):
-            raise InvalidFeatures(f"the {model.backend} backend attaches no SAE, so it has no readouts to harvest")
-        attached = model.saes
-        if sae is not None and name not in attached:
-            loaded = model.attach_sae(name, sae)
-        elif name in attached:
-            loaded = attached[name]
-        else:
-            raise InvalidFeatures(
-                f"no SAE is attached as {name!r}: pass saes={{{name!r}: folder_or_Sae}} to attach one",
-            )
-        readouts.append(Features(name, top_k=min(top_k, loaded.d_sae)))
-        sae_widths[name] = loaded.d_sae
-    if not points and not readouts:
-        raise InvalidOption("a harvest writes addresses= or saes= (readouts): name at least one")
-    if readouts and "saelens" in formats and not points:
-        raise InvalidOption("the saelens format holds activations: name addresses=, or use formats=['safetensors']")
-    return _Plan(points, readouts, widths, sae_widths, hooks, DTYPES[dtype])
-
-
-def _tokenizer(model: Any) -> Any:
-    tok = getattr(model, "tok", None)
-    tokenizer = getattr(tok, "tokenizer", None) if tok is not None else None
-    return tokenizer
+def _check_context(context_size: int, n_ctx: int) -> None:
+    if context_size > n_ctx:
+        raise InvalidOption(f"context_size {context_size} is longer than the model's context window ({n_ctx})")
 
 
 def _separator(separator: str | int | None, tokenizer: Any) -> int | None:
@@ -356,18 +418,6 @@ def _separator(separator: str | int | None, tokenizer: Any) -> int | None:
         raise InvalidOption(f"separator is one of {', '.join(SEPARATORS)}, a token id, or None; got {separator!r}")
     found = getattr(tokenizer, f"{separator}_token_id", None)
     return None if found is None else int(found)
-
-
-def _token_bytes(plan: _Plan, formats: Sequence[str], dtype: str) -> int:
-    size = torch.empty((), dtype=DTYPES[dtype]).element_size()
-    values = sum(plan.widths.values()) * size
-    readouts = sum(8 * (r.top_k or 0) for r in plan.readouts)
-    out = 0
-    if "safetensors" in formats:
-        out += values + readouts + 16
-    if "saelens" in formats:
-        out += values + 4
-    return max(out, 1)
 
 
 def _documents(corpus: Corpus, tokenizer: Any) -> Iterator[tuple[int, list[int]]]:
@@ -446,93 +496,7 @@ def _progress(enabled: bool, estimate: int, manifest: Mapping[str, Any]) -> Any:
     return tqdm(total=max(estimate, done), initial=done, unit="tok", unit_scale=True, desc="harvest", smoothing=0.1)
 
 
-def _run_shard(
-    facade: SyncModel,
-    plan: _Plan,
-    rows: list[Row],
-    batch_rows: int,
-    tops: Mapping[str, TopContexts],
-    first_row: int,
-    bar: Any,
-) -> dict[str, torch.Tensor]:
-    """One shard's values, flat over its tokens: each address ``[n_tokens, width]`` in the
-    harvest's dtype, each readout's ``ids`` and ``values`` ``[n_tokens, k]``."""
-    from .._api import run_with_cache
-
-    parts: dict[str, list[torch.Tensor]] = {}
-    points: list[Any] = [*plan.addresses, *plan.readouts]
-    for start in range(0, len(rows), batch_rows):
-        batch = rows[start : start + batch_rows]
-        cache = run_with_cache(facade, [r.tokens for r in batch], points)
-        lengths = [len(r.tokens) for r in batch]
-        for address in plan.addresses:
-            value = cache[address]
-            flat = value.reshape(value.shape[0], value.shape[1], -1).to(plan.torch_dtype)
-            parts.setdefault(str(address), []).extend(flat[i, :n] for i, n in enumerate(lengths))
-        for readout in plan.readouts:
-            read = cache[readout]
-            key = _readout_key(readout)
-            ids = read.ids if read.ids is not None else torch.empty(0)
-            parts.setdefault(f"{key}/ids", []).extend(ids[i, :n].to(torch.int32) for i, n in enumerate(lengths))
-            parts.setdefault(f"{key}/values", []).extend(
-                read.values[i, :n].to(plan.torch_dtype) for i, n in enumerate(lengths)
-            )
-            if readout.sae in tops:
-                tokens = torch.full((len(batch), max(lengths)), -1, dtype=torch.int64)
-                for i, r in enumerate(batch):
-                    tokens[i, : len(r.tokens)] = torch.tensor(r.tokens)
-                tops[readout.sae].update(ids, read.values, tokens, first_row + start)
-        if bar is not None:
-            bar.update(sum(lengths))
-    return {key: torch.cat(values) for key, values in parts.items()}
-
-
-def _readout_key(readout: Features) -> str:
-    return f"features:{readout.sae}:top{readout.top_k}"
-
-
-def _write(
-    folder: Path,
-    index: int,
-    plan: _Plan,
-    formats: Sequence[str],
-    dtype: str,
-    rows: list[Row],
-    tensors: Mapping[str, torch.Tensor],
-    context_size: int,
-) -> None:
-    """Write one shard in every format; a full disk raises ``InsufficientDiskSpace`` with the
-    partial file removed (the shards before it, and the manifest, are untouched)."""
-    try:
-        if "safetensors" in formats:
-            lengths = torch.tensor([len(r.tokens) for r in rows], dtype=torch.int64)
-            offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
-            layout = {
-                "tokens": torch.tensor([t for r in rows for t in r.tokens], dtype=torch.int32),
-                "doc": torch.tensor([d for r in rows for d in r.doc], dtype=torch.int64),
-                "pos": torch.tensor([p for r in rows for p in r.pos], dtype=torch.int32),
-                "row_offsets": offsets,
-            }
-            write_shard(folder, index, {**layout, **tensors})
-        if "saelens" in formats:
-            columns = {
-                plan.hooks[a]: tensors[str(a)].reshape(len(rows), context_size, -1).numpy() for a in plan.addresses
-            }
-            token_ids = torch.tensor([r.tokens for r in rows], dtype=torch.int32).numpy()
-            write_saelens_shard(folder, index, columns, token_ids, dtype)
-    except OSError as exc:
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-            raise
-        free = shutil.disk_usage(folder).free
-        raise InsufficientDiskSpace(
-            f"the disk under {folder} filled while writing shard {index} ({exc.strerror}); the shards before it are "
-            "whole and listed in harvest.json: free space and rerun the same harvest to resume",
-            needed=sum(t.numel() * t.element_size() for t in tensors.values()),
-            free=free,
-        ) from exc
-
-
-def _write_top_json(folder: Path, sae: str, top: TopContexts, model: Any) -> None:
+def _write_top_json(folder: Path, sae: str, top: TopContexts, str_tokens: Any) -> None:
     import json
 
     from ._manifest import atomic_write_bytes
@@ -542,9 +506,11 @@ def _write_top_json(folder: Path, sae: str, top: TopContexts, model: Any) -> Non
         entries = top.feature(feature)
         if not entries:
             continue
-        for entry in entries:
-            tokens = [int(t) for t in entry["tokens"]]  # type: ignore[attr-defined]
-            entry["text"] = [model.to_str_tokens([t])[0] if t >= 0 else "" for t in tokens]
         features[str(feature)] = entries
+    ids = sorted({int(t) for entries in features.values() for e in entries for t in e["tokens"] if int(t) >= 0})  # type: ignore[attr-defined]
+    texts = dict(zip(ids, str_tokens(ids) if ids else [], strict=True))
+    for entries in features.values():
+        for entry in entries:
+            entry["text"] = [texts[int(t)] if int(t) >= 0 else "" for t in entry["tokens"]]  # type: ignore[attr-defined]
     data = {"sae": sae, "n": top.n, "window": top.window, "features": features}
     atomic_write_bytes(folder / "top" / f"{sae}.json", json.dumps(data).encode())

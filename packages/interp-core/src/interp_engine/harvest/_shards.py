@@ -78,6 +78,16 @@ class HarvestDataset:
                 path=self.folder,
                 valid="a harvest with formats including 'safetensors'",
             )
+        indices = [s["index"] for s in manifest["shards"]]
+        if indices != list(range(len(indices))):
+            missing = sorted(set(range(max(indices) + 1)) - set(indices))
+            raise InvalidCorpus(
+                f"the harvest in {self.folder} stopped with shards missing before its last one (shards "
+                f"{', '.join(map(str, missing[:8]))}{', ...' if len(missing) > 8 else ''} of {max(indices) + 1}: "
+                "replicas finish shards out of order); rerun the same harvest to finish it",
+                path=self.folder,
+                valid="a harvest whose shards run from 0 without a gap",
+            )
         self.manifest = manifest
         self._shards: list[dict[str, Any]] = manifest["shards"]
         self._starts = [s["first_row"] for s in self._shards]

@@ -3,9 +3,10 @@ every feature reached (in the top-k readout of its token), with the token's row 
 the ``window`` tokens either side. Memory is ``n_features x n x (2 * window + 4)`` numbers,
 whatever the corpus size.
 
-Ties keep the earlier token (the order is deterministic for a given corpus and settings). The
-state is saved with each shard (``top/<sae>/after_NNNNN.safetensors``), so a resumed harvest
-continues from the state of the shards the manifest lists.
+Ties keep the earlier token (the order is deterministic for a given corpus and settings). Each
+shard keeps its own top contexts, merged in shard order by :class:`TopStore`, which saves the
+state with each shard, so a resumed harvest continues from the state of the shards the manifest
+lists.
 """
 
 from __future__ import annotations
@@ -66,13 +67,20 @@ class TopContexts:
         padded = torch.nn.functional.pad(tokens.long(), (self.window, self.window), value=-1)
         offsets = torch.arange(2 * self.window + 1)
         candidate_contexts[features, rank] = padded[row.unsqueeze(1), position.unsqueeze(1) + offsets]
-        # merge: the kept ones first, so a tie keeps the earlier token
-        merged_values = torch.cat([self.values, candidate_values], dim=1)
+        candidates = TopContexts(self.n_features, self.n, self.window)
+        candidates.values, candidates.rows = candidate_values, candidate_rows
+        candidates.positions, candidates.contexts = candidate_positions, candidate_contexts
+        self.merge(candidates)
+
+    def merge(self, later: TopContexts) -> None:
+        """Fold in the top contexts of tokens that come after all of this one's (a later batch,
+        or a later shard's own state): the kept ones first, so a tie keeps the earlier token."""
+        merged_values = torch.cat([self.values, later.values], dim=1)
         best = torch.sort(merged_values, dim=1, descending=True, stable=True).indices[:, : self.n]
         self.values = merged_values.gather(1, best)
-        self.rows = torch.cat([self.rows, candidate_rows], dim=1).gather(1, best)
-        self.positions = torch.cat([self.positions, candidate_positions], dim=1).gather(1, best)
-        contexts = torch.cat([self.contexts, candidate_contexts], dim=1)
+        self.rows = torch.cat([self.rows, later.rows], dim=1).gather(1, best)
+        self.positions = torch.cat([self.positions, later.positions], dim=1).gather(1, best)
+        contexts = torch.cat([self.contexts, later.contexts], dim=1)
         self.contexts = contexts.gather(1, best.unsqueeze(2).expand(-1, -1, contexts.shape[2]))
 
     def state(self) -> dict[str, torch.Tensor]:
@@ -102,31 +110,75 @@ class TopContexts:
         return out
 
 
-def top_path(folder: Path, sae: str, n_shards: int) -> Path:
-    return folder / TOP_FOLDER / sae / f"after_{n_shards:05d}.safetensors"
+class TopStore:
+    """The top contexts of each SAE (``widths``: its features) over the shards done so far,
+    merged in shard order whatever order the shards finish in (Ray replicas finish them out of
+    order). ``top/<sae>/after_NNNNN.safetensors`` holds the merged state of the first ``prefix``
+    shards; a shard done past a shard not yet done waits, its own state in
+    ``top/<sae>/shard_NNNNN.safetensors``, until the shards before it are in. Built from the
+    shards the manifest lists (``done``), it continues exactly where the run stopped."""
 
+    def __init__(self, folder: Path, widths: Mapping[str, int], n: int, window: int, done: set[int]) -> None:
+        self.folder, self.widths, self.n, self.window = folder, dict(widths), n, window
+        self.prefix = 0
+        while self.prefix in done:
+            self.prefix += 1
+        self.merged = {sae: self._load(sae, _after(self.prefix)) if self.prefix else self._new(sae) for sae in widths}
+        self.waiting: dict[int, dict[str, TopContexts]] = {}
+        for index in sorted(done):
+            if index > self.prefix:
+                self.waiting[index] = {sae: self._load(sae, _alone(index)) for sae in widths}
 
-def save_top(folder: Path, sae: str, n_shards: int, top: TopContexts) -> None:
-    from safetensors.torch import save
+    def _new(self, sae: str) -> TopContexts:
+        return TopContexts(self.widths[sae], self.n, self.window)
 
-    path = top_path(folder, sae, n_shards)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(path, save({k: v.contiguous() for k, v in top.state().items()}))
-
-
-def prune_top(folder: Path, sae: str, keep: int) -> None:
-    """Remove the saved states of ``sae`` other than the one after ``keep`` shards."""
-    wanted = top_path(folder, sae, keep).name
-    for path in (folder / TOP_FOLDER / sae).glob("after_*.safetensors"):
-        if path.name != wanted:
-            path.unlink(missing_ok=True)
-
-
-def load_top(folder: Path, sae: str, n_shards: int, n_features: int, n: int, window: int) -> TopContexts:
-    """The state after ``n_shards`` shards (a new one where ``n_shards`` is 0)."""
-    top = TopContexts(n_features, n, window)
-    if n_shards:
+    def _load(self, sae: str, name: str) -> TopContexts:
         from safetensors.torch import load_file
 
-        top.load(load_file(str(top_path(folder, sae, n_shards))))
-    return top
+        top = self._new(sae)
+        top.load(load_file(str(self.folder / TOP_FOLDER / sae / name)))
+        return top
+
+    def _save(self, sae: str, name: str, top: TopContexts) -> None:
+        from safetensors.torch import save
+
+        path = self.folder / TOP_FOLDER / sae / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(path, save({k: v.contiguous() for k, v in top.state().items()}))
+
+    def add(self, index: int, states: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+        """Shard ``index``'s own states (by SAE), saved before the manifest lists the shard."""
+        tops = {}
+        for sae in self.widths:
+            tops[sae] = self._new(sae)
+            tops[sae].load(states[sae])
+        if index != self.prefix:
+            for sae, top in tops.items():
+                self._save(sae, _alone(index), top)
+            self.waiting[index] = tops
+            return
+        while True:
+            for sae, top in tops.items():
+                self.merged[sae].merge(top)
+            self.prefix += 1
+            if self.prefix not in self.waiting:
+                break
+            tops = self.waiting.pop(self.prefix)
+        for sae, top in self.merged.items():
+            self._save(sae, _after(self.prefix), top)
+
+    def prune(self) -> None:
+        """Remove the states the manifest no longer needs (run after it lists the shards added)."""
+        for sae in self.widths:
+            for path in (self.folder / TOP_FOLDER / sae).glob("*.safetensors"):
+                kind, _, number = path.stem.partition("_")
+                if (kind == "after" and int(number) != self.prefix) or (kind == "shard" and int(number) < self.prefix):
+                    path.unlink(missing_ok=True)
+
+
+def _after(n_shards: int) -> str:
+    return f"after_{n_shards:05d}.safetensors"
+
+
+def _alone(index: int) -> str:
+    return f"shard_{index:05d}.safetensors"
