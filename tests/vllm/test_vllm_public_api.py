@@ -255,3 +255,6 @@ def test_chat_sampling_and_the_unembed_on_vllm(engine: Any, twin: Any) -> None:
     capped = decode_residuals(engine, residuals, softcap=2.0)
     assert rel_diff(capped, 2.0 * torch.tanh(logits / 2.0)) <= 1e-5
     assert float(capped.abs().max()) <= 2.0
+    # the public package's vLLM-only global hook is refused, naming the per-request steer
+    with pytest.raises(AttributeError, match=r"with steer\(model, spec\)"):
+        model.set_steering  # noqa: B018
