@@ -17,15 +17,7 @@ workspace's ``dev`` extra).
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -35,6 +27,7 @@ import torch
 from interp_engine import Address, Features, SteeringSpec, Write
 from interp_engine.sae._readouts import read_features
 from interp_testkit import runners
+from interp_testkit.ray_cluster import local_ray_cluster
 from interp_testkit.suite import LONG, PROMPT, hf_for, rel_diff, vllm_model_path
 
 from ..support import procs as _procs
@@ -53,56 +46,6 @@ CLUSTER_ENV = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-@contextlib.contextmanager
-def local_ray_cluster(n_workers: int) -> Iterator[str]:
-    """A one-node Ray cluster on loopback with ``n_workers`` logical GPUs; its address."""
-    folder = tempfile.mkdtemp(prefix="ir-", dir="/tmp")  # Ray's socket paths must stay short
-    port = _free_port()
-    command = [
-        *(sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block"),
-        *("--node-ip-address", "127.0.0.1", "--port", str(port), "--temp-dir", folder),
-        *("--num-cpus", "2", "--num-gpus", str(n_workers), "--object-store-memory", str(10**8)),
-        *("--include-dashboard", "false", "--disable-usage-stats"),
-        # ports of its own where Ray's defaults are fixed (another cluster on this machine may hold them)
-        *("--ray-client-server-port", str(_free_port()), "--dashboard-agent-listen-port", str(_free_port())),
-    ]
-    with open(os.path.join(folder, "start.log"), "w") as log:
-        # like a node of its own: nothing of vLLM's environment here (the front end's reaches the
-        # workers through vLLM's executor)
-        env = {name: value for name, value in os.environ.items() if not name.startswith("VLLM_")}
-        head = subprocess.Popen(
-            command, env={**env, **CLUSTER_ENV}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    try:
-        deadline = time.monotonic() + 120
-        while True:  # the head's port open and its node registered (a loaded machine lags between them)
-            with socket.socket() as s, open(os.path.join(folder, "start.log")) as started:
-                if s.connect_ex(("127.0.0.1", port)) == 0 and "Ray runtime started" in started.read():
-                    break
-            if head.poll() is not None or time.monotonic() > deadline:
-                with open(os.path.join(folder, "start.log")) as failed:
-                    raise RuntimeError(f"the local Ray cluster did not start:\n{failed.read()[-3000:]}")
-            time.sleep(0.25)
-        yield f"127.0.0.1:{port}"
-    finally:
-        head.send_signal(signal.SIGTERM)  # `ray start --block` stops the cluster's processes
-        try:
-            head.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)  # the session started above: only the cluster's
-            head.wait(10)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(head.pid, signal.SIGKILL)  # anything of the cluster left in its session
-        shutil.rmtree(folder, ignore_errors=True)
-
-
 def _start(**engine_args: Any) -> Any:
     return started_engine(vllm_model_path("llama"), **{**ENGINE, **engine_args})
 
@@ -110,7 +53,7 @@ def _start(**engine_args: Any) -> Any:
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[dict[str, str]]:
     """A local Ray cluster for this module; the environment an engine joins it with."""
-    with local_ray_cluster(4) as address:
+    with local_ray_cluster(num_gpus=4, env=CLUSTER_ENV) as address:
         yield {**CLUSTER_ENV, "RAY_ADDRESS": address, "VLLM_HOST_IP": "127.0.0.1"}
 
 

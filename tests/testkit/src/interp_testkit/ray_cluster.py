@@ -1,0 +1,79 @@
+"""A local Ray cluster on loopback for the tests: ``ray start --head --block`` in a session of its
+own, the way a cluster's head node starts, stopped (with every process of its session) when the
+context ends. Its workers run this environment's Python, so they import what the tests import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+
+LOOPBACK_ENV = {
+    # Ray resolves 127.0.0.1 to the machine's address unless clusters are "disabled", which keeps
+    # every Ray process (and vLLM's, through VLLM_HOST_IP) on loopback
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_USAGE_STATS_ENABLED": "0",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@contextlib.contextmanager
+def local_ray_cluster(*, num_cpus: int = 2, num_gpus: int = 0, env: Mapping[str, str] = {}) -> Iterator[str]:
+    """A one-node Ray cluster on loopback with ``num_cpus`` CPUs and ``num_gpus`` logical GPUs
+    (Ray only counts them), its processes started with ``env`` added; its address."""
+    folder = tempfile.mkdtemp(prefix="ir-", dir="/tmp")  # Ray's socket paths must stay short
+    port = free_port()
+    command = [
+        *(sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block"),
+        *("--node-ip-address", "127.0.0.1", "--port", str(port), "--temp-dir", folder),
+        *("--num-cpus", str(num_cpus), "--num-gpus", str(num_gpus), "--object-store-memory", str(10**8)),
+        *("--include-dashboard", "false", "--disable-usage-stats"),
+        # ports of its own where Ray's defaults are fixed (another cluster on this machine may hold them)
+        *("--ray-client-server-port", str(free_port()), "--dashboard-agent-listen-port", str(free_port())),
+    ]
+    with open(os.path.join(folder, "start.log"), "w") as log:
+        # like a node of its own: nothing of vLLM's environment here (the front end's reaches the
+        # workers through vLLM's executor)
+        inherited = {name: value for name, value in os.environ.items() if not name.startswith("VLLM_")}
+        head = subprocess.Popen(
+            command,
+            env={**inherited, **LOOPBACK_ENV, **env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # the head's port open and its node registered (a loaded machine lags between them)
+            with socket.socket() as s, open(os.path.join(folder, "start.log")) as started:
+                if s.connect_ex(("127.0.0.1", port)) == 0 and "Ray runtime started" in started.read():
+                    break
+            if head.poll() is not None or time.monotonic() > deadline:
+                with open(os.path.join(folder, "start.log")) as failed:
+                    raise RuntimeError(f"the local Ray cluster did not start:\n{failed.read()[-3000:]}")
+            time.sleep(0.25)
+        yield f"127.0.0.1:{port}"
+    finally:
+        head.send_signal(signal.SIGTERM)  # `ray start --block` stops the cluster's processes
+        try:
+            head.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)  # the session started above: only the cluster's
+            head.wait(10)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(head.pid, signal.SIGKILL)  # anything of the cluster left in its session
+        shutil.rmtree(folder, ignore_errors=True)
