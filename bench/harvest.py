@@ -1,6 +1,7 @@
 """What a harvest costs against plain vLLM prefilling the same corpus, and what it writes.
 
     python bench/harvest.py [--rows 48] [--rounds 3] [--quick]
+    python bench/harvest.py --replicas 2 [--rows 48] [--rounds 1]
 
 The model of ``bench/vllm_overhead.py`` (GPT-2-shaped, 12 layers x 768, random weights, built
 locally) on the ``vllm`` backend. The corpus is random token ids (documents of 40-400 tokens,
@@ -24,6 +25,15 @@ the dtype's 4 bytes; the token ids, documents and positions are the rest), and t
 peak RSS growth over its RSS before the harvest, while harvesting the corpus and a corpus 10x as
 long (one address, 4 MiB shards, sampled every 10 ms; the corpus lists are built before): bounded
 memory means the two are about the same.
+
+``--replicas 2`` measures instead a harvest spread over two Ray replicas (``harvest(...,
+replicas=2)``: each replica a vLLM engine of the same model in a Ray actor holding one CPU, on a
+local Ray cluster of this machine's two cores) against the same harvest in one process (one vLLM
+engine, both cores), of ``resid_post.6`` over the same corpus in shards of four rows: the rates
+while harvesting (the harvest's own seconds, after the replicas' engines are up), the wall time of
+the whole call with the replicas' start, and the tokens each replica did. The two replicas share
+the two cores the one process has to itself: the figure is what two replicas cost here, not
+what they gain on two machines. Recorded in ``bench/results/harvest_replicas.json``.
 
 Ends with ``RESULT`` lines.
 """
@@ -224,9 +234,92 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def main_replicas(args: argparse.Namespace) -> int:
+    import ray
+
+    results = Results("harvest_replicas", MEASURES, record=not args.quick)
+    path = build_model("gpt2")
+    options = {"max_model_len": 512}
+    scratch = pathlib.Path(tempfile.mkdtemp(prefix="harvest-bench-"))
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        probe = load_model(path, backend="vllm", **options)  # the tokenizer and sizes; no engine started
+        info, bos = probe.info, probe.tok.tokenizer.bos_token_id
+        middle = info.n_layers // 2
+        docs = make_corpus(args.rows * CONTEXT + 400, info.vocab_size)
+        n_tokens = sum(len(r) for r in rows_of(docs, bos)[: args.rows])
+        shard_bytes = 4 * CONTEXT * (info.d_model * 4 + 16)  # four rows a shard
+
+        def run(name: str, replicas: int | None) -> tuple[float, float, tuple[int, ...]]:
+            out = scratch / name
+            shutil.rmtree(out, ignore_errors=True)
+            start = time.perf_counter()
+            summary = harvest(
+                path,
+                docs,
+                out,
+                addresses=[f"resid_post.{middle}"],
+                formats=["safetensors"],
+                context_size=CONTEXT,
+                max_rows=args.rows,
+                batch_rows=4,
+                shard_bytes=shard_bytes,
+                progress=False,
+                backend="vllm",
+                model_options=options,
+                replicas=replicas,
+            )
+            wall = time.perf_counter() - start
+            assert summary.tokens == n_tokens, (summary.tokens, n_tokens)
+            return summary.tokens / summary.seconds, wall, summary.replica_tokens
+
+        one_rates, two_rates, one_walls, two_walls = [], [], [], []
+        per_replica: tuple[int, ...] = ()
+        for round_index in range(args.rounds):
+            one_rate, one_wall, _ = run("one", None)
+            two_rate, two_wall, per_replica = run("two", 2)
+            one_rates.append(one_rate)
+            two_rates.append(two_rate)
+            one_walls.append(one_wall)
+            two_walls.append(two_wall)
+            print(
+                f"round {round_index + 1}: one process {one_rate:.0f} tok/s ({one_wall:.1f} s with its start), "
+                f"two replicas {two_rate:.0f} tok/s ({two_wall:.1f} s with their start), "
+                f"tokens per replica {list(per_replica)}",
+                flush=True,
+            )
+        ratios = [b / a for a, b in zip(one_rates, two_rates, strict=True)]
+        note = (
+            f"({statistics.median(two_rates):.0f} against {statistics.median(one_rates):.0f} tok/s while harvesting "
+            f"{n_tokens} tokens; two replicas of one CPU each share the two cores one process uses)"
+        )
+        ratio = statistics.median(ratios)
+        results.add("harvest_two_replicas_vs_one_process", ratio, "report", rounds=ratios, note=note)
+        results.add(
+            "harvest_two_replicas_wall_s",
+            statistics.median(two_walls),
+            "report",
+            note=f"(the call with the replicas' start; one process: {statistics.median(one_walls):.1f} s)",
+            digits=1,
+        )
+        results.add(
+            "harvest_replica_token_share",
+            min(per_replica) / max(per_replica),
+            "report",
+            note=f"(tokens per replica {list(per_replica)}: shard k on replica k mod 2)",
+        )
+    finally:
+        ray.shutdown()
+        shutil.rmtree(scratch, ignore_errors=True)
+    results.write()
+    return 0
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=48, help="rows of 128 tokens per variant (default 48)")
     parser.add_argument("--rounds", type=int, default=3, help="paired rounds (default 3)")
+    parser.add_argument("--replicas", type=int, choices=[2], help="measure a harvest on two Ray replicas instead")
     parser.add_argument("--quick", action="store_true", help="a smoke run: print the figures, record nothing")
-    sys.exit(main(parser.parse_args()))
+    parsed = parser.parse_args()
+    sys.exit(main_replicas(parsed) if parsed.replicas else main(parsed))
