@@ -152,7 +152,10 @@ def _run_rows(facade: SyncModel, job: ShardJob, tops: Mapping[str, TopContexts])
         for address in plan.addresses:
             value = cache[address]
             flat = value.reshape(value.shape[0], value.shape[1], -1).to(torch_dtype)
-            parts.setdefault(str(address), []).extend(flat[i, :n] for i, n in enumerate(lengths))
+            if all(n == flat.shape[1] for n in lengths):  # no padding (rows of context_size): the batch whole
+                parts.setdefault(str(address), []).append(flat.reshape(-1, flat.shape[2]))
+            else:
+                parts.setdefault(str(address), []).extend(flat[i, :n] for i, n in enumerate(lengths))
         for readout in plan.readouts:
             read = cache[readout]
             key = readout_key(readout)
@@ -165,7 +168,7 @@ def _run_rows(facade: SyncModel, job: ShardJob, tops: Mapping[str, TopContexts])
                 for i, r in enumerate(batch):
                     tokens[i, : len(r.tokens)] = torch.tensor(r.tokens)
                 tops[readout.sae].update(ids, read.values, tokens, job.first_row + start)
-    return {key: torch.cat(values) for key, values in parts.items()}
+    return {key: values[0] if len(values) == 1 else torch.cat(values) for key, values in parts.items()}
 
 
 def _write(job: ShardJob, tensors: Mapping[str, torch.Tensor]) -> None:
