@@ -302,3 +302,53 @@ def test_tp2_new_points_equal_tp1(vllm_engines: Any, prompt: str) -> None:
     # a direction over the split neurons needs all of them: refused at mlp_pre too
     with pytest.raises(InvalidSteering, match="tensor parallelism"):
         two.capture(ids, ["logits"], steering_spec=SteeringSpec([Write("mlp_pre.0", torch.ones(d_mlp), op="ablate")]))
+
+
+# A compiled TP=2 engine (two workers, each compiling the model with Dynamo and Inductor) beside
+# the session's TP engines needs the machine's memory and both cores to itself: it runs apart
+# (pytest -m apart tests/vllm/test_vllm_tp.py), started and shut down here.
+@pytest.mark.apart
+def test_compiled_tp2_equals_the_eager_engines(tp: tuple[Any, Any], engine_pool: Any) -> None:
+    """``tensor_parallel_size=2`` with ``enforce_eager=False``: the residual stream's taps in
+    each rank's compiled islands (no step of theirs runs uncompiled), the sharded sites in an
+    uncompiled step, and steering at both, equal the eager TP=1 and TP=2 engines."""
+    one, two = tp
+    compiled = engine_pool.get(FAMILY, tensor_parallel_size=2, enforce_eager=False)
+    try:
+        assert compiled.model.tp_size == 2
+        ids = one.to_tokens(PROMPT)[0].tolist()
+
+        def uncompiled() -> list[int]:
+            return [int(s["uncompiled_steps"]) for s in compiled.worker_stats()]
+
+        # the residual stream at the layers' inputs and outputs: the compiled islands
+        stream_points = [Address("embed")]
+        stream_points += [Address(kind, layer) for layer in range(N_LAYERS) for kind in ("resid_pre", "resid_post")]
+        before = uncompiled()
+        stream = compiled.capture(ids, stream_points)
+        assert uncompiled() == before, "a capture of the residual stream ran uncompiled"
+        assert all(int(s.get("islands_fired", 0)) > 0 for s in compiled.worker_stats())  # on both ranks
+        inside = RESIDUAL_POINTS + SHARDED_POINTS  # sites inside the layers too: an uncompiled step
+        want = one.capture(ids, inside)
+        for address in stream_points:
+            assert rel_diff(stream[address], want[address]) <= TOL, address
+        got = compiled.capture(ids, inside)
+        assert all(after > was for after, was in zip(uncompiled(), before, strict=True))
+        for address in inside:
+            assert rel_diff(got[address], want[address]) <= TOL, address
+        gen = torch.Generator().manual_seed(8)
+        at_stream = SteeringSpec([Write(Address("resid_post", 0), torch.randn(D_MODEL, generator=gen), scale=3.0)])
+        inside = SteeringSpec([Write(Address("mlp_post", 1), torch.randn(D_MLP, generator=gen), scale=2.0)])
+        points = [Address("resid_post", 1), Address("mlp_post", 2), Address("logits")]
+        for spec in (at_stream, inside):
+            got = compiled.capture(ids, points, steering_spec=spec)
+            for address in points:
+                assert rel_diff(got[address], one.capture(ids, points, steering_spec=spec)[address]) <= TOL, address
+                assert rel_diff(got[address], two.capture(ids, points, steering_spec=spec)[address]) <= TOL, address
+        steered = compiled.generate(ids, max_tokens=10, ignore_eos=True, steering_spec=at_stream)
+        assert steered.token_ids == one.generate(ids, max_tokens=10, ignore_eos=True, steering_spec=at_stream).token_ids
+        assert compiled.generate(ids, max_tokens=10, ignore_eos=True) == two.generate(
+            ids, max_tokens=10, ignore_eos=True
+        )
+    finally:
+        engine_pool.release(keep=lambda runner, args: args.get("enforce_eager", True))
