@@ -32,15 +32,7 @@ from interp_engine import (
 from interp_engine.harvest import feature_html, harvest, open_corpus, open_harvest, pack, top_contexts
 from interp_testkit.suite import hf_for
 
-DOCS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "",
-    "A second document, somewhat longer than the first one, so that it spills over a row or two of the packing.",
-    "Short.",
-    "Numbers 1 2 3 4 5 6 7 8 9 10 and words after them to make the row longer still.",
-    "The last one.",
-] * 3
-TINY_SAE = pathlib.Path(tiny_model_path()).parent / "tiny-sae"
+from ..support.harvest import DOCS, TINY_SAE
 
 
 @pytest.fixture(scope="module")

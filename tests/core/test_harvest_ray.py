@@ -17,19 +17,12 @@ from typing import Any
 import pytest
 import torch
 
-from interp_engine import InvalidOption, tiny_model_path
+from interp_engine import InvalidOption
 from interp_engine.harvest import harvest, open_harvest, top_contexts
 from interp_testkit.ray_cluster import local_ray_cluster
 
-DOCS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "",
-    "A second document, somewhat longer than the first one, so that it spills over a row or two of the packing.",
-    "Short.",
-    "Numbers 1 2 3 4 5 6 7 8 9 10 and words after them to make the row longer still.",
-    "The last one.",
-] * 3
-TINY_SAE = pathlib.Path(tiny_model_path()).parent / "tiny-sae"
+from ..support.harvest import DOCS, TINY_SAE
+
 OPTIONS: dict[str, Any] = {
     "addresses": ["resid_post.1"],
     "saes": {"res2": str(TINY_SAE)},
