@@ -111,14 +111,16 @@ def interp_ping(self: Any, probe: str | None = None, issuer: str | None = None) 
     taps = _taps(runner)
     if issuer and isinstance(getattr(taps, "issuers", None), set):
         taps.issuers.add(issuer)
+    # a worker without taps has no declaration (its placeholder raises on any other attribute)
+    declaration = None if getattr(taps, "unsupported", None) else getattr(taps, "declaration", None)
     return wire.to_wire(
         wire.Ping(
             runner=type(runner).__qualname__,
             seam=seam.name,
             patched=True,
             static=_is_static(taps),
-            static_points=tuple(getattr(getattr(taps, "declaration", None), "points", ())),
-            static_writes=tuple(getattr(getattr(taps, "declaration", None), "writes", ())),
+            static_points=tuple(getattr(declaration, "points", ())),
+            static_writes=tuple(getattr(declaration, "writes", ())),
             rank=taps.rank,
             tp_size=taps.tp_size,
             lacks=tuple(sorted(taps.family.lacks())) if taps.family is not None else None,
