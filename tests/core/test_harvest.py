@@ -224,6 +224,32 @@ def _script(out: pathlib.Path, corpus: pathlib.Path) -> str:
     )
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_shards_are_the_bytes_safetensors_writes(seed: int) -> None:
+    """A shard, written from each tensor's pieces without joining them, is byte for byte what
+    ``safetensors.torch.save`` gives for the joined tensors: every dtype a shard may hold, empty
+    tensors, names outside ASCII, headers of every length modulo 8."""
+    import random
+
+    from safetensors.torch import save
+
+    from interp_engine.harvest._shards import SAFETENSORS_DTYPES, safetensors_chunks
+
+    rng = random.Random(seed)
+    for _ in range(50):
+        whole: dict[str, torch.Tensor] = {}
+        pieces: dict[str, Any] = {}
+        for j in range(rng.randint(1, 7)):
+            name = rng.choice(["resid_post.3", "features:é:top4/ids", "tokens", "x" * rng.randint(1, 9)]) + str(j)
+            shape = [rng.randint(0, 5) for _ in range(rng.randint(1, 3))]
+            dtype = rng.choice(list(SAFETENSORS_DTYPES))
+            value = (torch.randn(shape) * 100).to(dtype)
+            whole[name] = value
+            cut = rng.randint(0, shape[0])
+            pieces[name] = [value[:cut], value[cut:]] if rng.random() < 0.5 else value
+        assert b"".join(bytes(c) for c in safetensors_chunks(pieces)) == save(whole)
+
+
 def test_resume_after_sigkill(tmp_path: pathlib.Path, direct: Any, corpus: pathlib.Path) -> None:
     """Killed (SIGKILL) in the middle of a run, a rerun of the same harvest continues: every row
     once, in order, equal to an uninterrupted run's."""
@@ -308,20 +334,26 @@ def test_disk_space(tmp_path: pathlib.Path, direct: Any, corpus: pathlib.Path, m
         harvest(direct, corpus, out, addresses=["resid_post.0"], context_size=8, progress=False)
     assert info.value.free == 1000 and info.value.needed > 1000 and not out.exists()
     monkeypatch.undo()
-    real = _shards.atomic_write_bytes
+    real = _shards.atomic_write
     calls = []
 
-    def filling(path: pathlib.Path, data: bytes) -> None:
+    def filling(path: pathlib.Path, chunks: list[bytes | memoryview]) -> None:
         calls.append(path)
-        if len(calls) == 3:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        real(path, data)
+        if len(calls) != 3:
+            return real(path, chunks)
 
-    monkeypatch.setattr(_shards, "atomic_write_bytes", filling)
+        def header_then_full() -> Any:
+            yield chunks[0]
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        real(path, header_then_full())
+
+    monkeypatch.setattr(_shards, "atomic_write", filling)
     options: dict[str, Any] = {"addresses": ["resid_post.0"], "context_size": 8, "shard_bytes": 8 * 2 * 600}
     with pytest.raises(InsufficientDiskSpace, match="filled while writing shard 2"):
         harvest(direct, corpus, out, formats=["safetensors"], progress=False, **options)
     assert len(json.loads((out / "harvest.json").read_text())["shards"]) == 2
+    assert sorted(p.name for p in (out / "shards").iterdir()) == ["shard_00000.safetensors", "shard_00001.safetensors"]
     monkeypatch.undo()
     summary = harvest(direct, corpus, out, formats=["safetensors"], progress=False, **options)
     assert summary.new_rows == summary.rows - 4 and len(open_harvest(out)) == summary.rows

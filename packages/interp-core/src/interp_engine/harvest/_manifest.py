@@ -14,7 +14,7 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -45,12 +45,18 @@ the values per token): named as a difference only when nothing they derive from 
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` whole or not at all: a temporary file in the same folder,
-    flushed to disk, then renamed over ``path``."""
+    """Write ``data`` to ``path`` whole or not at all (:func:`atomic_write`)."""
+    atomic_write(path, [data])
+
+
+def atomic_write(path: Path, chunks: Iterable[bytes | memoryview]) -> None:
+    """Write ``chunks`` one after the other to ``path``, whole or not at all: a temporary file in
+    the same folder, flushed to disk, then renamed over ``path``."""
     temporary = path.with_name(f".{path.name}.partial")
     try:
         with open(temporary, "wb") as handle:
-            handle.write(data)
+            for chunk in chunks:
+                handle.write(chunk)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temporary, path)

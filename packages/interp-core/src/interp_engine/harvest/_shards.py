@@ -19,7 +19,10 @@ range of documents they hold, so a row or a document is found without opening ot
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator, Mapping
+import json
+import struct
+import sys
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +30,7 @@ from typing import Any
 import torch
 
 from .._errors import InvalidAddress, InvalidCorpus
-from ._manifest import MANIFEST, atomic_write_bytes, read_manifest
+from ._manifest import MANIFEST, atomic_write, read_manifest
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 SHARD_FOLDER = "shards"
@@ -37,13 +40,67 @@ def shard_name(index: int) -> str:
     return f"{SHARD_FOLDER}/shard_{index:05d}.safetensors"
 
 
-def write_shard(folder: Path, index: int, tensors: Mapping[str, torch.Tensor]) -> str:
-    """Write one shard atomically; returns its path relative to ``folder``."""
-    from safetensors.torch import save
+SAFETENSORS_DTYPES = {
+    torch.int64: "I64",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.int32: "I32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+"""The dtypes a shard may hold, by their name in a safetensors header, in the order
+``safetensors`` lays tensors out in a file (then by name)."""
 
+Pieces = torch.Tensor | Sequence[torch.Tensor]
+"""A tensor, or the pieces that make it, joined along their first axis."""
+
+
+def safetensors_chunks(tensors: Mapping[str, Pieces]) -> list[bytes | memoryview]:
+    """The file ``safetensors.torch.save(tensors)`` gives, byte for byte, as its header and then
+    views of the tensors' own memory (each piece of a tensor in turn), so the file is written
+    with no copy of the values: the layout, the header's JSON and its padding are the library's
+    (``tests/core/test_harvest.py`` compares the two)."""
+    if sys.byteorder != "little":  # pragma: no cover - safetensors stores little-endian values
+        from safetensors.torch import save
+
+        return [save({key: _one(value) for key, value in tensors.items()})]
+    order = list(SAFETENSORS_DTYPES)
+    entries = []
+    for name, value in tensors.items():
+        pieces = [value] if isinstance(value, torch.Tensor) else list(value)
+        dtype, rest = pieces[0].dtype, pieces[0].shape[1:]
+        if dtype not in SAFETENSORS_DTYPES or any(p.dtype != dtype or p.shape[1:] != rest for p in pieces):
+            raise ValueError(f"{name}: its pieces differ in dtype or trailing shape, or a shard holds no {dtype}")
+        shape = list(value.shape) if isinstance(value, torch.Tensor) else [sum(p.shape[0] for p in pieces), *rest]
+        entries.append((order.index(dtype), name, dtype, shape, [p.contiguous() for p in pieces]))
+    entries.sort(key=lambda entry: entry[:2])
+    header: dict[str, Any] = {}
+    data: list[bytes | memoryview] = []
+    offset = 0
+    for _, name, dtype, shape, pieces in entries:
+        size = sum(p.numel() * p.element_size() for p in pieces)
+        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+        data.extend(p.reshape(-1).view(torch.uint8).numpy().data for p in pieces if p.numel())
+    text = json.dumps(header, ensure_ascii=False, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return [struct.pack("<Q", len(text)) + text, *data]
+
+
+def _one(value: Pieces) -> torch.Tensor:
+    return value.contiguous() if isinstance(value, torch.Tensor) else torch.cat(list(value))
+
+
+def write_shard(folder: Path, index: int, tensors: Mapping[str, Pieces]) -> str:
+    """Write one shard atomically (each tensor given whole or as its pieces); returns its path
+    relative to ``folder``."""
     name = shard_name(index)
     (folder / SHARD_FOLDER).mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(folder / name, save({key: value.contiguous() for key, value in tensors.items()}))
+    atomic_write(folder / name, safetensors_chunks(tensors))
     return name
 
 
