@@ -169,6 +169,46 @@ async def capture_rows(
     return pad_rows(per_row, [len(r) for r in rows])
 
 
+def unstack_rows(values: Results, lengths: Sequence[int]) -> list[Results]:
+    """Batched, right-padded values as one :class:`Results` per row of ``lengths`` tokens, each
+    value a view of its row's real positions (``[n, ...]``; attention ``[heads, n, n]``)."""
+    out = []
+    for i, n in enumerate(lengths):
+        row = Results()
+        for point, value in values.items():
+            if isinstance(point, Address) and point.info.width == "heads x keys":
+                row[point] = value[i, :, :n, :n]
+            else:
+                row[point] = value[i, :n]
+        out.append(row)
+    return out
+
+
+async def capture_each(
+    model: InterpModel, rows: Sequence[Sequence[int]], points: Sequence[Address | Features]
+) -> list[Results]:
+    """Each row's values at ``points`` (resolved), unpadded (:func:`rows_with_cache`)."""
+    if isinstance(model, BatchCapture):
+        return unstack_rows(await model.capture_batch(rows, points), [len(r) for r in rows])
+    return list(await asyncio.gather(*(model.capture(r, points) for r in rows)))
+
+
+def rows_with_cache(model: InterpModel | SyncModel, rows: Sequence[Sequence[int]], points: Points) -> list[Results]:
+    """Each row's activations at ``points`` without padding: per row, values ``[n, ...]`` and
+    readouts ``[n, k]``, the rows :func:`run_with_cache` pads and stacks, for a caller that puts
+    each row somewhere of its own (a harvest's shards). A model that captures a batch in one
+    forward gives views of its batched values' rows; the others give each row's own capture,
+    the rows run concurrently (vLLM batches them), as they came (on the vllm backends, views of
+    the shared memory the workers wrote into)."""
+    facade = _facade(model)
+    resolved = model_points(facade.model, points)
+    blocking = facade.blocking
+    if blocking is not None:
+        batched = facade.call(lambda: blocking.capture_batch_blocking(rows, resolved))
+        return unstack_rows(batched, [len(r) for r in rows])
+    return facade.run(lambda: capture_each(facade.model, rows, resolved))
+
+
 def _facade(model: InterpModel | SyncModel) -> SyncModel:
     return sync_model(model)
 

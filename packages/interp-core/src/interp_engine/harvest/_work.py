@@ -22,7 +22,7 @@ from .._errors import InsufficientDiskSpace, InvalidAddress, InvalidFeatures, In
 from .._sync import SyncModel
 from ..addresses._address import Address
 from ..protocol._base import ModelBase
-from ..sae._readouts import Features
+from ..sae._readouts import Features, stack_readouts
 from ._pack import Row
 from ._saelens import write_saelens_shard
 from ._shards import DTYPES, shard_name, write_shard
@@ -119,8 +119,8 @@ def run_job(facade: SyncModel, job: ShardJob, *, replica: int = 0) -> dict[str, 
     tops = {r.sae: TopContexts(job.plan.sae_widths[r.sae], job.top_n, job.window) for r in job.plan.readouts}
     if not job.top_n:
         tops = {}
-    tensors = _run_rows(facade, job, tops)
-    _write(job, tensors)
+    parts = _run_rows(facade, job, tops)
+    _write(job, parts)
     rows = job.rows
     return {
         "index": job.index,
@@ -136,10 +136,14 @@ def run_job(facade: SyncModel, job: ShardJob, *, replica: int = 0) -> dict[str, 
     }
 
 
-def _run_rows(facade: SyncModel, job: ShardJob, tops: Mapping[str, TopContexts]) -> dict[str, torch.Tensor]:
-    """The shard's values, flat over its tokens: each address ``[n_tokens, width]`` in the
-    harvest's dtype, each readout's ``ids`` and ``values`` ``[n_tokens, k]``."""
-    from .._api import run_with_cache
+def _run_rows(facade: SyncModel, job: ShardJob, tops: Mapping[str, TopContexts]) -> dict[str, list[torch.Tensor]]:
+    """The shard's values, as the pieces that make each tensor of the shard, in row order: each
+    address ``[n, width]`` per row in the harvest's dtype, each readout's ``ids`` and ``values``
+    ``[n, k]`` per row. The pieces are the rows the model handed back (:func:`rows_with_cache`:
+    on the vllm backends, the shared memory the workers wrote), converted only where the
+    harvest's dtype differs: the safetensors shard is written from them, and SAELens's Arrow
+    shard from their concatenation."""
+    from .._api import rows_with_cache
 
     plan, rows = job.plan, job.rows
     parts: dict[str, list[torch.Tensor]] = {}
@@ -147,31 +151,34 @@ def _run_rows(facade: SyncModel, job: ShardJob, tops: Mapping[str, TopContexts])
     torch_dtype = plan.torch_dtype
     for start in range(0, len(rows), job.batch_rows):
         batch = rows[start : start + job.batch_rows]
-        cache = run_with_cache(facade, [r.tokens for r in batch], points)
-        lengths = [len(r.tokens) for r in batch]
+        captured = rows_with_cache(facade, [r.tokens for r in batch], points)
         for address in plan.addresses:
-            value = cache[address]
-            flat = value.reshape(value.shape[0], value.shape[1], -1).to(torch_dtype)
-            if all(n == flat.shape[1] for n in lengths):  # no padding (rows of context_size): the batch whole
-                parts.setdefault(str(address), []).append(flat.reshape(-1, flat.shape[2]))
-            else:
-                parts.setdefault(str(address), []).extend(flat[i, :n] for i, n in enumerate(lengths))
+            parts.setdefault(str(address), []).extend(
+                row[address].reshape(row[address].shape[0], -1).to(torch_dtype) for row in captured
+            )
         for readout in plan.readouts:
-            read = cache[readout]
             key = readout_key(readout)
-            ids = read.ids if read.ids is not None else torch.empty(0)
-            parts.setdefault(f"{key}/ids", []).extend(ids[i, :n].to(torch.int32) for i, n in enumerate(lengths))
-            values = read.values
-            parts.setdefault(f"{key}/values", []).extend(values[i, :n].to(torch_dtype) for i, n in enumerate(lengths))
+            read = [row[readout] for row in captured]
+            parts.setdefault(f"{key}/ids", []).extend(
+                (r.ids if r.ids is not None else torch.empty(0)).to(torch.int32) for r in read
+            )
+            parts.setdefault(f"{key}/values", []).extend(r.values.to(torch_dtype) for r in read)
             if readout.sae in tops:
+                lengths = [len(r.tokens) for r in batch]
+                stacked = stack_readouts(read, lengths)
                 tokens = torch.full((len(batch), max(lengths)), -1, dtype=torch.int64)
                 for i, r in enumerate(batch):
                     tokens[i, : len(r.tokens)] = torch.tensor(r.tokens)
-                tops[readout.sae].update(ids, read.values, tokens, job.first_row + start)
-    return {key: values[0] if len(values) == 1 else torch.cat(values) for key, values in parts.items()}
+                ids = stacked.ids if stacked.ids is not None else torch.empty(0)
+                tops[readout.sae].update(ids, stacked.values, tokens, job.first_row + start)
+    return parts
 
 
-def _write(job: ShardJob, tensors: Mapping[str, torch.Tensor]) -> None:
+def _joined(pieces: Sequence[torch.Tensor]) -> torch.Tensor:
+    return pieces[0] if len(pieces) == 1 else torch.cat(list(pieces))
+
+
+def _write(job: ShardJob, parts: Mapping[str, Sequence[torch.Tensor]]) -> None:
     """Write one shard in every format; a full disk raises ``InsufficientDiskSpace`` with the
     partial file removed (the shards before it, and the manifest, are untouched)."""
     folder, rows, plan = job.folder, job.rows, job.plan
@@ -185,10 +192,11 @@ def _write(job: ShardJob, tensors: Mapping[str, torch.Tensor]) -> None:
                 "pos": torch.tensor([p for r in rows for p in r.pos], dtype=torch.int32),
                 "row_offsets": offsets,
             }
-            write_shard(folder, job.index, {**layout, **tensors})
+            write_shard(folder, job.index, {**layout, **parts})
         if "saelens" in job.formats:
             columns = {
-                plan.hooks[a]: tensors[str(a)].reshape(len(rows), job.context_size, -1).numpy() for a in plan.addresses
+                plan.hooks[a]: _joined(parts[str(a)]).reshape(len(rows), job.context_size, -1).numpy()
+                for a in plan.addresses
             }
             token_ids = torch.tensor([r.tokens for r in rows], dtype=torch.int32).numpy()
             write_saelens_shard(folder, job.index, columns, token_ids, plan.dtype)
@@ -199,7 +207,7 @@ def _write(job: ShardJob, tensors: Mapping[str, torch.Tensor]) -> None:
         raise InsufficientDiskSpace(
             f"the disk under {folder} filled while writing shard {job.index} ({exc.strerror}); the shards before it "
             "are whole and listed in harvest.json: free space and rerun the same harvest to resume",
-            needed=sum(t.numel() * t.element_size() for t in tensors.values()),
+            needed=sum(p.numel() * p.element_size() for pieces in parts.values() for p in pieces),
             free=free,
         ) from exc
 
