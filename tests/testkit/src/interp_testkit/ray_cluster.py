@@ -21,7 +21,12 @@ LOOPBACK_ENV = {
     # every Ray process (and vLLM's, through VLLM_HOST_IP) on loopback
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "RAY_USAGE_STATS_ENABLED": "0",
+    # no token authentication, whatever ~/.ray/auth_token holds (a local `ray.init()` writes one;
+    # a driver that finds it turns token auth on and a cluster started without it refuses it)
+    "RAY_AUTH_MODE": "disabled",
 }
+"""The environment of the cluster's processes, and of a driver that joins it (set it in that
+process before it connects)."""
 
 
 def free_port() -> int:
