@@ -49,7 +49,6 @@ V1_SLICE = (
     "vllm/test_vllm_parity.py",
     "vllm/test_vllm_points.py",
     "vllm/test_vllm_serving.py",
-    "vllm/test_vllm_lifecycle.py",
     "vllm/test_vllm_sae.py",
     "vllm/test_vllm_tp.py",
     "vllm/test_vllm_compiled.py",

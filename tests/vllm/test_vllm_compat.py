@@ -236,33 +236,52 @@ def test_register_is_idempotent_and_its_targets_keep_their_shape() -> None:
         assert getattr(WorkerBase, name) is function
 
 
-def test_vllm_processes_skip_the_final_collection_and_write_nothing_after_it() -> None:
+def test_vllm_processes_skip_the_final_collection_and_write_nothing_after_it(tmp_path: pathlib.Path) -> None:
     """In a process vLLM started (named like its engine core or workers), ``register()`` arranges
     for the interpreter's final collection to be skipped at exit (it takes seconds over an
     engine's heap): everything written before is flushed, the heap is frozen, and the leak report
-    nanobind's extensions print after it never reaches stderr."""
+    nanobind's extensions print after it never reaches stderr.
+
+    One script imports vLLM's runners once (``register()`` in its main process), then forks a
+    child per process name, which registers as that process and exits through the interpreter's
+    own shutdown, its output in files of its own."""
     import subprocess
     import sys
     import textwrap
 
     script = textwrap.dedent(
         """
-        import atexit, gc, multiprocessing, sys
-        multiprocessing.current_process().name = sys.argv[1]
-        # registered first, so it runs last (after the skip, where there is one)
-        atexit.register(lambda: print("frozen", gc.get_freeze_count() > 0, flush=True))
+        import atexit, gc, multiprocessing, os, sys
         from interp_vllm import _vllm_entry
-        _vllm_entry.register()
-        _vllm_entry.register()
-        print("skipping", _vllm_entry._SKIPPING)
-        print("before the exit", file=sys.stderr)
+        _vllm_entry.register()  # as the main process: vLLM's runners imported and patched once
+        assert not _vllm_entry._SKIPPING
+        folder = sys.argv[1]
+        for name in sys.argv[2:]:
+            pid = os.fork()
+            if pid == 0:
+                for fd, suffix in ((1, "out"), (2, "err")):
+                    os.dup2(os.open(os.path.join(folder, f"{name}.{suffix}"), os.O_WRONLY | os.O_CREAT), fd)
+                multiprocessing.current_process().name = name
+                # registered before the process's own register(), so it runs after the skip, where there is one
+                atexit.register(lambda: print("frozen", gc.get_freeze_count() > 0, flush=True))
+                _vllm_entry.register()
+                _vllm_entry.register()
+                print("skipping", _vllm_entry._SKIPPING)
+                print("before the exit", file=sys.stderr)
+                sys.exit(0)
+            _, status = os.waitpid(pid, 0)
+            assert os.waitstatus_to_exitcode(status) == 0, (name, status)
         """
     )
-    for name, skipping in (("VllmWorker-0", True), ("EngineCore", True), ("MainProcess", False)):
-        out = subprocess.run([sys.executable, "-c", script, name], capture_output=True, text=True, timeout=120)
-        assert out.returncode == 0, out.stderr
-        assert out.stdout.split("\n")[:2] == [f"skipping {[True] if skipping else []}", f"frozen {skipping}"]
-        assert out.stderr.strip().endswith("before the exit"), out.stderr
+    names = {"VllmWorker-0": True, "EngineCore": True, "MainProcess": False}
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path), *names], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    for name, skipping in names.items():
+        stdout, stderr = (tmp_path / f"{name}.out").read_text(), (tmp_path / f"{name}.err").read_text()
+        assert stdout.split("\n")[:2] == [f"skipping {[True] if skipping else []}", f"frozen {skipping}"], name
+        assert stderr.strip().endswith("before the exit"), (name, stderr)
 
 
 def test_the_skip_freezes_the_heap_and_closes_stderr() -> None:
