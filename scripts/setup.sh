@@ -10,6 +10,26 @@ PYTHON="${PYTHON:-python3}"
 # --no-compile: Python writes each module's bytecode when it is first imported, instead of pip
 # compiling every file of torch, vLLM and their dependencies up front (most are never imported)
 PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-compile -c constraints.txt)
+# Debian's Chromium for the documentation site's browser test (tests/docs/test_docs_site.py drives it
+# with Playwright; a browser download of Playwright's own cannot reach its host from here). It
+# installs in the background, beside pip, and the script waits for it at the end.
+install_chromium() {
+  local SUDO=()
+  [ "$(id -u)" = 0 ] || SUDO=(sudo -n)
+  for attempt in 1 2 3; do
+    if "${SUDO[@]}" apt-get update -qq >/dev/null 2>&1 \
+      && DEBIAN_FRONTEND=noninteractive "${SUDO[@]}" apt-get install -y -qq --no-install-recommends chromium >/dev/null 2>&1; then
+      return 0
+    fi
+    echo "setup: installing chromium failed (attempt $attempt)" >&2
+    sleep $((attempt * 5))
+  done
+}
+CHROMIUM=""
+if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1; then
+  install_chromium &
+  CHROMIUM=$!
+fi
 "${PIP[@]}" torch==2.13.0
 if [ "${INTERP_SKIP_VLLM:-0}" != 1 ]; then
   if ! .venv/bin/python -c "import vllm" 2>/dev/null; then
@@ -19,19 +39,6 @@ if [ "${INTERP_SKIP_VLLM:-0}" != 1 ]; then
   # next to the CPU torch wheel they break `import transformers`. The text models need none.
   .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
-# Debian's Chromium for the documentation site's browser test (tests/docs/test_docs_site.py drives it
-# with Playwright; a browser download of Playwright's own cannot reach its host from here).
-if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1; then
-  SUDO=()
-  [ "$(id -u)" = 0 ] || SUDO=(sudo -n)
-  for attempt in 1 2 3; do
-    if "${SUDO[@]}" apt-get update -qq >/dev/null 2>&1 \
-      && DEBIAN_FRONTEND=noninteractive "${SUDO[@]}" apt-get install -y -qq --no-install-recommends chromium >/dev/null 2>&1; then
-      break
-    fi
-    echo "setup: installing chromium failed (attempt $attempt)" >&2
-    sleep $((attempt * 5))
-  done
-fi
 "${PIP[@]}" -e "packages/interp-core[serve,harvest]" -e "packages/interp-eager[peft]" -e packages/interp-vllm -e ".[dev]" -e tests/toy_backend \
   -e tests/testkit
+[ -z "$CHROMIUM" ] || wait "$CHROMIUM" || true
