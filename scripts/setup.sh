@@ -39,6 +39,9 @@ if [ "${INTERP_SKIP_VLLM:-0}" != 1 ]; then
   # next to the CPU torch wheel they break `import transformers`. The text models need none.
   .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
-"${PIP[@]}" -e "packages/interp-core[serve,harvest]" -e "packages/interp-eager[peft]" -e packages/interp-vllm -e ".[dev]" -e tests/toy_backend \
+# the workspace's packages build with the venv's own setuptools (no isolated build environment
+# per package: ~25 s instead of ~60 s)
+"${PIP[@]}" "setuptools>=68"
+"${PIP[@]}" --no-build-isolation -e "packages/interp-core[serve,harvest]" -e "packages/interp-eager[peft]" -e packages/interp-vllm -e ".[dev]" -e tests/toy_backend \
   -e tests/testkit
 [ -z "$CHROMIUM" ] || wait "$CHROMIUM" || true
