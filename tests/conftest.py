@@ -20,12 +20,18 @@ from interp_testkit import runners
 
 from .support.engines import EnginePool
 
-# The session's vLLM engines start their processes from a preloaded forkserver (test-only; see
-# interp_testkit.forked_engines): a start is ~5 s instead of ~25 s of spawning and importing.
-if importlib.util.find_spec("vllm") is not None:
-    from interp_testkit import forked_engines
 
-    forked_engines.install()
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """The session's vLLM engines start their processes from a preloaded forkserver (test-only;
+    see interp_testkit.forked_engines): a start is ~5 s instead of ~25 s of spawning and
+    importing. Not in pytest-xdist's controller, which runs no test (installing imports vLLM)."""
+    controller = not hasattr(config, "workerinput") and config.getoption("dist", "no") != "no"
+    if not controller and importlib.util.find_spec("vllm") is not None:
+        from interp_testkit import forked_engines
+
+        forked_engines.install()
+
 
 # The test suite's third-party backend (tests/toy_backend) serves "toy" only where this is set:
 # for this session and the subprocesses it starts, never for a user of the dev install.
