@@ -167,6 +167,63 @@ def test_saelens_trains_from_the_harvest(tmp_path: pathlib.Path, direct: Any, co
     assert trainer.n_training_steps == 4 and not torch.equal(before, sae.W_enc.detach())
 
 
+def test_saelens_training_runner_trains_from_the_harvest(
+    tmp_path: pathlib.Path, direct: Any, corpus: pathlib.Path
+) -> None:
+    """sae-lens's whole training runner (``LanguageModelSAETrainingRunner``) on a harvested folder
+    through its cached-activations option: its store reads the harvest's values (checked against
+    HF ``transformers``), it trains and saves an SAE, and ``load_sae`` reads that SAE back. The
+    runner wants a TransformerLens model even when it reads cached activations (it never runs it
+    then): a tiny ``HookedTransformer`` of the same width stands in, so nothing comes from the hub."""
+    import datasets
+    from sae_lens import LanguageModelSAERunnerConfig, LoggingConfig, StandardTrainingSAEConfig
+    from sae_lens.llm_sae_training_runner import LanguageModelSAETrainingRunner
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+    from interp_engine import load_sae
+
+    out = tmp_path / "out"
+    harvest(direct, corpus, out, addresses=["resid_post.2"], context_size=16, progress=False)
+    cached = str(out / "saelens")
+    cfg = LanguageModelSAERunnerConfig(
+        sae=StandardTrainingSAEConfig(d_in=128, d_sae=64),
+        model_name="interp:tiny",
+        hook_name="blocks.2.hook_resid_post",
+        dataset_path=cached,
+        use_cached_activations=True,
+        cached_activations_path=cached,
+        context_size=16,
+        store_batch_size_prompts=4,
+        n_batches_in_buffer=2,
+        train_batch_size_tokens=32,
+        training_tokens=32 * 4,
+        device="cpu",
+        act_store_device="cpu",
+        lr_warm_up_steps=0,
+        n_checkpoints=0,
+        n_eval_batches=0,
+        output_path=str(tmp_path / "trained"),
+        logger=LoggingConfig(log_to_wandb=False),
+    )
+    stand_in = HookedTransformer(
+        HookedTransformerConfig(n_layers=3, d_model=128, d_head=32, n_ctx=16, d_vocab=1000, act_fn="gelu")
+    )
+    tokens = datasets.Dataset.from_dict({"tokens": datasets.load_from_disk(cached)["token_ids"]})
+    runner = LanguageModelSAETrainingRunner(cfg, override_dataset=tokens, override_model=stand_in)
+    store = runner.activations_store
+    acts, token_ids = store.get_raw_llm_batch()
+    with torch.no_grad():
+        hidden = hf_for(pathlib.Path(tiny_model_path()))(token_ids.reshape(4, 16).long(), output_hidden_states=True)
+    torch.testing.assert_close(acts, hidden.hidden_states[3].reshape(-1, 128), rtol=1e-4, atol=1e-4)
+    store.current_row_idx = 0
+    before = runner.sae.W_enc.detach().clone()
+    trained = runner.run()
+    assert not torch.equal(before, trained.W_enc.detach())
+    loaded = load_sae(tmp_path / "trained")
+    assert loaded.hook_name == "blocks.2.hook_resid_post"
+    torch.testing.assert_close(loaded.W_enc, trained.W_enc.detach())
+
+
 def test_safetensors_shards_read_back(tmp_path: pathlib.Path, direct: Any, corpus: pathlib.Path) -> None:
     out = tmp_path / "out"
     harvest(
