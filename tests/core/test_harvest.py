@@ -115,28 +115,18 @@ def test_bad_corpora_are_named(tmp_path: pathlib.Path, direct: Any) -> None:
         harvest(direct, tmp_path / "blank.txt", out, addresses=["resid_post.0"], progress=False)
 
 
-def test_saelens_trains_from_the_harvest(tmp_path: pathlib.Path, direct: Any, corpus: pathlib.Path) -> None:
-    """sae-lens's own loader (ActivationsStore, with use_cached_activations) reads the folder, and
-    what it reads is what HF transformers computes for those rows; sae-lens's trainer then trains
-    an SAE on it for a few steps."""
-    import datasets
-    from sae_lens import LanguageModelSAERunnerConfig, StandardTrainingSAEConfig, TrainingSAE
-    from sae_lens.training.activations_store import ActivationsStore
-    from sae_lens.training.sae_trainer import SAETrainer
+def _sae_lens_cfg(cached: pathlib.Path, **options: Any) -> Any:
+    """sae-lens's runner config for four steps of a small SAE on ``blocks.2.hook_resid_post`` of
+    the tiny model, read from the harvest's SAELens folder ``cached``."""
+    from sae_lens import LanguageModelSAERunnerConfig, StandardTrainingSAEConfig
 
-    out = tmp_path / "out"
-    summary = harvest(direct, corpus, out, addresses=["resid_post.2", "resid_post.0"], context_size=16, progress=False)
-    assert summary.rows >= 8 and summary.tokens == 16 * summary.rows
-    cached = datasets.load_from_disk(str(out / "saelens"))
-    assert cached.features["blocks.2.hook_resid_post"] == datasets.Array2D(shape=(16, 128), dtype="float32")
-    assert cached.features["token_ids"] == datasets.Sequence(datasets.Value("int32"), length=16)
-    cfg = LanguageModelSAERunnerConfig(
+    return LanguageModelSAERunnerConfig(
         sae=StandardTrainingSAEConfig(d_in=128, d_sae=64),
         model_name="interp:tiny",
         hook_name="blocks.2.hook_resid_post",
-        dataset_path="unused",
+        dataset_path=str(cached),
         use_cached_activations=True,
-        cached_activations_path=str(out / "saelens"),
+        cached_activations_path=str(cached),
         context_size=16,
         store_batch_size_prompts=4,
         n_batches_in_buffer=2,
@@ -146,7 +136,26 @@ def test_saelens_trains_from_the_harvest(tmp_path: pathlib.Path, direct: Any, co
         act_store_device="cpu",
         lr_warm_up_steps=0,
         n_checkpoints=0,
+        **options,
     )
+
+
+def test_saelens_trains_from_the_harvest(tmp_path: pathlib.Path, direct: Any, corpus: pathlib.Path) -> None:
+    """sae-lens's own loader (ActivationsStore, with use_cached_activations) reads the folder, and
+    what it reads is what HF transformers computes for those rows; sae-lens's trainer then trains
+    an SAE on it for a few steps."""
+    import datasets
+    from sae_lens import TrainingSAE
+    from sae_lens.training.activations_store import ActivationsStore
+    from sae_lens.training.sae_trainer import SAETrainer
+
+    out = tmp_path / "out"
+    summary = harvest(direct, corpus, out, addresses=["resid_post.2", "resid_post.0"], context_size=16, progress=False)
+    assert summary.rows >= 8 and summary.tokens == 16 * summary.rows
+    cached = datasets.load_from_disk(str(out / "saelens"))
+    assert cached.features["blocks.2.hook_resid_post"] == datasets.Array2D(shape=(16, 128), dtype="float32")
+    assert cached.features["token_ids"] == datasets.Sequence(datasets.Value("int32"), length=16)
+    cfg = _sae_lens_cfg(out / "saelens")
     tokens = datasets.Dataset.from_dict({"tokens": cached["token_ids"]})
     store = ActivationsStore.from_config(None, cfg, override_dataset=tokens)  # type: ignore[arg-type]
     acts, token_ids = store.get_raw_llm_batch()
@@ -176,7 +185,7 @@ def test_saelens_training_runner_trains_from_the_harvest(
     runner wants a TransformerLens model even when it reads cached activations (it never runs it
     then): a tiny ``HookedTransformer`` of the same width stands in, so nothing comes from the hub."""
     import datasets
-    from sae_lens import LanguageModelSAERunnerConfig, LoggingConfig, StandardTrainingSAEConfig
+    from sae_lens import LoggingConfig
     from sae_lens.llm_sae_training_runner import LanguageModelSAETrainingRunner
     from transformer_lens import HookedTransformer, HookedTransformerConfig
 
@@ -185,22 +194,8 @@ def test_saelens_training_runner_trains_from_the_harvest(
     out = tmp_path / "out"
     harvest(direct, corpus, out, addresses=["resid_post.2"], context_size=16, progress=False)
     cached = str(out / "saelens")
-    cfg = LanguageModelSAERunnerConfig(
-        sae=StandardTrainingSAEConfig(d_in=128, d_sae=64),
-        model_name="interp:tiny",
-        hook_name="blocks.2.hook_resid_post",
-        dataset_path=cached,
-        use_cached_activations=True,
-        cached_activations_path=cached,
-        context_size=16,
-        store_batch_size_prompts=4,
-        n_batches_in_buffer=2,
-        train_batch_size_tokens=32,
-        training_tokens=32 * 4,
-        device="cpu",
-        act_store_device="cpu",
-        lr_warm_up_steps=0,
-        n_checkpoints=0,
+    cfg = _sae_lens_cfg(
+        pathlib.Path(cached),
         n_eval_batches=0,
         output_path=str(tmp_path / "trained"),
         logger=LoggingConfig(log_to_wandb=False),
