@@ -152,21 +152,35 @@ async def capture_rows(
     ``steering_spec``: one spec for every row, or a list of one spec (or ``None``) per row;
     ``adapter`` likewise."""
     points = model_points(model, points)
-    specs = row_specs(steering_spec, len(rows))
     if isinstance(model, BatchCapture):
         return await model.capture_batch(rows, points, steering_spec=steering_spec, **adapter_kwargs(adapter))
+    per_row = await _capture_each_row(model, rows, points, steering_spec, adapter)
+    return pad_rows(per_row, [len(r) for r in rows])
+
+
+async def _capture_each_row(
+    model: InterpModel,
+    rows: Sequence[Sequence[int]],
+    points: Sequence[Address | Features],
+    steering_spec: RowSpecs = None,
+    adapter: RowAdapters = None,
+) -> list[Results]:
+    """One ``capture`` per row at ``points`` (resolved), gathered concurrently (vLLM batches
+    them), each row's values unpadded."""
+    specs = row_specs(steering_spec, len(rows))
     adapters = row_adapters(adapter, len(rows))
     if len(adapters) != len(rows):
         from ._errors import InvalidAdapter
 
         raise InvalidAdapter(f"adapter lists {len(adapters)} adapters but the batch has {len(rows)} rows")
-    per_row = await asyncio.gather(
-        *(
-            model.capture(r, points, steering_spec=spec, **adapter_kwargs(a))
-            for r, spec, a in zip(rows, specs, adapters, strict=True)
+    return list(
+        await asyncio.gather(
+            *(
+                model.capture(r, points, steering_spec=spec, **adapter_kwargs(a))
+                for r, spec, a in zip(rows, specs, adapters, strict=True)
+            )
         )
     )
-    return pad_rows(per_row, [len(r) for r in rows])
 
 
 def unstack_rows(values: Results, lengths: Sequence[int]) -> list[Results]:
@@ -190,7 +204,7 @@ async def capture_each(
     """Each row's values at ``points`` (resolved), unpadded (:func:`rows_with_cache`)."""
     if isinstance(model, BatchCapture):
         return unstack_rows(await model.capture_batch(rows, points), [len(r) for r in rows])
-    return list(await asyncio.gather(*(model.capture(r, points) for r in rows)))
+    return await _capture_each_row(model, rows, points)
 
 
 def rows_with_cache(model: InterpModel | SyncModel, rows: Sequence[Sequence[int]], points: Points) -> list[Results]:
