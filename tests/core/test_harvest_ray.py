@@ -19,7 +19,7 @@ import torch
 
 from interp_engine import InvalidOption
 from interp_engine.harvest import harvest, open_harvest, top_contexts
-from interp_testkit.ray_cluster import LOOPBACK_ENV, local_ray_cluster
+from interp_testkit.ray_cluster import local_ray_cluster
 
 from ..support.harvest import DOCS, TINY_SAE
 
@@ -46,7 +46,6 @@ def cluster() -> Iterator[str]:
         # what LOOPBACK_ENV gives the cluster's processes, for this one, which imported ray before
         # the variable could be set: its own address is loopback, as the cluster's node is
         patch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
-        patch.setenv("RAY_AUTH_MODE", LOOPBACK_ENV["RAY_AUTH_MODE"])  # read when it connects
         ray.init(address=address, log_to_driver=False)
         try:
             yield address

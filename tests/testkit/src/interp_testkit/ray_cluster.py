@@ -25,8 +25,8 @@ LOOPBACK_ENV = {
     # a driver that finds it turns token auth on and a cluster started without it refuses it)
     "RAY_AUTH_MODE": "disabled",
 }
-"""The environment of the cluster's processes, and of a driver that joins it (set it in that
-process before it connects)."""
+"""The environment of the cluster's processes (:func:`local_ray_cluster` also sets the auth mode
+in this process while the cluster runs, for a driver that joins it)."""
 
 
 def free_port() -> int:
@@ -71,7 +71,16 @@ def local_ray_cluster(*, num_cpus: int = 2, num_gpus: int = 0, env: Mapping[str,
                 with open(os.path.join(folder, "start.log")) as failed:
                     raise RuntimeError(f"the local Ray cluster did not start:\n{failed.read()[-3000:]}")
             time.sleep(0.25)
-        yield f"127.0.0.1:{port}"
+        # a driver in this process (or started from it) joins with the cluster's auth mode
+        before = os.environ.get("RAY_AUTH_MODE")
+        os.environ["RAY_AUTH_MODE"] = LOOPBACK_ENV["RAY_AUTH_MODE"]
+        try:
+            yield f"127.0.0.1:{port}"
+        finally:
+            if before is None:
+                os.environ.pop("RAY_AUTH_MODE", None)
+            else:
+                os.environ["RAY_AUTH_MODE"] = before
     finally:
         head.send_signal(signal.SIGTERM)  # `ray start --block` stops the cluster's processes
         try:
