@@ -369,7 +369,7 @@ def test_the_engine_processes_are_read_along_the_rows_path() -> None:
 
 def test_dynamo_counters_are_counts() -> None:
     counts = _compat.dynamo_counters()
-    assert set(counts) == {"dynamo_unique_graphs", "dynamo_calls_captured"}
+    assert set(counts) == {"dynamo_unique_graphs", "dynamo_calls_captured", "dynamo_compiled_graphs"}
     assert all(isinstance(v, int) and v >= 0 for v in counts.values())
 
 

@@ -293,9 +293,9 @@ AOT_VARIABLE = "VLLM_USE_AOT_COMPILE"
 
 def aot_compile_env() -> dict[str, str]:
     """``{"VLLM_USE_AOT_COMPILE": "0"}`` on vLLM's CPU platform in :data:`AOT_UNLOADABLE_VERSIONS`,
-    where the user has not set the variable; else empty. vLLM then keeps its compiled graphs in its
-    other compile cache (Inductor's artifacts, under the same ``compute_hash`` key), which it does
-    load: measured on this 2-core CPU with the tiny GPT-2 test model, a compiled engine's
+    where the user has not set the variable; else empty. The compiled graphs then come from
+    Inductor's own caches (AOTAutograd's and the FX graph cache, keyed by the traced graph), which
+    do load: measured on this 2-core CPU with the tiny GPT-2 test model, a compiled engine's
     "init engine (profile, create kv cache, warmup model)" took 14.2 s compiling and 4.2 s from
     the cache, against 18.8 s and 8.0 s (compiling again) with the AOT artifacts."""
     import os
@@ -710,13 +710,18 @@ DYNAMO_COUNTERS = Reads(
 
 
 def dynamo_counters() -> dict[str, int]:
-    """How many graphs Dynamo compiled in this process and how many calls it captured
-    (:data:`DYNAMO_COUNTERS`)."""
+    """How many graphs Dynamo traced in this process, how many calls it captured, and how many
+    graphs a compiler backend took through AOTAutograd (Inductor's path: compiled, or loaded from
+    Inductor's caches) (:data:`DYNAMO_COUNTERS`). The last counts every compile, whichever of vLLM's
+    paths made it: vLLM's own counters see only those through its backend or its AOT compile (an
+    engine whose graphs load from vLLM's AOT artifacts counts ``num_aot_artifacts_loaded`` there
+    instead)."""
     from torch._dynamo.utils import counters
 
     return {
         "dynamo_unique_graphs": int(counters["stats"]["unique_graphs"]),
         "dynamo_calls_captured": int(counters["stats"]["calls_captured"]),
+        "dynamo_compiled_graphs": int(counters["aot_autograd"]["ok"]),
     }
 
 
