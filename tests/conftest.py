@@ -56,13 +56,13 @@ V1_SLICE = (
     "vllm/test_vllm_points.py",
     "vllm/test_vllm_serving.py",
     "vllm/test_vllm_sae.py",
-    "vllm/test_vllm_tp.py",
     "vllm/test_vllm_compiled.py",
 )
 """The modules whose tests also run on vLLM's V1 model runner by default (every vLLM test runs
 on V2). vllm-static is among them through test_vllm_points (a vllm-static engine whose taps V1's
-model load installs before it compiles) and test_vllm_compiled. ``INTERP_TEST_RUNNERS`` chooses
-otherwise: ``v1``, ``v2``, or ``all`` (both, everywhere)."""
+model load installs before it compiles) and test_vllm_compiled. The runner modules hold nothing
+for tensor parallelism (each rank's seam is a single worker's), so test_vllm_tp runs on V2 only.
+``INTERP_TEST_RUNNERS`` chooses otherwise: ``v1``, ``v2``, or ``all`` (both, everywhere)."""
 
 
 def _runners(module: str, marked: pytest.Mark | None = None) -> list[str]:
