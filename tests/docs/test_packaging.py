@@ -6,8 +6,10 @@ builds the tests' tiny models from ``transformers`` alone). Then the claim is ru
 interpreter whose ``interp_eager`` is a stub that records the attempt and raises ``ImportError``
 (on ``PYTHONPATH``, ahead of site-packages and inherited by vLLM's engine-core and worker
 processes) loads a tiny model with ``backend="vllm"``, captures ``resid_post.0`` (checked against
-plain ``transformers``), generates 2 tokens and shuts down; nothing anywhere tried to import the
-eager package. One eager-mode vLLM engine (~30 s on CPU).
+plain ``transformers``), generates 2 tokens, shuts down through its sync facade and exits with
+nothing on stderr of the faults vLLM's teardown used to print (the lifecycle tests' check, for
+the facade's shutdown); nothing anywhere tried to import the eager package. One eager-mode vLLM
+engine (~30 s on CPU).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import sys
 import torch
 
 from interp_testkit.suite import ROOT, hf_for, rel_diff, vllm_model_path
+
+from ..support.procs import EXIT_FAULTS
 
 PACKAGES = ROOT / "packages"
 VLLM_SRC = PACKAGES / "interp-vllm" / "src"
@@ -146,6 +150,8 @@ def test_vllm_backend_runs_without_interp_eager(tmp_path: pathlib.Path) -> None:
         check=False,
     )
     assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+    for fault in EXIT_FAULTS:
+        assert fault not in done.stderr, done.stderr[-4000:]
     result = json.loads(result_file.read_text())
     attempts = marker.read_text() if marker.exists() else ""
     assert attempts == "", f"something tried to import interp_eager:\n{attempts}"

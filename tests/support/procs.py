@@ -15,6 +15,11 @@ import psutil
 
 _HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
 
+EXIT_FAULTS = ("Traceback", "TypeError", "Exception ignored")
+"""What the stderr of a script that shut its engine down and exited never holds (vLLM's
+``AsyncLLM.__del__`` at interpreter teardown used to print ``TypeError: 'NoneType' object is not
+callable`` after every shutdown)."""
+
 
 def _is_multiprocessing_helper(proc: psutil.Process) -> bool:
     try:
