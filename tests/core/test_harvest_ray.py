@@ -175,3 +175,32 @@ def test_replica_options_are_checked(tmp_path: pathlib.Path, direct: Any, corpus
     with pytest.raises(InvalidOption, match="go with replicas=N"):
         harvest(direct, corpus, tmp_path / "x", replica_resources={"num_gpus": 1}, addresses=["resid_post.0"])
     assert not (tmp_path / "x").exists()
+
+
+def _failing_head(text: str, counter: pathlib.Path) -> Any:
+    """A stand-in for ``ray start --head``: counts its starts in ``counter``, prints ``text`` and exits."""
+    import sys
+
+    script = f"import pathlib; p = pathlib.Path({str(counter)!r}); p.write_text(p.read_text() + 'x'); print({text!r})"
+    return lambda port, folder, num_cpus, num_gpus: [sys.executable, "-c", script]
+
+
+def test_the_test_clusters_head_starts_again_only_after_rays_startup_timeout(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The test kit's cluster starts its head again when Ray's raylet missed its fixed startup
+    deadline (:data:`ray_cluster.STARTUP_TIMEOUT`), up to ``retries`` times, and fails at once on
+    anything else, with the head's log."""
+    from interp_testkit import ray_cluster
+
+    counter = tmp_path / "starts"
+    counter.write_text("")
+    monkeypatch.setattr(ray_cluster, "head_command", _failing_head(ray_cluster.STARTUP_TIMEOUT, counter))
+    with pytest.raises(RuntimeError, match=ray_cluster.STARTUP_TIMEOUT), ray_cluster.local_ray_cluster(retries=2):
+        pass
+    assert counter.read_text() == "xxx"
+    counter.write_text("")
+    monkeypatch.setattr(ray_cluster, "head_command", _failing_head("some other fault", counter))
+    with pytest.raises(RuntimeError, match="some other fault"), ray_cluster.local_ray_cluster(retries=2):
+        pass
+    assert counter.read_text() == "x"

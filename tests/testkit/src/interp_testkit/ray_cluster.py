@@ -40,17 +40,9 @@ def free_port() -> int:
         return port
 
 
-@contextlib.contextmanager
-def local_ray_cluster(
-    *, num_cpus: int = 2, num_gpus: int = 0, env: Mapping[str, str] = {}, retries: int = 2
-) -> Iterator[str]:
-    """A one-node Ray cluster on loopback with ``num_cpus`` CPUs and ``num_gpus`` logical GPUs
-    (Ray only counts them), its processes started with ``env`` added; its address. A head whose
-    raylet missed Ray's startup deadline (:data:`STARTUP_TIMEOUT`) is started again, up to
-    ``retries`` times."""
-    folder = tempfile.mkdtemp(prefix="ir-", dir="/tmp")  # Ray's socket paths must stay short
-    port = free_port()
-    command = [
+def head_command(port: int, folder: str, num_cpus: int, num_gpus: int) -> list[str]:
+    """``ray start --head --block`` on loopback, on ``port``, its files under ``folder``."""
+    return [
         *(sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block"),
         *("--node-ip-address", "127.0.0.1", "--port", str(port), "--temp-dir", folder),
         *("--num-cpus", str(num_cpus), "--num-gpus", str(num_gpus), "--object-store-memory", str(10**8)),
@@ -58,51 +50,75 @@ def local_ray_cluster(
         # ports of its own where Ray's defaults are fixed (another cluster on this machine may hold them)
         *("--ray-client-server-port", str(free_port()), "--dashboard-agent-listen-port", str(free_port())),
     ]
-    with open(os.path.join(folder, "start.log"), "w") as log:
+
+
+def _stop(head: subprocess.Popen[bytes], folder: str) -> None:
+    """Stop the head (``ray start --block`` stops the cluster's processes), anything left in its
+    session, and remove its folder."""
+    head.send_signal(signal.SIGTERM)
+    try:
+        head.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(head.pid, signal.SIGKILL)  # the head's own session: only the cluster's processes
+        head.wait(10)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(head.pid, signal.SIGKILL)  # anything of the cluster left in its session
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _start_head(num_cpus: int, num_gpus: int, env: Mapping[str, str]) -> tuple[subprocess.Popen[bytes], str, int]:
+    """A started head ``(process, folder, port)``, its node registered; stopped again and
+    :class:`RuntimeError` (with its log) if it exits or does not register within 120 s."""
+    folder = tempfile.mkdtemp(prefix="ir-", dir="/tmp")  # Ray's socket paths must stay short
+    port = free_port()
+    log_path = os.path.join(folder, "start.log")
+    with open(log_path, "w") as log:
         # like a node of its own: nothing of vLLM's environment here (the front end's reaches the
         # workers through vLLM's executor)
         inherited = {name: value for name, value in os.environ.items() if not name.startswith("VLLM_")}
         head = subprocess.Popen(
-            command,
+            head_command(port, folder, num_cpus, num_gpus),
             env={**inherited, **LOOPBACK_ENV, **env},
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+    deadline = time.monotonic() + 120
+    while True:  # the head's port open and its node registered (a loaded machine lags between them)
+        with socket.socket() as s, open(log_path) as started:
+            if s.connect_ex(("127.0.0.1", port)) == 0 and "Ray runtime started" in started.read():
+                return head, folder, port
+        if head.poll() is not None or time.monotonic() > deadline:
+            with open(log_path) as failed:
+                text = failed.read()
+            _stop(head, folder)
+            raise RuntimeError(f"the local Ray cluster did not start:\n{text[-3000:]}")
+        time.sleep(0.25)
+
+
+@contextlib.contextmanager
+def local_ray_cluster(
+    *, num_cpus: int = 2, num_gpus: int = 0, env: Mapping[str, str] = {}, retries: int = 2
+) -> Iterator[str]:
+    """A one-node Ray cluster on loopback with ``num_cpus`` CPUs and ``num_gpus`` logical GPUs
+    (Ray only counts them), its processes started with ``env`` added; its address. A head whose
+    raylet missed Ray's startup deadline (:data:`STARTUP_TIMEOUT`: a fixed 30 s, which a loaded
+    machine can miss) is started again, up to ``retries`` times."""
+    for attempt in range(retries + 1):
+        try:
+            head, folder, port = _start_head(num_cpus, num_gpus, env)
+            break
+        except RuntimeError as exc:
+            if attempt == retries or STARTUP_TIMEOUT not in str(exc):
+                raise
+    # a driver in this process (or started from it) joins with the cluster's auth mode
+    before = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = LOOPBACK_ENV["RAY_AUTH_MODE"]
     try:
-        deadline = time.monotonic() + 120
-        while True:  # the head's port open and its node registered (a loaded machine lags between them)
-            with socket.socket() as s, open(os.path.join(folder, "start.log")) as started:
-                if s.connect_ex(("127.0.0.1", port)) == 0 and "Ray runtime started" in started.read():
-                    break
-            if head.poll() is not None or time.monotonic() > deadline:
-                with open(os.path.join(folder, "start.log")) as failed:
-                    text = failed.read()
-                if retries > 0 and STARTUP_TIMEOUT in text:
-                    # Ray gives its raylet a fixed 30 s to register; a loaded machine can take longer
-                    # (this head and its folder go in the finally below)
-                    with local_ray_cluster(num_cpus=num_cpus, num_gpus=num_gpus, env=env, retries=retries - 1) as again:
-                        yield again
-                    return
-                raise RuntimeError(f"the local Ray cluster did not start:\n{text[-3000:]}")
-            time.sleep(0.25)
-        # a driver in this process (or started from it) joins with the cluster's auth mode
-        before = os.environ.get("RAY_AUTH_MODE")
-        os.environ["RAY_AUTH_MODE"] = LOOPBACK_ENV["RAY_AUTH_MODE"]
-        try:
-            yield f"127.0.0.1:{port}"
-        finally:
-            if before is None:
-                os.environ.pop("RAY_AUTH_MODE", None)
-            else:
-                os.environ["RAY_AUTH_MODE"] = before
+        yield f"127.0.0.1:{port}"
     finally:
-        head.send_signal(signal.SIGTERM)  # `ray start --block` stops the cluster's processes
-        try:
-            head.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)  # the session started above: only the cluster's
-            head.wait(10)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(head.pid, signal.SIGKILL)  # anything of the cluster left in its session
-        shutil.rmtree(folder, ignore_errors=True)
+        if before is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = before
+        _stop(head, folder)
