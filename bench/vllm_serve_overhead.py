@@ -54,6 +54,14 @@ compiled in), and runs ``plain``, ``steer_1``, ``lens_4`` and ``readouts`` on it
 
 The servers' processes allocate with a fixed malloc threshold and keep freed memory
 (``bench/_workers.py``; ``--default-malloc``: glibc's defaults).
+
+The lens and the readouts add arithmetic that plain serving does not do, whatever the plugin's
+own overhead: each generated token's lens is a final norm and a full unembedding (``d_model x
+vocab``) at each of the 4 layers, each readout an SAE encode (``d_model x d_sae``). On a CPU the
+forward is compute-bound, so the best ratio a variant can reach is plain's multiply-adds over
+plain's plus the variant's (:func:`arithmetic_floor`, from the model's shapes and the prompts'
+lengths: each layer's projections and attention over the positions before, and the logits of
+every sampled position). Recorded as ``<variant>_floor`` (no target) beside the measured ratio.
 """
 
 from __future__ import annotations
@@ -110,6 +118,25 @@ def server_config(spec: SteeringSpec, sae_path: pathlib.Path, static: bool = Fal
     if static:
         config["static"] = {"points": [f"resid_post.{n}" for n in LENS_LAYERS], "writes": [f"resid_post.{LAYER}"]}
     return json.dumps({"interp": config})
+
+
+def arithmetic_floor(config: Any, prompts: list[list[int]], d_sae: int) -> dict[str, float]:
+    """``{"lens_4": r, "readouts": r}``: plain's multiply-adds over plain's plus what the variant
+    adds (module docstring), for ``prompts`` each generating ``GEN_TOKENS`` tokens on a model of
+    ``config`` (GPT-2's names or the common ones)."""
+    d = int(config.hidden_size)
+    layers = int(getattr(config, "num_hidden_layers", getattr(config, "n_layer", 0)))
+    d_mlp = int(getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * d)
+    vocab = int(config.vocab_size)
+    per_position = layers * (4 * d * d + 2 * d * d_mlp)  # q, k, v, o and the MLP's two projections
+    plain = lens = readouts = 0
+    for ids in prompts:
+        positions = len(ids) + GEN_TOKENS - 1  # the last generated token is not fed back
+        attention = layers * 2 * d * positions * (positions + 1) // 2  # scores and values over the positions before
+        plain += positions * per_position + attention + GEN_TOKENS * d * vocab  # logits of each sampled position
+        lens += GEN_TOKENS * len(LENS_LAYERS) * d * vocab  # each generated token's lens at each lens layer
+        readouts += GEN_TOKENS * d * d_sae  # each generated token's SAE encode
+    return {"lens_4": plain / (plain + lens), "readouts": plain / (plain + readouts)}
 
 
 def check_servers(with_plugin: VllmServe, without: VllmServe) -> None:
@@ -188,7 +215,11 @@ def spread(values: list[float]) -> float:
 
 
 def report(
-    results: Results, rates: dict[str, list[float]], targets: dict[str, float], static: Results | None = None
+    results: Results,
+    rates: dict[str, list[float]],
+    targets: dict[str, float],
+    static: Results | None = None,
+    floors: dict[str, float] | None = None,
 ) -> None:
     median = {name: statistics.median(values) for name, values in rates.items()}
     base = median[BASELINE]
@@ -203,6 +234,8 @@ def report(
             target = targets[name.removeprefix("static_")]
             into = static if static is not None and name.startswith("static_") else results
             into.add(f"{name}_vs_{BASELINE}", rate / base, target, rounds=per_round)
+    for name, floor in (floors or {}).items():
+        results.add(f"{name}_floor", floor, note="(plain's multiply-adds over plain's and the variant's)")
     results.write()
     if static is not None:
         static.write()
@@ -218,6 +251,7 @@ async def measure(
     rounds: int,
     targets: dict[str, float],
     static: Results | None = None,
+    floors: dict[str, float] | None = None,
 ) -> None:
     import openai
 
@@ -259,7 +293,7 @@ async def measure(
             for name in order:
                 rates[name].append(await timed(variants[name]))
             print(f"round {index + 1}: " + ", ".join(f"{n} {rates[n][-1]:.1f} tok/s" for n in variants), flush=True)
-    report(results, rates, targets, static)
+    report(results, rates, targets, static, floors)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -274,7 +308,9 @@ def main(args: argparse.Namespace) -> int:
     d_model, vocab = int(config.hidden_size), int(config.vocab_size)
     WORK.mkdir(parents=True, exist_ok=True)
     sae_path = WORK / "sae"
-    random_sae(d_model, LAYER).save(sae_path)
+    sae = random_sae(d_model, LAYER)
+    sae.save(sae_path)
+    floors = arithmetic_floor(config, make_prompts(args.prompts, vocab), int(sae.d_sae))
     vector = torch.randn(d_model, generator=torch.Generator().manual_seed(1))
     spec = SteeringSpec([Write(Address("resid_post", LAYER), vector, op="add", scale=2.0)])
     prompts = make_prompts(args.prompts, vocab)
@@ -312,7 +348,7 @@ def main(args: argparse.Namespace) -> int:
         mode = "compiled" if args.compiled else "eager"
         print(f"A (with the plugin) at {a.url}, B (without) at {b.url}, {mode}", flush=True)
         targets = COMPILED_TARGETS if args.compiled else TARGETS
-        asyncio.run(measure(results, a, b, c, prompts, spec, args.rounds, targets, static))
+        asyncio.run(measure(results, a, b, c, prompts, spec, args.rounds, targets, static, floors))
     finally:
         for server in servers:
             server.stop()
