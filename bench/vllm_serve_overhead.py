@@ -310,10 +310,10 @@ def main(args: argparse.Namespace) -> int:
     sae_path = WORK / "sae"
     sae = random_sae(d_model, LAYER)
     sae.save(sae_path)
-    floors = arithmetic_floor(config, make_prompts(args.prompts, vocab), int(sae.d_sae))
     vector = torch.randn(d_model, generator=torch.Generator().manual_seed(1))
     spec = SteeringSpec([Write(Address("resid_post", LAYER), vector, op="add", scale=2.0)])
     prompts = make_prompts(args.prompts, vocab)
+    floors = arithmetic_floor(config, prompts, int(sae.d_sae))
     print(f"servers allocate with: {steady_malloc(not args.default_malloc)}")
     print(f"model: {path}; {len(prompts)} prompts x {GEN_TOKENS} tokens; SAE at resid_post.{LAYER}: {sae_path}")
 
