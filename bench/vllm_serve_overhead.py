@@ -1,6 +1,7 @@
 """What interp-vllm's endpoint plugin costs inside ``vllm serve``.
 
     python bench/vllm_serve_overhead.py [--rounds 3] [--prompts 64] [--quick] [--compiled] [--static]
+                                        [--only lens_4,readouts]
 
 Two ``vllm serve`` processes (``interp_testkit.vllm_serve.VllmServe``: the CPU build, eager mode
 (``--enforce-eager``) unless ``--compiled``, float32, each on its own loopback port) serve the
@@ -41,6 +42,7 @@ generated tokens over the round's wall seconds; the median over rounds is report
 ``plain_without_plugin``, with each variant's round-to-round spread ((fastest - slowest) /
 median). Ends with ``RESULT <name>_vs_plain_without_plugin <ratio> (target <t>)`` lines. Both
 servers are stopped at the end, on an error too; their logs are left in ``.cache/bench-vllm-serve/``.
+``--only lens_4,readouts`` runs B's plain and the named variants alone (recorded like a whole run).
 
 ``--compiled``: both servers compile the model as vLLM does by default (no ``--enforce-eager``;
 on the CPU build: Dynamo and Inductor, no CUDA graphs), B being plain compiled ``vllm serve``;
@@ -252,6 +254,7 @@ async def measure(
     targets: dict[str, float],
     static: Results | None = None,
     floors: dict[str, float] | None = None,
+    only: list[str] | None = None,
 ) -> None:
     import openai
 
@@ -285,6 +288,8 @@ async def measure(
             )
             await check_steering(on_c, on_b, prompts[0], steering)
         await check_steering(on_a, on_b, prompts[0], steering)
+        if only:  # B's plain, the ratios' base, always runs
+            variants = {name: run for name, run in variants.items() if name == BASELINE or name in only}
         for name, run in variants.items():
             print(f"warm-up {name}: {await timed(run):.1f} tok/s", flush=True)
         rates: dict[str, list[float]] = {name: [] for name in variants}
@@ -348,7 +353,9 @@ def main(args: argparse.Namespace) -> int:
         mode = "compiled" if args.compiled else "eager"
         print(f"A (with the plugin) at {a.url}, B (without) at {b.url}, {mode}", flush=True)
         targets = COMPILED_TARGETS if args.compiled else TARGETS
-        asyncio.run(measure(results, a, b, c, prompts, spec, args.rounds, targets, static, floors))
+        if args.only:
+            floors = {name: floor for name, floor in floors.items() if name in args.only}
+        asyncio.run(measure(results, a, b, c, prompts, spec, args.rounds, targets, static, floors, args.only))
     finally:
         for server in servers:
             server.stop()
@@ -361,9 +368,15 @@ if __name__ == "__main__":
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--default-malloc", action="store_true", help="the servers on glibc malloc's defaults")
     parser.add_argument("--quick", action="store_true", help="1 round of 16 prompts (a smoke test)")
+    parser.add_argument(
+        "--only", type=lambda text: text.split(","), help="comma-separated variants (B's plain always runs)"
+    )
     parser.add_argument("--compiled", action="store_true", help="servers that compile the model (no --enforce-eager)")
     parser.add_argument("--static", action="store_true", help="--compiled, and a server with declared vllm-static taps")
     ns = parser.parse_args()
     if ns.quick:
         ns.rounds, ns.prompts = 1, 16
+    known = {*COMPILED_TARGETS, *(f"static_{name}" for name in STATIC_VARIANTS)}
+    if ns.only and not set(ns.only) <= known:
+        parser.error(f"--only: unknown variants {sorted(set(ns.only) - known)}; valid: {', '.join(sorted(known))}")
     sys.exit(main(ns))

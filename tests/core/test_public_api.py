@@ -26,6 +26,7 @@ from interp_engine import (
     InvalidTokens,
     KindNotInFamily,
     LayerSteeringSpec,
+    LensRequest,
     NoChatTemplate,
     NoChatTemplateError,
     NormScaledAddSpec,
@@ -149,6 +150,27 @@ def test_generate_text_is_the_concatenated_stream(model: Any) -> None:
     text, deltas = asyncio.run(generate())
     assert "".join(deltas) == text
     assert text == asyncio.run(model.generate(token_ids, max_tokens=12)).text  # greedy, as temperature=0.0 asks
+
+
+def test_collected_steps_are_the_streams(model: Any) -> None:
+    token_ids = _ids(model)
+    lens = LensRequest([0, -1], top_k=3, positions=[0])
+
+    async def both() -> tuple[list[Any], list[Any]]:
+        collected = await model.collect_steps(token_ids, max_tokens=6, n_logprobs=2, lens=lens)
+        streamed = [step async for step in model.stream(token_ids, max_tokens=6, n_logprobs=2, lens=lens)]
+        return collected, streamed
+
+    collected, streamed = asyncio.run(both())
+    assert len(collected) == 6 and collected[0].prompt_lens is not None
+    assert [(s.token_id, s.text, s.position, s.logprobs) for s in collected] == [
+        (s.token_id, s.text, s.position, s.logprobs) for s in streamed
+    ]
+    for got, want in zip(collected, streamed, strict=True):
+        assert got.lens is not None and want.lens is not None
+        assert torch.equal(got.lens.ids, want.lens.ids) and torch.equal(got.lens.probs, want.lens.probs)
+    with pytest.raises(InvalidTokens, match="max_tokens"):  # checked as stream checks it
+        asyncio.run(model.collect_steps(token_ids, max_tokens=0))
 
 
 def test_sampling_defaults_come_from_generation_config(model: Any, tmp_path: Path) -> None:

@@ -373,6 +373,8 @@ def test_sync_stream_yields_steps_and_can_be_abandoned() -> None:
     assert [s.token_id for s in steps] == completion.token_ids
     assert "".join(s.text for s in steps) == completion.text
     assert all(len(s.logprobs) == 3 and s.logprobs[0][0] == s.token_id for s in steps)
+    collected = sync.collect_steps(ids, max_tokens=6, n_logprobs=3)
+    assert [(s.token_id, s.text, s.logprobs) for s in collected] == [(s.token_id, s.text, s.logprobs) for s in steps]
 
     # break out early, several times, with the generator dropped or still referenced
     for _ in range(3):

@@ -208,6 +208,46 @@ def test_16_concurrent_mixed_requests_equal_their_solo_runs(with_sae: Any) -> No
     assert_no_leaks(facade)
 
 
+def test_collected_steps_equal_the_streams(with_sae: Any) -> None:
+    """``collect_steps`` (vLLM's one answer at the end, one drain) gives the steps ``stream``
+    gives (one answer and one drain per step), for requests collected at the same time too."""
+    facade = with_sae
+    model = facade.model
+    ids = facade.to_tokens(PROMPT)[0].tolist()
+    kinds: list[dict[str, Any]] = [
+        {"lens": LensRequest([1, 0], top_k=5, positions=[1, -1]), "features": [Features(SAE_NAME, 4)], "n_logprobs": 2},
+        {"n_logprobs": 3},
+        {"features": [Features(SAE_NAME, 8)]},
+    ]
+
+    async def streamed(kind: dict[str, Any]) -> list[Any]:
+        return [s async for s in model.stream(ids, max_tokens=5, ignore_eos=True, **kind)]
+
+    async def collected() -> list[list[Any]]:
+        return await asyncio.gather(*(model.collect_steps(ids, max_tokens=5, ignore_eos=True, **k) for k in kinds))
+
+    for kind, got in zip(kinds, facade.run(collected), strict=True):
+        want = facade.run(lambda kind=kind: streamed(kind))
+        what = sorted(kind)
+        assert [(s.token_id, s.text, s.position) for s in got] == [(s.token_id, s.text, s.position) for s in want]
+        for step, other in zip(got, want, strict=True):
+            assert [t for t, _ in step.logprobs] == [t for t, _ in other.logprobs], what
+            assert all(abs(a - b) <= 1e-4 for (_, a), (_, b) in zip(step.logprobs, other.logprobs, strict=True))
+            assert (step.lens is None) == (other.lens is None) and (step.prompt_lens is None) == (
+                other.prompt_lens is None
+            ), what
+            if step.lens is not None:
+                assert_same_lens(step.lens.ids, step.lens.probs, other.lens.ids, other.lens.probs, what)
+            if step.prompt_lens is not None:
+                assert step.prompt_lens.positions == other.prompt_lens.positions, what
+            assert set(step.features) == set(other.features), what
+            for spec, readout in step.features.items():
+                assert rel_diff(readout.values, other.features[spec].values) <= 1e-4, what
+    lensed = facade.run(collected)[0]
+    assert lensed[0].prompt_lens is not None and all(s.lens is not None and s.features for s in lensed)
+    assert_no_leaks(facade)
+
+
 def test_plain_requests_are_bit_identical_next_to_lens_requests(llama: Any) -> None:
     """A lens only reads: the requests next to it compute exactly what they compute alone."""
     model = llama.model

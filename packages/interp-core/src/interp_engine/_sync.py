@@ -246,6 +246,12 @@ class SyncModel:
         method = self._method("generate_stream")
         return self._iterate(lambda: method(token_ids, **kwargs))
 
+    def collect_steps(self, token_ids: Sequence[int], **kwargs: Any) -> list[StreamStep]:
+        """The model's ``collect_steps``: every step ``stream`` yields, at once."""
+        method = self._method("collect_steps")
+        result: list[StreamStep] = self.run(lambda: method(token_ids, **kwargs))
+        return result
+
     def capture_generation_stream(
         self, token_ids: Sequence[int], points: Points, **kwargs: Any
     ) -> Iterator[tuple[Results, list[int]]]:

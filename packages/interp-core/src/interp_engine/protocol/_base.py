@@ -125,7 +125,8 @@ class ModelBase(ModelLifecycle, abc.ABC):
     Subclasses call ``super().__init__(info, eos_ids=...)``, implement the protocol's compute
     (``warmup``, ``capture``, ``generate``, the tokenizer methods), ``_stream`` and
     ``_capture_generation`` (what a request :meth:`stream` / :meth:`capture_generation` checked
-    asks for), ``_decode_residuals`` and, if they hold resources, ``_close_resources``.
+    asks for), ``_decode_residuals`` and, if they hold resources, ``_close_resources``; where
+    a whole generation's steps come cheaper in one piece, ``_collect_steps``.
     """
 
     backend: str
@@ -156,7 +157,8 @@ class ModelBase(ModelLifecycle, abc.ABC):
         "steering_spec=spec on one call"
     )
     generate_steps = _NotHere(
-        "model.stream(ids, max_tokens=..., n_logprobs=k) yields each step as a StreamStep "
+        "model.stream(ids, max_tokens=..., n_logprobs=k) yields each step as a StreamStep, and "
+        "model.collect_steps(...) returns them all when the generation ends "
         "(generate_stream(model, tokens, ...) from sync code)"
     )
     project = _NotHere("capture the point and project the rows yourself: acts[address] @ directions.T")
@@ -846,10 +848,46 @@ class ModelBase(ModelLifecycle, abc.ABC):
             async for step in steps:
                 yield step
 
+    async def collect_steps(
+        self,
+        token_ids: Sequence[int],
+        *,
+        max_tokens: int,
+        n_logprobs: int = 0,
+        steering_spec: SteeringSpec | None = None,
+        features: Iterable[Any] = (),
+        lens: LensRequest | None = None,
+        adapter: str | None = None,
+        **sampling: Any,
+    ) -> list[StreamStep]:
+        """Every step :meth:`stream` yields for the same arguments, at once, when the generation
+        ends. A backend may serve it in one piece instead of step by step (vLLM: the completion
+        comes back once and the workers' readouts and lens are fetched once, not every step).
+
+        The request is checked here, as :meth:`stream` checks it; the backend's
+        :meth:`_collect_steps` produces the steps."""
+        request = self._check_generation(
+            token_ids,
+            self._stream_readouts(features),
+            max_tokens=max_tokens,
+            steering_spec=steering_spec,
+            sampling=sampling,
+            n_logprobs=n_logprobs,
+            lens=lens,
+            adapter=adapter,
+        )
+        return await self._collect_steps(request)
+
     def _stream(self, request: CheckedRequest) -> AsyncGenerator[StreamStep, None]:
         """The steps of a checked ``stream`` request (an ``async def`` that yields them): what a
         backend implements, unless it overrides ``stream`` itself."""
         raise UnsupportedOperation(f"the {self.backend} backend does not stream")
+
+    async def _collect_steps(self, request: CheckedRequest) -> list[StreamStep]:
+        """The steps of a checked ``collect_steps`` request: :meth:`_stream`'s, collected (a
+        backend that can produce them in one piece overrides this)."""
+        async with contextlib.aclosing(self._stream(request)) as steps:
+            return [step async for step in steps]
 
     async def capture_attention(
         self,

@@ -372,6 +372,21 @@ class Served:
             out["prompt_lens"] = await self.off_loop(lens_result_out, step.prompt_lens, model.to_str_tokens)
         return out
 
+    async def steps_out(self, steps: Sequence[StreamStep]) -> list[dict[str, Any]]:
+        """Every step as JSON (as :meth:`step_out`, without the prompt's lens), the lenses' ids
+        decoded in one call off the event loop."""
+        model = self.ready()
+        outs = [step_json(step) for step in steps]
+        lensed = [(out, step.lens) for out, step in zip(outs, steps, strict=True) if step.lens is not None]
+        if lensed:
+
+            def render() -> list[dict[str, Any]]:
+                return [lens_out(lens, model.to_str_tokens) for _, lens in lensed]
+
+            for (out, _), rendered in zip(lensed, await self.off_loop(render), strict=True):
+                out["lens"] = rendered
+        return outs
+
     def points(
         self, items: Sequence[str | Address | FeaturesBody], field: str = "points"
     ) -> tuple[list[Address], list[Features]]:

@@ -293,15 +293,14 @@ def add_routes(app: FastAPI, served: Served) -> None:
                     completion = await unless_gone(request, work)
                     served.count_tokens(prompt=len(ids), generated=len(completion.token_ids))
                     return {**completion_out(completion), **prompt.chat_head()}
-                steps = model.stream(prompt.tokens, max_tokens=body.max_tokens, n_logprobs=body.n_logprobs, **options)
-                collected = await unless_gone(request, _collect(steps))
+                collected = await unless_gone(request, _steps(model, prompt.tokens, body, options))
         served.count_tokens(prompt=len(ids), generated=len(collected))
         check_finite_steps(collected, spec)
         out: dict[str, Any] = {
             "token_ids": [s.token_id for s in collected],
             "text": "".join(s.text for s in collected),
             "finish_reason": finish_reason(len(collected), body.max_tokens),
-            "steps": [await served.step_out(s) for s in collected],
+            "steps": await served.steps_out(collected),
             **prompt.chat_head(),
         }
         first = collected[0] if collected else None
@@ -383,6 +382,15 @@ async def capture_generation_of(
                 prompt.tokens, [*points, *readouts], max_tokens=max_tokens, steering_spec=spec, **options
             )
             return await unless_gone(request, work)
+
+
+async def _steps(model: InterpModel, tokens: Any, body: GenerateRequest, options: dict[str, Any]) -> list[StreamStep]:
+    """Every step of the generation ``body`` asks for, at once: the model's ``collect_steps``
+    (one piece where its backend can), or its ``stream`` collected."""
+    if isinstance(model, ModelBase):
+        return await model.collect_steps(tokens, max_tokens=body.max_tokens, n_logprobs=body.n_logprobs, **options)
+    steps = model.stream(tokens, max_tokens=body.max_tokens, n_logprobs=body.n_logprobs, **options)
+    return await _collect(steps)
 
 
 async def _collect(steps: AsyncIterator[StreamStep]) -> list[StreamStep]:
