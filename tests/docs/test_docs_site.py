@@ -39,6 +39,13 @@ def _hooks() -> ModuleType:
 hooks = _hooks()
 
 
+BUILD_SECONDS = 1200
+"""The build's deadline: about two minutes on an idle machine from a fresh checkout (its model-type
+table runs both backends' verdicts), several times that while the other test process starts
+engines beside it; the module's tests take it as their timeout (the first to use the site builds it)."""
+pytestmark = pytest.mark.timeout(BUILD_SECONDS)
+
+
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     """The site, built once with ``mkdocs build --strict`` (a warning fails the build)."""
@@ -48,7 +55,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=BUILD_SECONDS,
         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
     )
     assert done.returncode == 0, done.stderr[-6000:]

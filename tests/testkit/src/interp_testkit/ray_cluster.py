@@ -68,7 +68,8 @@ def _stop(head: subprocess.Popen[bytes], folder: str) -> None:
 
 def _start_head(num_cpus: int, num_gpus: int, env: Mapping[str, str]) -> tuple[subprocess.Popen[bytes], str, int]:
     """A started head ``(process, folder, port)``, its node registered; stopped again and
-    :class:`RuntimeError` (with its log) if it exits or does not register within 120 s."""
+    :class:`RuntimeError` (with its log) if it exits or does not register within 240 s (a machine
+    busy starting engines beside it has left a head at its first log lines for two minutes)."""
     folder = tempfile.mkdtemp(prefix="ir-", dir="/tmp")  # Ray's socket paths must stay short
     port = free_port()
     log_path = os.path.join(folder, "start.log")
@@ -83,7 +84,7 @@ def _start_head(num_cpus: int, num_gpus: int, env: Mapping[str, str]) -> tuple[s
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 240
     while True:  # the head's port open and its node registered (a loaded machine lags between them)
         with socket.socket() as s, open(log_path) as started:
             if s.connect_ex(("127.0.0.1", port)) == 0 and "Ray runtime started" in started.read():
