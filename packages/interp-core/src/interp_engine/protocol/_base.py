@@ -834,15 +834,8 @@ class ModelBase(ModelLifecycle, abc.ABC):
         The request is checked here (:meth:`_check_generation`, with ``features`` readouts only),
         on the first step asked for; the backend's :meth:`_stream` produces the steps, and is
         closed as soon as the caller stops."""
-        request = self._check_generation(
-            token_ids,
-            self._stream_readouts(features),
-            max_tokens=max_tokens,
-            steering_spec=steering_spec,
-            sampling=sampling,
-            n_logprobs=n_logprobs,
-            lens=lens,
-            adapter=adapter,
+        request = self._check_stream(
+            token_ids, max_tokens, n_logprobs, steering_spec, features, lens, adapter, sampling
         )
         async with contextlib.aclosing(self._stream(request)) as steps:
             async for step in steps:
@@ -866,7 +859,25 @@ class ModelBase(ModelLifecycle, abc.ABC):
 
         The request is checked here, as :meth:`stream` checks it; the backend's
         :meth:`_collect_steps` produces the steps."""
-        request = self._check_generation(
+        request = self._check_stream(
+            token_ids, max_tokens, n_logprobs, steering_spec, features, lens, adapter, sampling
+        )
+        return await self._collect_steps(request)
+
+    def _check_stream(
+        self,
+        token_ids: Sequence[int],
+        max_tokens: int,
+        n_logprobs: int,
+        steering_spec: SteeringSpec | None,
+        features: Iterable[Any],
+        lens: LensRequest | None,
+        adapter: str | None,
+        sampling: dict[str, Any],
+    ) -> CheckedRequest:
+        """A :meth:`stream` or :meth:`collect_steps` request, checked (:meth:`_check_generation`,
+        with ``features`` readouts only)."""
+        return self._check_generation(
             token_ids,
             self._stream_readouts(features),
             max_tokens=max_tokens,
@@ -876,7 +887,6 @@ class ModelBase(ModelLifecycle, abc.ABC):
             lens=lens,
             adapter=adapter,
         )
-        return await self._collect_steps(request)
 
     def _stream(self, request: CheckedRequest) -> AsyncGenerator[StreamStep, None]:
         """The steps of a checked ``stream`` request (an ``async def`` that yields them): what a
