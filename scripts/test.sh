@@ -12,12 +12,18 @@ unset PYTHONDONTWRITEBYTECODE
 bash scripts/setup.sh
 .venv/bin/ruff check packages tests bench
 .venv/bin/ruff format --check packages tests bench
-.venv/bin/python -m mypy packages/interp-core/src packages/interp-eager/src packages/interp-vllm/src
+# the type checks and the layering contracts side by side (each mypy run keeps one core busy)
+.venv/bin/python -m mypy packages/interp-core/src packages/interp-eager/src packages/interp-vllm/src &
+packages_checked=$!
 # the dev-only tests/testkit by name: given as a path under tests/ (a package), mypy would name it
-# tests.testkit.src.interp_testkit and miss its [tool.mypy] section
-.venv/bin/python -m mypy -p interp_testkit
+# tests.testkit.src.interp_testkit and miss its [tool.mypy] section; a cache of its own beside
+# the other run's
+.venv/bin/python -m mypy --cache-dir .mypy_cache/testkit -p interp_testkit &
+testkit_checked=$!
 # the layering contracts under [tool.importlinter] in pyproject.toml
 .venv/bin/lint-imports
+wait "$packages_checked"
+wait "$testkit_checked"
 # two processes (this machine has two cores): tests/conftest.py's scheduler sends a module, or the
 # vllm-static folder, to one process whole, the groups with the most tests first.
 # Each test process, and every process it starts (engines, servers, scripts), gets its share of
