@@ -15,6 +15,7 @@ engine (~30 s on CPU).
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import os
 import pathlib
@@ -164,3 +165,55 @@ def test_vllm_backend_runs_without_interp_eager(tmp_path: pathlib.Path) -> None:
     with torch.no_grad():
         hf = hf_for(path)(torch.tensor([saved["ids"]]), output_hidden_states=True)
     assert rel_diff(saved["resid_post.0"], hf.hidden_states[1][0]) < TOL
+
+
+def _pip_config_to_uv():
+    spec = importlib.util.spec_from_file_location("pip_config_to_uv", ROOT / "scripts" / "pip_config_to_uv.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_setup_hands_uv_the_indexes_pip_is_configured_with() -> None:
+    listing = (
+        ":env:.default-timeout='180'\n"
+        ":env:.find-links='/opt/wheels'\n"
+        "global.cert='/etc/ssl/certs/ca.crt'\n"
+        "global.constraint='/etc/xdg/pip/constraints.txt'\n"
+        "global.extra-index-url='file:///opt/a/simple file:///opt/b/simple'\n"
+        "global.find-links='/opt/wheels'\n"
+        "install.index-url='https://mirror.example/simple'\n"
+        "install.no-index='false'\n"
+    )
+    assert _pip_config_to_uv().uv_args(listing) == [
+        "--find-links=/opt/wheels",  # once, though the environment and a file both set it
+        "SSL_CERT_FILE=/etc/ssl/certs/ca.crt",
+        "--constraint=/etc/xdg/pip/constraints.txt",
+        "--extra-index-url=file:///opt/a/simple",
+        "--extra-index-url=file:///opt/b/simple",
+        "--index-url=https://mirror.example/simple",
+    ]
+    assert _pip_config_to_uv().uv_args("global.no-index='true'\n") == ["--no-index"]
+
+
+def test_the_setup_reads_this_machines_pip_configuration() -> None:
+    """`pip config list` of this interpreter, as setup.sh runs it: every option printed is one uv
+    knows, and whatever find-links pip has, uv gets."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "pip_config_to_uv.py")], capture_output=True, text=True, check=True
+    )
+    printed = done.stdout.split()
+    listing = subprocess.run(
+        [sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True, check=True
+    ).stdout
+    assert printed == _pip_config_to_uv().uv_args(listing)
+    for arg in printed:
+        assert arg.split("=", 1)[0] in (
+            "--index-url",
+            "--extra-index-url",
+            "--find-links",
+            "--constraint",
+            "--no-index",
+            "SSL_CERT_FILE",
+        ), arg
