@@ -43,10 +43,16 @@ def check_text(text: Any) -> str:
     return text
 
 
+_MAX_TOKEN_STRINGS = 1 << 20
+"""More ids than any vocabulary has: a cache past it holds ids no tokenizer knows, and starts over."""
+
+
 class TokenizerMixin:
     """``to_tokens`` / ``to_string`` / ``to_str_tokens`` over ``self.tokenizer``."""
 
     tokenizer: Any
+    _token_strings: tuple[Any, dict[int, str]] | None = None
+    """``(tokenizer, {id: its text})``: what :meth:`to_str_tokens` decoded with that tokenizer."""
 
     @property
     def pad_id(self) -> int:
@@ -75,12 +81,22 @@ class TokenizerMixin:
         return str(self.tokenizer.decode(ids))
 
     def to_str_tokens(self, tokens: Any) -> list[str]:
-        """One string per token, of a text or of ids."""
+        """One string per token, of a text or of ids. Each id is decoded alone, once per
+        tokenizer (a served lens names layers x top-k ids per generated token, most seen before)."""
         if isinstance(tokens, str):
             tokens = self.to_tokens(tokens)[0]
         if isinstance(tokens, torch.Tensor):
             tokens = tokens.reshape(-1).tolist()
-        return [str(self.tokenizer.decode([int(t)])) for t in tokens]
+        ids = [int(t) for t in tokens]
+        tokenizer = self.tokenizer
+        cached = self._token_strings
+        if cached is None or cached[0] is not tokenizer or len(cached[1]) > _MAX_TOKEN_STRINGS:
+            cached = self._token_strings = (tokenizer, {})
+        strings = cached[1]
+        for i in ids:
+            if i not in strings:
+                strings[i] = str(tokenizer.decode([i]))
+        return [strings[i] for i in ids]
 
     def completion_text(self, tokens: Sequence[int]) -> str:
         """The text of generated ids, special tokens skipped (as vLLM reports it)."""
