@@ -2,9 +2,9 @@
 
 uv reads no pip configuration: the indexes, find-links and constraints a machine gives pip (in
 pip.conf files or PIP_* variables) are what `pip config list` prints. Each that uv has an option
-for is printed as that option (`--find-links=/opt/wheels`); `cert` is printed as the variable uv
-reads instead (`SSL_CERT_FILE=...`, which setup.sh exports). Other keys (timeouts, the version
-check) have no bearing on what is installed.
+for is printed as that option (`--find-links=/opt/wheels`); the certificate, the network timeout
+and the retries as the variables uv reads instead (`SSL_CERT_FILE=...`, `UV_HTTP_TIMEOUT=...`,
+`UV_HTTP_RETRIES=...`, which setup.sh exports). Other keys have no bearing on what is installed.
 
 Usage: python scripts/pip_config_to_uv.py [PYTHON]  (the interpreter whose pip is asked; default
 this one)
@@ -24,6 +24,13 @@ OPTIONS = {
     "find-links": "--find-links",
     "constraint": "--constraint",
 }
+# pip's key -> the variable uv reads for the same setting
+VARIABLES = {
+    "cert": "SSL_CERT_FILE",
+    "timeout": "UV_HTTP_TIMEOUT",
+    "default-timeout": "UV_HTTP_TIMEOUT",
+    "retries": "UV_HTTP_RETRIES",
+}
 
 
 def uv_args(listing: str) -> list[str]:
@@ -40,8 +47,8 @@ def uv_args(listing: str) -> list[str]:
         for value in values:
             if name in OPTIONS:
                 arg = f"{OPTIONS[name]}={value}"
-            elif name == "cert":
-                arg = f"SSL_CERT_FILE={value}"
+            elif name in VARIABLES:
+                arg = f"{VARIABLES[name]}={value}"
             elif name == "no-index" and value.lower() in ("1", "true", "yes", "on"):
                 arg = "--no-index"
             else:

@@ -187,6 +187,7 @@ def test_the_setup_hands_uv_the_indexes_pip_is_configured_with() -> None:
         "install.no-index='false'\n"
     )
     assert _pip_config_to_uv().uv_args(listing) == [
+        "UV_HTTP_TIMEOUT=180",
         "--find-links=/opt/wheels",  # once, though the environment and a file both set it
         "SSL_CERT_FILE=/etc/ssl/certs/ca.crt",
         "--constraint=/etc/xdg/pip/constraints.txt",
@@ -198,8 +199,8 @@ def test_the_setup_hands_uv_the_indexes_pip_is_configured_with() -> None:
 
 
 def test_the_setup_reads_this_machines_pip_configuration() -> None:
-    """`pip config list` of this interpreter, as setup.sh runs it: every option printed is one uv
-    knows, and whatever find-links pip has, uv gets."""
+    """`pip config list` of this interpreter, as setup.sh runs it: the script prints what its
+    function makes of that listing, and only options and variables uv knows."""
     done = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "pip_config_to_uv.py")], capture_output=True, text=True, check=True
     )
@@ -216,4 +217,6 @@ def test_the_setup_reads_this_machines_pip_configuration() -> None:
             "--constraint",
             "--no-index",
             "SSL_CERT_FILE",
+            "UV_HTTP_TIMEOUT",
+            "UV_HTTP_RETRIES",
         ), arg
