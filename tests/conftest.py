@@ -46,8 +46,14 @@ FOLDER_ORDER = ("vllm_static", "vllm", "server", "docs", "cli", "analysis", "eag
 """The folders by how long their tests take, longest first; the others come after these (the
 order of the collection, which decides among groups of as many tests: below)."""
 
-LONG_MODULES = ("vllm/test_vllm_lifecycle.py", "vllm/test_vllm_ray.py", "vllm/test_vllm_families.py")
-"""The modules that start the most engines of their own (scripts, a Ray cluster, every family):
+LONG_MODULES = (
+    "vllm/test_vllm_lifecycle.py",
+    "vllm/test_vllm_ray.py",
+    "vllm/test_vllm_families.py",
+    "vllm/test_vllm_compiled_families.py",
+)
+"""The modules that start the most engines of their own (scripts, a Ray cluster, every family,
+every family compiled):
 first in their folder's part of the collection."""
 
 

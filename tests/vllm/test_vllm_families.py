@@ -40,6 +40,8 @@ from interp_engine import (
 )
 from interp_testkit.suite import PROMPT, ROOT, hf_for, rel_diff, vllm_model_path
 
+from ..support.points import every_point, writes_at_every_kind
+
 TOL = 1e-4
 FAMILIES = ("gpt_neox", "gemma2", "gemma3_text", "phi3", "olmo2", "mixtral")
 BACKENDS = ("vllm", "vllm-static")
@@ -69,59 +71,14 @@ def _ids(model: Any, text: str = PROMPT) -> list[int]:
     return ids
 
 
-def _every_point(model: Any) -> list[Address]:
-    """Every address the model serves, at every layer."""
-    out = []
-    for kind, info in model.points().items():
-        layers: Any = (info.layers or range(model.info.n_layers)) if info.per_layer else [None]
-        out += [Address(kind, layer) for layer in layers]
-    return out
-
-
-def _writes(model: Any) -> list[Write]:
-    """One write at each writable kind the family has (heads included), for the steering check."""
-    info, kinds = model.info, model.points()
-    gen = torch.Generator().manual_seed(17)
-
-    def vec(width: int) -> torch.Tensor:
-        return torch.randn(width, generator=gen)
-
-    d, d_head = info.d_model, info.d_head
-    writes = [
-        Write("resid_pre.1", vec(d), scale=3.0),
-        Write("resid_mid.1", vec(d), positions=[1, 2, -1]),
-        Write("attn_out.0", vec(d), op="ablate"),
-        Write("mlp_out.2", vec(d), scale=2.0),
-        Write("attn_in.1", vec(d)),
-        Write("mlp_in.0", vec(d), scale=0.5),
-        Write("attn_z.1", torch.zeros(d_head), op="set", heads=[0]),
-        Write("attn_v.0", vec(d_head), heads=[info.n_kv_heads - 1], scale=2.0),  # the last key/value head
-    ]
-    if "mlp_post" in kinds:
-        writes.append(Write("mlp_post.1", vec(info.d_mlp), scale=0.5))
-    if "mlp_pre" in kinds:
-        writes.append(Write("mlp_pre.0", vec(info.d_mlp), op="ablate"))
-    if "mlp_pre_linear" in kinds:
-        writes.append(Write("mlp_pre_linear.2", vec(info.d_mlp), positions=[-2, -1]))
-    if "attn_out_post" in kinds:
-        writes += [Write("attn_out_post.0", vec(d), scale=2.0), Write("mlp_out_post.1", vec(d), op="ablate")]
-    if "q_norm_out" in kinds:
-        writes += [Write("q_norm_out.1", vec(d_head), heads=[1]), Write("k_norm_in.0", vec(d_head), heads=[0])]
-    if "router_logits" in kinds:  # ablate expert 0 at layer 1: every token routes elsewhere
-        ablate = torch.zeros(info.n_experts)
-        ablate[0] = -torch.inf
-        writes.append(Write("router_logits.1", ablate))
-    return writes
-
-
 def _load(family: str, backend: str, compiled: bool = True) -> Any:
     path = vllm_model_path(family)
     if backend == "vllm":
         return sync_model(load_model(path, backend="vllm"))
     options = {} if compiled else {"enforce_eager": True}
     model = load_model(path, backend="vllm-static", static_points="auto", **options)
-    points = [str(a) for a in _every_point(model)]
-    model.configure_static(points, static_writes=sorted({str(w.address) for w in _writes(model)}))
+    points = [str(a) for a in every_point(model)]
+    model.configure_static(points, static_writes=sorted({str(w.address) for w in writes_at_every_kind(model)}))
     return sync_model(model)
 
 
@@ -155,7 +112,7 @@ def _passed(family: str, backend: str, part: str, kinds: list[str]) -> None:
 def test_every_address_equals_eager_and_hf(served: tuple[str, str, Any]) -> None:
     family, backend, model = served
     ids = _ids(model)
-    points = _every_point(model)
+    points = every_point(model)
     eager = eager_twin(family)
     assert set(model.points()) == set(eager.points()), "vLLM and eager serve different kinds"
     acts = model.capture(ids, points)
@@ -194,14 +151,14 @@ def test_steering_equals_eager(served: tuple[str, str, Any]) -> None:
     n = model.info.n_layers
     points = [Address("resid_post", n - 1), Address("logits")]
     plain = model.capture(ids, points)
-    for write in _writes(model):
+    for write in writes_at_every_kind(model):
         spec = SteeringSpec([write])
         got = model.capture(ids, points, steering_spec=spec)
         expected = eager_twin(family).capture(ids, points, steering_spec=spec)
         for point in points:
             assert rel_diff(got[point], expected[point]) <= TOL, (write.address, point)
         assert not torch.allclose(got[Address("logits")], plain[Address("logits")]), write.address
-    _passed(family, backend, "steering", [w.address.kind for w in _writes(model) if w.address is not None])
+    _passed(family, backend, "steering", [w.address.kind for w in writes_at_every_kind(model) if w.address is not None])
 
 
 def test_mixture_of_experts_routing(served: tuple[str, str, Any]) -> None:
@@ -443,7 +400,7 @@ def test_sweep(model_type: str, backend: str) -> None:
         if completion.token_ids != greedy[0, len(gen_ids) :].tolist():
             raise VllmDiffers("plain vLLM's greedy output differs from HF's (vLLM's own implementation, no tap)")
         ids = _ids(model)
-        points = _every_point(model)
+        points = every_point(model)
         acts = model.capture(ids, points)
         try:
             eager: Any = eager_twin(model_type)
@@ -464,7 +421,7 @@ def test_sweep(model_type: str, backend: str) -> None:
         assert rel_diff(acts[Address("logits")], ref.logits[0]) <= TOL
         if eager is not None:
             logits = [Address("logits")]
-            for write in _writes(model):
+            for write in writes_at_every_kind(model):
                 if write.address is None or write.address.kind not in eager.points():
                     continue
                 spec = SteeringSpec([write])
