@@ -209,8 +209,8 @@ def test_16_concurrent_mixed_requests_equal_their_solo_runs(with_sae: Any) -> No
 
 
 def test_collected_steps_equal_the_streams(with_sae: Any) -> None:
-    """``collect_steps`` gives the steps ``stream`` gives, for requests collected at the same
-    time too."""
+    """``collect_steps`` (vLLM's one answer at the end, one drain) gives the steps ``stream``
+    gives (one answer and one drain per step), for requests collected at the same time too."""
     facade = with_sae
     model = facade.model
     ids = facade.to_tokens(PROMPT)[0].tolist()

@@ -854,7 +854,8 @@ class ModelBase(ModelLifecycle, abc.ABC):
         **sampling: Any,
     ) -> list[StreamStep]:
         """Every step :meth:`stream` yields for the same arguments, at once, when the generation
-        ends (a backend may produce them in one piece instead of step by step).
+        ends. A backend may serve it in one piece instead of step by step (vLLM: the completion
+        comes back once and the workers' readouts and lens are fetched once, not every step).
 
         The request is checked here, as :meth:`stream` checks it; the backend's
         :meth:`_collect_steps` produces the steps."""

@@ -349,18 +349,25 @@ class VllmModel(SaeSync):
         request = self._check_generation(
             token_ids, [], max_tokens=max_tokens, steering_spec=steering_spec, sampling=sampling, adapter=adapter
         )
-        kept = [step.token_id async for step in self._stream(request)]
+        kept = [step.token_id async for step in self._stream(request, whole=True)]
         return self._completion(kept, request.sampling)
 
-    async def _stream(self, request: CheckedRequest) -> AsyncGenerator[StreamStep, None]:
+    async def _collect_steps(self, request: CheckedRequest) -> list[StreamStep]:
+        """:meth:`_stream`'s steps from one answer of vLLM's at the end of the generation, and
+        one fetch of the readouts and the lens from the workers."""
+        return [step async for step in self._stream(request, whole=True)]
+
+    async def _stream(self, request: CheckedRequest, whole: bool = False) -> AsyncGenerator[StreamStep, None]:
         """Generated tokens one by one, with the top-``n_logprobs`` pairs from vLLM's sampler, the
         ``features`` readouts and the ``lens`` at the position that produced each (computed in the
-        workers, drained step by step: only the readouts and the lens's top-k leave them)."""
+        workers, drained step by step: only the readouts and the lens's top-k leave them).
+        ``whole``: vLLM answers once, when the generation ends (its ``FINAL_ONLY`` outputs), and
+        the readouts and the lens are drained once then."""
         engine = await self._ready()
         self._check_lens_stages(request)
         await self._sync_saes(engine, request)
         keys = self._use_saes(request)
-        steps = self._stream_steps(engine, request, keys)
+        steps = self._stream_steps(engine, request, keys, whole)
         try:
             async for step in steps:
                 yield step
@@ -371,7 +378,7 @@ class VllmModel(SaeSync):
                 await self._unuse_saes(engine, keys)
 
     async def _stream_steps(
-        self, engine: Any, request: CheckedRequest, keys: dict[str, str]
+        self, engine: Any, request: CheckedRequest, keys: dict[str, str], whole: bool = False
     ) -> AsyncGenerator[StreamStep, None]:
         ids, writes, max_tokens, n_logprobs = request.token_ids, request.writes, request.max_tokens, request.n_logprobs
         readouts, lens = request.readouts, request.lens
@@ -379,7 +386,7 @@ class VllmModel(SaeSync):
         from vllm.sampling_params import RequestOutputKind
 
         rid = f"interp-{uuid.uuid4().hex}"
-        extra: dict[str, Any] = {"output_kind": RequestOutputKind.DELTA}
+        extra: dict[str, Any] = {"output_kind": RequestOutputKind.FINAL_ONLY if whole else RequestOutputKind.DELTA}
         if n_logprobs:
             extra["logprobs"] = n_logprobs
         if writes or drains:
