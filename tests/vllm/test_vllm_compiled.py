@@ -9,6 +9,7 @@ their step. The worker's counters say which: ``uncompiled_steps`` and ``islands_
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -141,6 +142,18 @@ def test_concurrent_tapped_and_untapped_requests_equal_their_solo_runs(engines: 
     assert [s.token_id for s in beside] == [s.token_id for s in alone]
     for a, b in zip(alone, beside, strict=True):
         assert a.logprobs == b.logprobs
+    # a request tapping inside a layer runs its steps uncompiled, its neighbours' too: their
+    # values equal their compiled solo runs within float rounding
+    model = compiled.model
+    solo = compiled.capture(rows[1], ["logits"])[Address("logits")]
+    before = _counters(compiled)[0]
+
+    async def together() -> list[Any]:
+        return list(await asyncio.gather(model.capture(rows[0], ["attn_z.1"]), model.capture(rows[1], ["logits"])))
+
+    _, neighbour = compiled.run(together)
+    assert _counters(compiled)[0] > before
+    assert rel_diff(neighbour[Address("logits")], solo) <= TOL
 
 
 def test_sae_readouts_clamps_and_the_lens_equal_the_eager_engine(engines: Any) -> None:
