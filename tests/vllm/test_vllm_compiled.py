@@ -15,10 +15,11 @@ from typing import Any
 import pytest
 import torch
 
-from interp_engine import Address, FeatureWrite, LensRequest, SteeringSpec, Write, run_with_cache
+from interp_engine import Address, SteeringSpec, Write, run_with_cache
 from interp_testkit.suite import PROMPT, hf_for, rel_diff, vllm_model_path
 
-from ..support.readouts import RES, TOL, assert_close_readout, busiest_feature, readouts_for, saes_for
+from ..support.compiled import check_generation_rows, check_saes_clamp_and_lens, counters
+from ..support.readouts import TOL
 
 FAMILY = "llama"
 
@@ -31,11 +32,6 @@ def engines(attached: Any) -> tuple[Any, Any]:
     return compiled, eager
 
 
-def _counters(model: Any) -> tuple[int, int]:
-    (stats,) = model.worker_stats()[:1]
-    return stats["uncompiled_steps"], stats.get("islands_fired", 0)
-
-
 def _points(n: int) -> list[Address]:
     kinds = ("resid_pre", "resid_mid", "attn_out", "mlp_pre", "mlp_post", "mlp_out", "resid_post", "attn_z")
     inside = [Address(kind, layer) for layer in range(n) for kind in kinds]
@@ -45,9 +41,9 @@ def _points(n: int) -> list[Address]:
 def test_the_engine_compiles_and_plain_steps_stay_compiled(engines: Any) -> None:
     compiled, eager = engines
     ids = compiled.to_tokens("Once upon a time")[0].tolist()
-    before = _counters(compiled)
+    before = counters(compiled)
     completion = compiled.generate(ids, max_tokens=8)
-    uncompiled, fired = _counters(compiled)
+    uncompiled, fired = counters(compiled)
     assert uncompiled == before[0]  # no step ran uncompiled
     n = compiled.info.n_layers
     assert fired - before[1] >= 8 * 2 * n  # every island's op ran in every compiled step: the graph has them
@@ -60,11 +56,11 @@ def test_every_kind_equals_the_eager_engine_and_hf(engines: Any) -> None:
     n = compiled.info.n_layers
     points = _points(n)
     resid = [Address("embed"), *(Address(k, layer) for layer in range(n) for k in ("resid_pre", "resid_post"))]
-    before = _counters(compiled)
+    before = counters(compiled)
     stream = compiled.capture(ids, resid)  # the residual stream alone: inside the compiled graph
-    assert _counters(compiled)[0] == before[0]
+    assert counters(compiled)[0] == before[0]
     acts = compiled.capture(ids, points)  # sites inside the layers: this step runs uncompiled
-    assert _counters(compiled)[0] > before[0]
+    assert counters(compiled)[0] > before[0]
     theirs = eager.capture(ids, points)
     for point in points:
         assert rel_diff(acts[point], theirs[point]) <= TOL, point
@@ -76,13 +72,7 @@ def test_every_kind_equals_the_eager_engine_and_hf(engines: Any) -> None:
         assert rel_diff(stream[Address("resid_post", layer)], theirs[Address("resid_post", layer)]) <= TOL
     assert rel_diff(stream[Address("embed")], hf.hidden_states[0][0]) <= TOL
     # during generation, every generated token's rows too
-    gen_points = [Address("resid_post", 1), Address("resid_pre", 0)]
-    completion, got = compiled.capture_generation(ids, gen_points, max_tokens=5, ignore_eos=True)
-    twin_completion, want = eager.capture_generation(ids, gen_points, max_tokens=5, ignore_eos=True)
-    assert completion.token_ids == twin_completion.token_ids
-    for point in gen_points:
-        assert got[point].shape[0] == len(ids) + 5
-        assert rel_diff(got[point], want[point]) <= TOL, point
+    check_generation_rows(compiled, eager, ids, 5)
 
 
 def test_steering_equals_the_eager_engine(engines: Any) -> None:
@@ -146,37 +136,16 @@ def test_concurrent_tapped_and_untapped_requests_equal_their_solo_runs(engines: 
     # values equal their compiled solo runs within float rounding
     model = compiled.model
     solo = compiled.capture(rows[1], ["logits"])[Address("logits")]
-    before = _counters(compiled)[0]
+    before = counters(compiled)[0]
 
     async def together() -> list[Any]:
         return list(await asyncio.gather(model.capture(rows[0], ["attn_z.1"]), model.capture(rows[1], ["logits"])))
 
     _, neighbour = compiled.run(together)
-    assert _counters(compiled)[0] > before
+    assert counters(compiled)[0] > before
     assert rel_diff(neighbour[Address("logits")], solo) <= TOL
 
 
 def test_sae_readouts_clamps_and_the_lens_equal_the_eager_engine(engines: Any) -> None:
     compiled, eager = engines
-    ids = compiled.to_tokens(PROMPT)[0].tolist()
-    saes = saes_for(FAMILY)
-    specs = [spec for name in saes for spec in readouts_for(name) if spec.dtype == "float32"]
-    got = compiled.capture(ids, specs)
-    want = eager.capture(ids, specs)
-    for spec in specs:
-        assert_close_readout(got[spec], want[spec], what=str(spec))
-    feature = busiest_feature(compiled, ids, RES)
-    clamp = SteeringSpec([FeatureWrite(RES, feature, "clamp", 6.0)])
-    before = _counters(compiled)[0]
-    clamped = compiled.capture(ids, ["logits", readouts_for(RES)[0]], steering_spec=clamp)
-    assert _counters(compiled)[0] == before  # a clamp at resid_post runs inside the compiled graph
-    expected = eager.capture(ids, ["logits", readouts_for(RES)[0]], steering_spec=clamp)
-    assert rel_diff(clamped[Address("logits")], expected[Address("logits")]) <= TOL
-    lens = LensRequest([0, 1, -1], top_k=5)
-    steps = list(compiled.stream(ids, max_tokens=4, lens=lens, ignore_eos=True))
-    twin = list(eager.stream(ids, max_tokens=4, lens=lens, ignore_eos=True))
-    assert [s.token_id for s in steps] == [s.token_id for s in twin]
-    for step, other in zip(steps, twin, strict=True):
-        assert step.lens is not None and other.lens is not None
-        assert torch.equal(step.lens.ids, other.lens.ids)
-        assert torch.allclose(step.lens.probs, other.lens.probs, atol=1e-5)
+    check_saes_clamp_and_lens(compiled, eager, FAMILY)

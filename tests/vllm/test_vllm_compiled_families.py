@@ -17,22 +17,13 @@ from typing import Any
 import pytest
 import torch
 
-from interp_engine import Address, FeatureWrite, LensRequest, SteeringSpec, Write
+from interp_engine import Address, SteeringSpec, Write
 from interp_testkit.suite import PROMPT, VLLM_ENGINE_ARGS, rel_diff, vllm_model_path
 
+from ..support.compiled import check_generation_rows, check_saes_clamp_and_lens, counters
 from ..support.engines import assert_no_leaks, started_engine
-from ..support.lens import assert_same_lens
 from ..support.points import every_point, writes_at_every_kind
-from ..support.readouts import (
-    RES,
-    TOL,
-    assert_close_readout,
-    attach_all,
-    busiest_feature,
-    eager_twin,
-    readouts_for,
-    saes_for,
-)
+from ..support.readouts import TOL, attach_all, eager_twin, saes_for
 
 FAMILIES = ("gpt_neox", "gemma2", "gemma3_text", "phi3", "olmo2", "mixtral")
 """test_vllm_families' families."""
@@ -53,11 +44,6 @@ def compiled(request: pytest.FixtureRequest) -> Iterator[tuple[str, Any, Any]]:
         model.shutdown()
 
 
-def _counters(model: Any) -> tuple[int, int]:
-    stats = model.worker_stats()[0]
-    return stats["uncompiled_steps"], stats.get("islands_fired", 0)
-
-
 def _ids(model: Any, text: str = PROMPT) -> list[int]:
     ids: list[int] = model.to_tokens(text)[0].tolist()
     return ids
@@ -70,9 +56,9 @@ def _residual_stream(n: int) -> list[Address]:
 def test_plain_generation_stays_compiled_and_equals_eager(compiled: tuple[str, Any, Any]) -> None:
     _, model, eager = compiled
     ids = _ids(model, "Once upon a time")
-    before = _counters(model)
+    before = counters(model)
     completion = model.generate(ids, max_tokens=8, ignore_eos=True)
-    uncompiled, fired = _counters(model)
+    uncompiled, fired = counters(model)
     assert uncompiled == before[0], "a plain step ran uncompiled"
     assert fired - before[1] >= 8 * 2 * model.info.n_layers, "the compiled graph did not run its islands"
     assert completion.token_ids == eager.generate(ids, max_tokens=8, ignore_eos=True).token_ids
@@ -82,25 +68,19 @@ def test_every_kind_equals_eager(compiled: tuple[str, Any, Any]) -> None:
     _, model, eager = compiled
     ids = _ids(model)
     resid = _residual_stream(model.info.n_layers)
-    before = _counters(model)[0]
+    before = counters(model)[0]
     stream = model.capture(ids, resid)
-    assert _counters(model)[0] == before, "the residual stream's taps left the compiled graph"
+    assert counters(model)[0] == before, "the residual stream's taps left the compiled graph"
     points = every_point(model)
     assert set(model.points()) == set(eager.points())
     acts = model.capture(ids, points)
-    assert _counters(model)[0] > before  # sites inside the layers: an uncompiled forward
+    assert counters(model)[0] > before  # sites inside the layers: an uncompiled forward
     expected = eager.capture(ids, points)
     for point in resid:
         assert rel_diff(stream[point], expected[point]) <= TOL, point
     for point in points:
         assert rel_diff(acts[point], expected[point]) <= TOL, point
-    gen_points = [Address("resid_post", 1), Address("resid_pre", 0)]
-    completion, got = model.capture_generation(ids, gen_points, max_tokens=4, ignore_eos=True)
-    twin_completion, want = eager.capture_generation(ids, gen_points, max_tokens=4, ignore_eos=True)
-    assert completion.token_ids == twin_completion.token_ids
-    for point in gen_points:
-        assert got[point].shape[0] == len(ids) + 4
-        assert rel_diff(got[point], want[point]) <= TOL, point
+    check_generation_rows(model, eager, ids, 4)
     assert_no_leaks(model)
 
 
@@ -117,10 +97,10 @@ def test_steering_at_every_kind_equals_eager(compiled: tuple[str, Any, Any]) -> 
     plain = model.capture(ids, points)
     for write in residual + writes_at_every_kind(model):
         spec = SteeringSpec([write])
-        before = _counters(model)[0]
+        before = counters(model)[0]
         got = model.capture(ids, points, steering_spec=spec)
         if write.address is not None and write.address.kind in ("resid_pre", "resid_post"):
-            assert _counters(model)[0] == before, write.address
+            assert counters(model)[0] == before, write.address
         expected = eager.capture(ids, points, steering_spec=spec)
         for point in points:
             assert rel_diff(got[point], expected[point]) <= TOL, (write.address, point)
@@ -132,25 +112,4 @@ def test_steering_at_every_kind_equals_eager(compiled: tuple[str, Any, Any]) -> 
 
 def test_sae_readouts_clamps_and_the_lens_equal_eager(compiled: tuple[str, Any, Any]) -> None:
     family, model, eager = compiled
-    ids = _ids(model)
-    specs = [spec for name in saes_for(family) for spec in readouts_for(name) if spec.dtype == "float32"]
-    got = model.capture(ids, specs)
-    want = eager.capture(ids, specs)
-    for spec in specs:
-        assert_close_readout(got[spec], want[spec], what=str(spec))
-    feature = busiest_feature(model, ids, RES)
-    clamp = SteeringSpec([FeatureWrite(RES, feature, "clamp", 6.0)])
-    before = _counters(model)[0]
-    clamped = model.capture(ids, ["logits", readouts_for(RES)[0]], steering_spec=clamp)
-    assert _counters(model)[0] == before  # a clamp at resid_post runs inside the compiled graph
-    expected = eager.capture(ids, ["logits", readouts_for(RES)[0]], steering_spec=clamp)
-    assert rel_diff(clamped[Address("logits")], expected[Address("logits")]) <= TOL
-    lens = LensRequest([0, 1, -1], top_k=5, positions=[-1])
-    steps = list(model.stream(ids, max_tokens=4, lens=lens, ignore_eos=True))
-    twin = list(eager.stream(ids, max_tokens=4, lens=lens, ignore_eos=True))
-    assert _counters(model)[0] == before, "the lens left the compiled graph"
-    assert [s.token_id for s in steps] == [s.token_id for s in twin]
-    for step, other in zip(steps, twin, strict=True):
-        assert step.lens is not None and other.lens is not None
-        assert_same_lens(step.lens.ids, step.lens.probs, other.lens.ids, other.lens.probs, f"step {step.position}")
-    assert_no_leaks(model)
+    check_saes_clamp_and_lens(model, eager, family)
