@@ -454,3 +454,56 @@ def test_tp2_pp2_equals_pp1(pp: tuple[Any, Any]) -> None:
         )
     finally:
         four.shutdown()
+
+
+@pytest.mark.apart
+def test_compiled_pp2_equals_pp1(pp: tuple[Any, Any]) -> None:
+    """``pipeline_parallel_size=2`` with ``enforce_eager=False``: each stage compiles its layers
+    with their islands, so the residual stream's taps on either side of the boundary, steering at
+    the stream stage 0 hands to stage 1 and the lens (at the last stage's layers) run in compiled
+    steps on both stages; sites
+    inside the layers run in an uncompiled step on both; all equal the eager PP=1 engine."""
+    one, _ = pp
+    compiled = _start(pipeline_parallel_size=2, enforce_eager=False)
+    try:
+        assert compiled.model.pp_size == 2
+
+        def uncompiled() -> list[int]:
+            return [int(s["uncompiled_steps"]) for s in compiled.worker_stats()]
+
+        ids = _ids(one)
+        kinds = ("resid_pre", "resid_post")
+        stream = [Address("embed"), *(Address(kind, layer) for layer in range(N_LAYERS) for kind in kinds)]
+        before = uncompiled()
+        got, want = compiled.capture(ids, stream), one.capture(ids, stream)
+        assert uncompiled() == before, "a capture of the residual stream ran uncompiled"
+        assert all(int(s.get("islands_fired", 0)) > 0 for s in compiled.worker_stats())  # on both stages
+        for point in stream:
+            assert rel_diff(got[point], want[point]) <= TOL, point
+        gen = torch.Generator().manual_seed(12)
+        at_boundary = SteeringSpec([Write("resid_post.1", torch.randn(one.info.d_model, generator=gen), scale=3.0)])
+        watched = ["resid_pre.2", "resid_post.3", "logits"]
+        got = compiled.capture(ids, watched, steering_spec=at_boundary)
+        want = one.capture(ids, watched, steering_spec=at_boundary)
+        assert uncompiled() == before, "steering the residual stream ran uncompiled"
+        for point in want:
+            assert rel_diff(got[point], want[point]) <= TOL, point
+        lens = LensRequest([2, -1], top_k=5)  # the last stage's layers (where the unembedding is)
+        steps = list(compiled.stream(ids, max_tokens=4, lens=lens, ignore_eos=True))
+        twin = list(one.stream(ids, max_tokens=4, lens=lens, ignore_eos=True))
+        assert uncompiled() == before, "the lens ran uncompiled"
+        assert [s.token_id for s in steps] == [s.token_id for s in twin]
+        for step, other in zip(steps, twin, strict=True):
+            assert step.lens is not None and other.lens is not None
+            assert torch.equal(step.lens.ids, other.lens.ids)
+        inside = ["attn_z.0", "mlp_post.3", "attn_pattern.2", "logits"]
+        got, want = compiled.capture(ids, inside), one.capture(ids, inside)
+        assert all(after > was for after, was in zip(uncompiled(), before, strict=True))  # both stages
+        for point in want:
+            assert rel_diff(got[point], want[point]) <= TOL, point
+        assert (
+            compiled.generate(ids, max_tokens=8, ignore_eos=True, steering_spec=at_boundary).token_ids
+            == one.generate(ids, max_tokens=8, ignore_eos=True, steering_spec=at_boundary).token_ids
+        )
+    finally:
+        compiled.shutdown()
