@@ -461,8 +461,8 @@ def test_compiled_pp2_equals_pp1(pp: tuple[Any, Any]) -> None:
     """``pipeline_parallel_size=2`` with ``enforce_eager=False``: each stage compiles its layers
     with their islands, so the residual stream's taps on either side of the boundary, steering at
     the stream stage 0 hands to stage 1 and the lens (at the last stage's layers) run in compiled
-    steps on both stages; sites
-    inside the layers run in an uncompiled step on both; all equal the eager PP=1 engine."""
+    steps on both stages; sites inside the layers run in an uncompiled step on both; all equal
+    the eager PP=1 engine."""
     one, _ = pp
     compiled = _start(pipeline_parallel_size=2, enforce_eager=False)
     try:
